@@ -1,0 +1,108 @@
+"""What the producer tells every consumer before any tensor moves: the tensors and the wire settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from refit_app.errors import HandshakeError
+
+MANIFEST_VERSION = 1
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HandshakeError(f"unknown dtype {name!r} in the producer's manifest")
+    return dtype
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor as it travels: its name, shape, dtype and the shard file it belongs to when saved."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: str | None = None
+    """Source file name (``model-00001-of-00002.safetensors``) so a saving consumer keeps the layout."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_to_str(self.dtype), "shard": self.shard}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorMeta:
+        return cls(d["name"], tuple(int(x) for x in d["shape"]), dtype_from_str(d["dtype"]), d.get("shard"))
+
+
+@dataclass
+class Manifest:
+    """Everything a consumer needs to receive, unpack, verify and save a refit."""
+
+    tensors: list[TensorMeta]
+    buffer_size_bytes: int
+    use_legacy_packing: bool
+    checksums: bool = False
+    """Whether the producer sends per-tensor checksums after the data (for ``sink=verify``)."""
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Checkpoint-level metadata (safetensors ``__metadata__``) carried to a saving consumer."""
+    source: str = ""
+    """Human-readable description of where the weights came from."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "version": MANIFEST_VERSION,
+            "tensors": [t.to_json() for t in self.tensors],
+            "buffer_size_bytes": self.buffer_size_bytes,
+            "use_legacy_packing": self.use_legacy_packing,
+            "checksums": self.checksums,
+            "metadata": self.metadata,
+            "source": self.source,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        try:
+            doc = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HandshakeError(f"the producer's manifest is not valid JSON ({e}); is the peer a refit_app producer?") from e
+        if doc.get("version") != MANIFEST_VERSION:
+            raise HandshakeError(
+                f"manifest version {doc.get('version')!r} from the producer, this consumer speaks {MANIFEST_VERSION}; "
+                "run the same refit_app version on every rank"
+            )
+        return cls(
+            tensors=[TensorMeta.from_json(t) for t in doc["tensors"]],
+            buffer_size_bytes=int(doc["buffer_size_bytes"]),
+            use_legacy_packing=bool(doc["use_legacy_packing"]),
+            checksums=bool(doc["checksums"]),
+            metadata=dict(doc.get("metadata", {})),
+            source=str(doc.get("source", "")),
+        )

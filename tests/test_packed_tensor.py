@@ -1,0 +1,347 @@
+"""Unit tests of the packed broadcast core with in-process fake groups: chunk plans, bytes, ordering, errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fakes import AsyncRecordingGroup, RecordingGroup, ReplayGroup, raw_bytes
+from refit_app.packed_tensor import (
+    BUFFER_MEMORY_RATIO_ENV,
+    NUM_BUFFERS_ENV,
+    BroadcastGroup,
+    _packed_broadcast_consumer_batches,
+    chunk_ids,
+    get_num_buffers,
+    get_target_packed_tensor_size,
+    packed_broadcast_consumer,
+    packed_broadcast_producer,
+)
+
+IDENTITY = lambda item: item[1]  # noqa: E731
+
+
+def awkward_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Every weight dtype plus the layouts that break naive packing."""
+    g = torch.Generator().manual_seed(0)
+    f = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return [
+        ("kv_amax", torch.tensor(3.25, dtype=torch.bfloat16)),  # 0-dim, 2 bytes: later fp32 slices are unaligned
+        ("w_fp32", f(7, 5)),
+        ("w_bf16", f(9, 3).to(torch.bfloat16)),
+        ("w_fp16", f(11).to(torch.float16)),
+        ("w_fp64", f(3, 3).double()),
+        ("w_int8", torch.randint(-128, 127, (13,), dtype=torch.int8, generator=g)),
+        ("w_uint8", torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g)),
+        ("w_int32", torch.randint(-(2**31), 2**31 - 1, (6,), dtype=torch.int32, generator=g)),
+        ("w_int64", torch.randint(-(2**62), 2**62, (4,), dtype=torch.int64, generator=g)),
+        ("w_bool", torch.randint(0, 2, (9,), generator=g).bool()),
+        ("w_e4m3", f(17).to(torch.float8_e4m3fn)),
+        ("w_e5m2", f(19).to(torch.float8_e5m2)),
+        ("w_c64", torch.randn(5, dtype=torch.complex64, generator=g)),
+        ("scalar_fp32", torch.tensor(-1.5)),
+        ("empty", torch.empty(0, 8)),
+        ("transposed", f(6, 4).T),
+        ("strided", f(20)[::3]),
+        ("size1_view", torch.arange(6, dtype=torch.int64).view(3, 2)[:1, 1]),  # contiguous, last stride 2
+        ("big", f(300)),  # 1200 bytes: larger than the targets used below
+        ("tail_empty", torch.empty(0, dtype=torch.bfloat16)),
+    ]
+
+
+def metas(tensors):
+    return [(name, (list(t.shape), t.dtype)) for name, t in tensors]
+
+
+def round_trip(tensors, *, target, legacy=False, nb_producer=2, nb_consumer=2, return_iterator=False):
+    sender = RecordingGroup()
+    packed_broadcast_producer(
+        iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=target, num_buffers=nb_producer,
+        use_legacy_packing=legacy,
+    )
+    receiver = ReplayGroup(sender.sent)
+    received = []
+    if return_iterator:
+        it = packed_broadcast_consumer(
+            iter(metas(tensors)), receiver, 0, None, True, num_buffers=nb_consumer, buffer_size_bytes=target,
+            use_legacy_packing=legacy,
+        )
+        received = [(name, t.clone()) for name, t in it]
+    else:
+        packed_broadcast_consumer(
+            iter(metas(tensors)), receiver, 0, lambda batch: received.extend((n, t.clone()) for n, t in batch),
+            num_buffers=nb_consumer, buffer_size_bytes=target, use_legacy_packing=legacy,
+        )
+    assert receiver.received == len(sender.sent)
+    return sender, received
+
+
+def assert_exact(sent, received):
+    assert [n for n, _ in received] == [n for n, _ in sent]
+    for (name, a), (_, b) in zip(sent, received):
+        assert b.shape == a.shape and b.dtype == a.dtype, name
+        assert raw_bytes(b) == raw_bytes(a), name
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def test_num_buffers_env(monkeypatch):
+    monkeypatch.delenv(NUM_BUFFERS_ENV, raising=False)
+    assert get_num_buffers() == 2
+    monkeypatch.setenv(NUM_BUFFERS_ENV, "3")
+    assert get_num_buffers() == 3  # a changed variable takes effect at the next call
+    for bad in ("abc", "0", "-1", "1.5"):
+        monkeypatch.setenv(NUM_BUFFERS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"{NUM_BUFFERS_ENV}=.*{bad}"):
+            get_num_buffers()
+
+
+def test_target_size_env(monkeypatch):
+    monkeypatch.delenv(BUFFER_MEMORY_RATIO_ENV, raising=False)
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not torch.cuda.is_available():
+        assert get_target_packed_tensor_size() == min(int(phys * 0.02), 5 * 1024**3)
+        monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.001")
+        assert get_target_packed_tensor_size() == int(phys * 0.001)
+    monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "1")
+    assert get_target_packed_tensor_size() <= 5 * 1024**3
+    for bad in ("0", "1.5", "-0.1", "abc", "nan"):
+        monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, bad)
+        with pytest.raises(ValueError, match=rf"{BUFFER_MEMORY_RATIO_ENV}=.*{bad}"):
+            get_target_packed_tensor_size()
+
+
+@pytest.mark.parametrize("kwargs", [{"num_buffers": 0}, {"buffer_size_bytes": 0}, {"buffer_size_bytes": -5}])
+def test_bad_arguments_raise_before_communication(kwargs):
+    group = RecordingGroup()
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        packed_broadcast_producer(iter([("a", torch.ones(2))]), group, 0, IDENTITY, **kwargs)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        packed_broadcast_consumer(iter(metas([("a", torch.ones(2))])), ReplayGroup([]), 0, print, **kwargs)
+    assert group.sent == []
+
+
+def test_consumer_without_sink_is_refused_before_communication():
+    replay = ReplayGroup([])  # any receive would fail: there is nothing to replay
+    with pytest.raises(ValueError, match="post_unpack_func"):
+        packed_broadcast_consumer(iter(metas([("a", torch.ones(2))])), replay, 0, None, False)
+    assert replay.received == 0
+
+
+def test_group_protocol_is_structural():
+    assert isinstance(RecordingGroup(), BroadcastGroup)
+
+
+# ---------------------------------------------------------------------------------------------- chunk plans
+
+
+def test_chunk_ids_bounded_hand_computed():
+    # target 10: [4, 4] | [5] (4+4+5 > 10) | [12] alone | [0, 3] (a zero-byte tensor after an oversized one)
+    assert list(chunk_ids([4, 4, 5, 12, 0, 3], 10)) == [0, 0, 1, 2, 3, 3]
+    # exactly the target fits; zero-byte tensors join the open chunk, also at the end
+    assert list(chunk_ids([10, 0, 0], 10)) == [0, 0, 0]
+    assert list(chunk_ids([3, 12, 3], 10)) == [0, 1, 2]
+    assert list(chunk_ids([], 10)) == []
+
+
+def test_chunk_ids_legacy_hand_computed():
+    # vLLM: append, then close once the chunk exceeds the target (strictly)
+    assert list(chunk_ids([4, 4, 5, 12, 0, 3], 10, True)) == [0, 0, 0, 1, 2, 2]
+    assert list(chunk_ids([10, 0, 1, 1], 10, True)) == [0, 0, 0, 1]
+    assert list(chunk_ids([3, 12, 3], 10, True)) == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "legacy, expected",
+    [
+        # sizes: 2 140 54 | 22 72 13 5 24 32 9 17 19 | 40 4 0 96 28 8 | 1200 | 0 (zero-byte chunk, not sent)
+        (False, [196, 194, 195, 1200]),
+        # sizes: 2 140 54 22 | 72 13 5 24 32 9 17 19 40 | 4 0 96 28 8 1200 | 0
+        (True, [218, 231, 1336]),
+    ],
+)
+def test_broadcast_sizes_exact_sequence(legacy, expected):
+    tensors = awkward_tensors()
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    assert sizes[:3] == [2, 140, 54] and sizes[-2:] == [1200, 0]
+    sender, received = round_trip(tensors, target=200, legacy=legacy)
+    assert sender.sizes == expected
+    assert sum(expected) == sum(sizes)
+    assert_exact(tensors, received)
+
+
+def test_golden_packed_bytes():
+    """One chunk, byte for byte: raw little-endian bytes, concatenated, no padding or header."""
+    tensors = [
+        ("u8", torch.tensor([7], dtype=torch.uint8)),
+        ("f32", torch.tensor([1.0], dtype=torch.float32)),  # lands at offset 1: unaligned, still no padding
+        ("f16", torch.tensor(-2.0, dtype=torch.float16)),  # 0-dim
+        ("i16_T", torch.tensor([[1, 2], [3, 4]], dtype=torch.int16).T),  # row-major of the view: 1, 3, 2, 4
+        ("b", torch.tensor([True, False])),
+    ]
+    sender, received = round_trip(tensors, target=1024)
+    golden = bytes([7]) + bytes.fromhex("0000803f") + bytes.fromhex("00c0") + bytes.fromhex("0100" "0300" "0200" "0400") + bytes([1, 0])
+    assert len(sender.sent) == 1
+    assert bytes(sender.sent[0].numpy()) == golden
+    assert_exact(tensors, received)
+
+
+# ---------------------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("nb_producer, nb_consumer", [(1, 1), (2, 2), (3, 3), (1, 3), (3, 1), (2, 1)])
+@pytest.mark.parametrize("target", [64, 200, 1 << 20])
+def test_round_trip_exact(legacy, nb_producer, nb_consumer, target):
+    tensors = awkward_tensors()
+    _, received = round_trip(tensors, target=target, legacy=legacy, nb_producer=nb_producer, nb_consumer=nb_consumer)
+    assert_exact(tensors, received)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_round_trip_return_iterator(legacy):
+    tensors = awkward_tensors()
+    _, received = round_trip(tensors, target=100, legacy=legacy, return_iterator=True)
+    assert_exact(tensors, received)
+
+
+def test_empty_iterator_sends_nothing():
+    sender, received = round_trip([], target=100)
+    assert sender.sent == [] and received == []
+    sender, received = round_trip([("e", torch.empty(0)), ("f", torch.empty(0, 3))], target=100)
+    assert sender.sent == []  # a chunk with no bytes is skipped by both sides
+    assert_exact([("e", torch.empty(0)), ("f", torch.empty(0, 3))], received)
+
+
+def test_shapes_as_list_tuple_or_size():
+    tensors = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.arange(4.0)), ("c", torch.ones(1, 1))]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=16)
+    spec = [("a", ([2, 3], torch.float32)), ("b", ((4,), torch.float32)), ("c", (torch.Size([1, 1]), torch.float32))]
+    out = []
+    packed_broadcast_consumer(iter(spec), ReplayGroup(sender.sent), 0, lambda b: out.extend((n, t.clone()) for n, t in b),
+                              buffer_size_bytes=16)
+    assert_exact(tensors, out)
+
+
+def test_post_iter_func_output_is_what_travels():
+    tensors = [("a", torch.randn(10)), ("b", torch.randn(3, 3))]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, lambda item: item[1].to(torch.bfloat16), buffer_size_bytes=1000)
+    assert sender.sizes == [38]
+    expected = [(n, t.to(torch.bfloat16)) for n, t in tensors]
+    _, received = round_trip(expected, target=1000)
+    assert_exact(expected, received)
+
+
+# ---------------------------------------------------------------------------------------------- buffers & ordering
+
+
+def test_send_buffers_are_reused_not_reallocated():
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(40)]  # 100 bytes each, 2 per chunk
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+    assert len(sender.sent) == 20
+    assert len(set(sender.data_ptrs)) == 3  # one buffer per slot, allocated once per call
+    assert sender.data_ptrs[:3] == sender.data_ptrs[3:6]
+
+
+def test_oversized_contiguous_tensor_is_sent_in_place():
+    big = torch.randn(1000)
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter([("s", torch.ones(2)), ("big", big)]), sender, 0, IDENTITY, buffer_size_bytes=64)
+    assert sender.sizes == [8, 4000]
+    assert sender.data_ptrs[1] == big.data_ptr()
+
+
+def test_consumer_receive_buffers_are_reused():
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(12)]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
+    ptrs = []
+    for batch in _packed_broadcast_consumer_batches(iter(metas(tensors)), ReplayGroup(sender.sent), 0,
+                                                    num_buffers=2, buffer_size_bytes=200):
+        ptrs.append(batch[0][1].data_ptr())  # aligned tensors are views of the receive buffer
+        assert [t[0].item() for _, t in batch] == [float(n[1:]) for n, _ in batch]
+    assert len(ptrs) == 6 and len(set(ptrs)) == 2
+
+
+def test_buffer_reused_only_after_its_broadcast_completed():
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(10)]  # 5 chunks of 200 bytes
+    group = AsyncRecordingGroup()
+    packed_broadcast_producer(iter(tensors), group, 0, IDENTITY, buffer_size_bytes=200, num_buffers=2)
+    events = group.events
+    # chunk k's broadcast is waited for before chunk k+2 (same buffer) starts, and all are waited for at the end
+    for k in range(3):
+        assert events.index(("wait", k)) < [i for i, e in enumerate(events) if e[0] == "broadcast"][k + 2]
+    assert sorted(i for kind, i in events if kind == "wait") == list(range(5))
+    assert events[:3] == [("broadcast", 200), ("broadcast", 200), ("wait", 0)]
+
+
+def test_consumer_batch_valid_until_resumed():
+    tensors = [(f"w{i}", torch.full((50,), float(i))) for i in range(6)]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
+    replay = ReplayGroup(sender.sent)
+    batches = _packed_broadcast_consumer_batches(iter(metas(tensors)), replay, 0, num_buffers=2, buffer_size_bytes=200)
+    first = next(batches)
+    assert replay.received == 2  # the next chunk is already being received while the first is processed
+    assert first[0][1][0].item() == 0.0
+    second = next(batches)
+    assert second[0][1][0].item() == 1.0
+    assert replay.received == 3
+    batches.close()
+
+
+# ---------------------------------------------------------------------------------------------- errors mid-way
+
+
+class Boom(Exception):
+    pass
+
+
+def test_producer_error_propagates_after_draining_and_next_call_works():
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(10)]
+    group = AsyncRecordingGroup()
+
+    def post(item):
+        if item[0] == "w7":
+            raise Boom("bad tensor")
+        return item[1]
+
+    with pytest.raises(Boom, match="bad tensor"):
+        packed_broadcast_producer(iter(tensors), group, 0, post, buffer_size_bytes=200, num_buffers=2)
+    started = [e for e in group.events if e[0] == "broadcast"]
+    waited = [e for e in group.events if e[0] == "wait"]
+    assert len(started) == 3 and len(waited) == 3  # nothing left in flight
+    sender, received = round_trip(tensors, target=200)
+    assert_exact(tensors, received)
+
+
+def test_iterator_error_propagates_unchanged():
+    def gen():
+        yield "a", torch.ones(3)
+        raise Boom("source broke")
+
+    with pytest.raises(Boom, match="source broke"):
+        packed_broadcast_producer(gen(), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=100)
+
+
+def test_consumer_callback_error_propagates_after_draining():
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(10)]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
+    replay = ReplayGroup(sender.sent)
+    seen = []
+
+    def sink(batch):
+        seen.append(batch[0][0])
+        if len(seen) == 2:
+            raise Boom("sink full")
+
+    with pytest.raises(Boom, match="sink full"):
+        packed_broadcast_consumer(iter(metas(tensors)), replay, 0, sink, num_buffers=3, buffer_size_bytes=200)
+    assert seen == ["w0", "w2"] and replay.received == 4
