@@ -7,7 +7,8 @@ that packing the next chunk overlaps the broadcast of the current one.
 Wire format: the raw bytes of consecutive tensors (row-major, no padding, no header), exactly as vLLM's
 ``pack_tensors`` lays them out. Both sides derive chunk boundaries from the same sequence of tensor byte sizes with
 :func:`chunk_ids`, so nothing but the data travels, and producer and consumer may use different ``num_buffers``.
-A chunk that holds only zero-byte tensors is never broadcast; both sides skip it.
+A chunk that holds only zero-byte tensors is skipped by both sides in the default mode; legacy mode broadcasts it
+(0 bytes), as vLLM does, so that a vLLM peer on a group that counts collectives (gloo) stays in step.
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ def _pack_chunk(
         buffer = slot.reserve(offset + n, keep=offset, min_capacity=target)
         offset = pack_into(buffer, offset, t)
     if offset == 0:
-        return None, ntensors
+        return (torch.empty(0, dtype=torch.uint8, device=slot.device) if legacy else None), ntensors
     return slot.buffer[:offset], ntensors
 
 
@@ -427,7 +428,7 @@ def _packed_broadcast_consumer_batches(
     def post(index: int, chunk: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         slot = slots[index % count]
         nbytes = sum(_meta_nbytes(shape, dtype) for _, shape, dtype in chunk)
-        if nbytes:
+        if nbytes or use_legacy_packing:  # legacy mode receives empty chunks too (see the module docstring)
             if slot.stream is not None:
                 # The caller may still be reading the previous batch of this buffer on its stream.
                 slot.stream.wait_stream(torch.cuda.current_stream(device))

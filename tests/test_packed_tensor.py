@@ -159,8 +159,8 @@ def test_chunk_ids_legacy_hand_computed():
     [
         # sizes: 2 140 54 | 22 72 13 5 24 32 9 17 19 | 40 4 0 96 28 8 | 1200 | 0 (zero-byte chunk, not sent)
         (False, [196, 194, 195, 1200]),
-        # sizes: 2 140 54 22 | 72 13 5 24 32 9 17 19 40 | 4 0 96 28 8 1200 | 0
-        (True, [218, 231, 1336]),
+        # sizes: 2 140 54 22 | 72 13 5 24 32 9 17 19 40 | 4 0 96 28 8 1200 | 0 (sent empty, as vLLM does)
+        (True, [218, 231, 1336, 0]),
     ],
 )
 def test_broadcast_sizes_exact_sequence(legacy, expected):
@@ -211,9 +211,13 @@ def test_round_trip_return_iterator(legacy):
 def test_empty_iterator_sends_nothing():
     sender, received = round_trip([], target=100)
     assert sender.sent == [] and received == []
-    sender, received = round_trip([("e", torch.empty(0)), ("f", torch.empty(0, 3))], target=100)
+    empties = [("e", torch.empty(0)), ("f", torch.empty(0, 3))]
+    sender, received = round_trip(empties, target=100)
     assert sender.sent == []  # a chunk with no bytes is skipped by both sides
-    assert_exact([("e", torch.empty(0)), ("f", torch.empty(0, 3))], received)
+    assert_exact(empties, received)
+    sender, received = round_trip(empties, target=100, legacy=True)
+    assert sender.sizes == [0]  # legacy mode broadcasts it, like vLLM, so a vLLM peer stays in step
+    assert_exact(empties, received)
 
 
 def test_shapes_as_list_tuple_or_size():

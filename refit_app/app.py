@@ -1,0 +1,78 @@
+"""Run one refit from a composed config: validate, dispatch on the role, write metrics. No Hydra decorators here,
+so experiment scripts can call :func:`run` on a config from Hydra's compose API."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from refit_app.config import DEFAULT_PORT, RunSettings, resolved_yaml, validate
+from refit_app.errors import RefitError
+from refit_app.metrics import error_line, summary_line, write_atomic, write_metrics
+from refit_app.roles import ROLE_RUNNERS, LocalRunError
+
+logger = logging.getLogger(__name__)
+
+RESOLVED_CONFIG_FILE = "config_resolved.yaml"
+
+
+def _sweep_job_num() -> int | None:
+    """This job's number inside a Hydra multirun, else None."""
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    return hc.job.num if hc.mode == RunMode.MULTIRUN else None
+
+
+def _with_job_port(s: RunSettings) -> RunSettings:
+    """In a sweep each job rendezvouses on ``group.port + job number``: consecutive jobs never collide with a port
+    still in TIME_WAIT, and a producer sweep and a consumer sweep started with the same arguments pair up job by
+    job. ``role=local`` picks a free port per job anyway."""
+    job = _sweep_job_num()
+    if job is None or s.port is None and s.role == "local":
+        return s
+    return replace(s, port=(DEFAULT_PORT if s.port is None else s.port) + job)
+
+
+def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run the refit that ``cfg`` describes and return its metrics.
+
+    ``output_dir``: where ``metrics.json`` and the resolved config go; by default the Hydra job's output
+    directory when running under ``@hydra.main``, else nowhere. Raises :class:`RefitError` on failure, after
+    writing the failed run's metrics.
+    """
+    settings = _with_job_port(validate(cfg))
+    if output_dir is None and HydraConfig.initialized():
+        output_dir = HydraConfig.get().runtime.output_dir
+    if output_dir is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(output_dir) / RESOLVED_CONFIG_FILE, resolved_yaml(cfg).encode())
+    try:
+        metrics = ROLE_RUNNERS[settings.role](settings)
+    except RefitError as e:
+        metrics = getattr(e, "metrics", None) or {"role": settings.role, "rank": settings.rank}
+        metrics.update(status="failed", error=str(e))
+        _report(metrics, output_dir)
+        raise
+    except Exception as e:
+        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": error_line(e)}, output_dir)
+        raise
+    _report(metrics, output_dir)
+    return metrics
+
+
+def _report(metrics: dict[str, Any], output_dir: str | Path | None) -> None:
+    if output_dir is not None:
+        path = write_metrics(output_dir, metrics)
+        logger.info("metrics: %s", path)
+    if metrics.get("status") == "ok":
+        logger.info("%s", summary_line(metrics))
+
+
+__all__ = ["run", "LocalRunError"]

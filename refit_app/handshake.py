@@ -1,0 +1,162 @@
+"""What producer and consumers agree on before tensors move, and how they agree that a refit finished.
+
+Sequence, over one :class:`~refit_app.groups.RefitGroup`::
+
+    producer                                  consumer
+    send_manifest(rg, m)  --- length, bytes --> recv_manifest(rg)
+                                                check_settings(m, ...)   (or accept_manifest)
+        gather "handshake" <--- report -------- ack(rg, error)
+    ... packed broadcast of the data ...
+    send_checksums(rg, crcs) --- trailer -----> recv_checksums(rg, n)
+    finish(rg, error)      <--- "done" ------> finish(rg, error)
+
+A consumer that rejects the manifest makes every rank stop before any tensor moves, each naming the setting
+and both values; ``finish`` makes sure no rank reports success for a refit that did not fully happen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from refit_app.errors import HandshakeError
+from refit_app.groups import PRODUCER_RANK, RefitGroup
+from refit_app.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+MAX_MANIFEST_BYTES = 1 << 30
+"""A length beyond this is not a manifest: the peer is not a refit_app producer or the stream is out of step."""
+
+HANDSHAKE = "handshake"
+DONE = "done"
+
+
+def send_manifest(rg: RefitGroup, manifest: Manifest) -> None:
+    """Producer: send the manifest to every consumer and wait until all of them accepted it."""
+    data = manifest.to_bytes()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=rg.group.device)
+    rg.group.broadcast(length, PRODUCER_RANK)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(rg.group.device)
+    rg.group.broadcast(payload, PRODUCER_RANK)
+    rg.control.report(HANDSHAKE, None)
+    rg.control.gather(HANDSHAKE, error_type=HandshakeError)
+    logger.info(
+        "rank %d: %d consumer(s) accepted the manifest (%d tensors, %d bytes)",
+        rg.rank,
+        rg.world_size - 1,
+        len(manifest.tensors),
+        manifest.total_bytes,
+    )
+
+
+def recv_manifest(rg: RefitGroup) -> Manifest:
+    """Consumer: receive the producer's manifest.
+
+    A manifest this consumer cannot read is reported to every rank here (and raised), so the caller
+    must not ``ack`` after an exception from this function.
+    """
+    length = torch.empty(1, dtype=torch.int64, device=rg.group.device)
+    rg.group.broadcast(length, PRODUCER_RANK)
+    n = int(length.item())
+    if not 0 < n <= MAX_MANIFEST_BYTES:
+        error = HandshakeError(
+            f"the producer announced a manifest of {n} bytes (expected 1..{MAX_MANIFEST_BYTES}); "
+            "is the process at group.host/group.port a refit_app producer of the same version?"
+        )
+        rg.control.report(HANDSHAKE, str(error))
+        raise error
+    payload = torch.empty(n, dtype=torch.uint8, device=rg.group.device)
+    rg.group.broadcast(payload, PRODUCER_RANK)
+    try:
+        return Manifest.from_bytes(payload.cpu().numpy().tobytes())
+    except HandshakeError as e:
+        rg.control.report(HANDSHAKE, str(e))
+        raise
+
+
+def _format_size(n: int) -> str:
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= unit:
+            return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"
+    return f"{n} B"
+
+
+def check_settings(
+    manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None
+) -> None:
+    """Refuse explicit consumer settings that disagree with the producer's; ``None`` adopts the producer's.
+
+    Both sides must cut the stream into the same chunks, so a mismatch would corrupt or hang the transfer;
+    all disagreeing settings are listed at once.
+    """
+    differences = []
+    if buffer_size_bytes is not None and buffer_size_bytes != manifest.buffer_size_bytes:
+        differences.append(
+            "refit.buffer_size_bytes differs: producer "
+            f"{_format_size(manifest.buffer_size_bytes)} ({manifest.buffer_size_bytes}), "
+            f"this consumer {_format_size(buffer_size_bytes)} ({buffer_size_bytes})"
+        )
+    if use_legacy_packing is not None and use_legacy_packing != manifest.use_legacy_packing:
+        differences.append(
+            "refit.use_legacy_packing differs: producer "
+            f"{str(manifest.use_legacy_packing).lower()}, this consumer {str(use_legacy_packing).lower()}"
+        )
+    if differences:
+        pronoun = "it" if len(differences) == 1 else "them"
+        raise HandshakeError(
+            "; ".join(differences) + f"; leave {pronoun} unset on consumers to adopt the producer's"
+        )
+
+
+def ack(rg: RefitGroup, error: str | None) -> None:
+    """Consumer: report whether it accepts the manifest; with ``error=None`` wait until every rank did.
+
+    With an error this only reports it (the caller raises its own exception): the producer and the other
+    consumers then stop with this reason.
+    """
+    rg.control.report(HANDSHAKE, error)
+    if error is None:
+        rg.control.gather(HANDSHAKE, error_type=HandshakeError)
+
+
+def accept_manifest(
+    rg: RefitGroup, *, buffer_size_bytes: int | None = None, use_legacy_packing: bool | None = None
+) -> Manifest:
+    """Consumer: receive, check and acknowledge the manifest in one call."""
+    manifest = recv_manifest(rg)
+    try:
+        check_settings(manifest, buffer_size_bytes=buffer_size_bytes, use_legacy_packing=use_legacy_packing)
+    except HandshakeError as e:
+        ack(rg, str(e))
+        raise
+    ack(rg, None)
+    return manifest
+
+
+def send_checksums(rg: RefitGroup, checksums: list[int]) -> None:
+    """Producer: send one CRC32 per tensor after the data, in manifest order."""
+    if checksums:
+        rg.group.broadcast(torch.tensor(checksums, dtype=torch.int64, device=rg.group.device), PRODUCER_RANK)
+
+
+def recv_checksums(rg: RefitGroup, n: int) -> list[int]:
+    """Consumer: receive the ``n`` checksums the producer sends after the data."""
+    if n == 0:
+        return []
+    trailer = torch.empty(n, dtype=torch.int64, device=rg.group.device)
+    rg.group.broadcast(trailer, PRODUCER_RANK)
+    return [int(x) for x in trailer.cpu().tolist()]
+
+
+def finish(rg: RefitGroup, error: str | None) -> None:
+    """Every rank: report how the refit ended here; with ``error=None`` wait for all and raise on any failure.
+
+    Call it on every rank, from success and failure paths alike. With an error it only reports (the caller
+    raises its own exception); without one it raises :class:`~refit_app.errors.PeerError` carrying the
+    failing rank's reason, so no rank reports success for a refit that did not fully happen.
+    """
+    rg.control.report(DONE, error)
+    if error is None:
+        rg.control.gather(DONE)

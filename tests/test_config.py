@@ -1,0 +1,397 @@
+"""The real conf/ composed for every option, every bad value refused with its message, and the one-line error
+wrapper run as a real Hydra application in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from refit_app import groups, sources
+from refit_app.config import (
+    BACKENDS,
+    CONF_DIR,
+    DEFAULT_PORT,
+    SYNTHETIC_PRESETS,
+    RunSettings,
+    compose_config,
+    resolved_yaml,
+    validate,
+)
+from refit_app.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENV = "NRL_REFIT_NUM_BUFFERS"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_num_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The developer's shell must not decide what these tests see.
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def settings(*overrides: str) -> RunSettings:
+    return validate(compose_config(list(overrides)))
+
+
+def refused(*overrides: str) -> str:
+    """The message validate() refuses ``overrides`` with; it must be one line."""
+    with pytest.raises(ConfigError) as info:
+        settings(*overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# --- every group option composes to the documented values and types ------------------------------------------
+
+
+def test_conf_dir_is_the_top_level_conf() -> None:
+    assert Path(CONF_DIR).is_absolute()
+    assert Path(CONF_DIR) == REPO_ROOT / "conf"
+    assert (Path(CONF_DIR) / "config.yaml").is_file()
+
+
+def test_allowed_names_match_the_modules_that_use_them() -> None:
+    assert BACKENDS == groups.BACKENDS
+    assert set(SYNTHETIC_PRESETS) == set(sources.PRESETS)
+
+
+def test_defaults_are_a_local_synthetic_verified_refit() -> None:
+    cfg = compose_config([])
+    assert OmegaConf.to_container(cfg.refit, resolve=True) == {
+        "buffer_size_bytes": None,
+        "num_buffers": 2,
+        "use_legacy_packing": False,
+        "debug": {"corrupt_chunk": None},
+    }
+    s = validate(cfg)
+    assert (s.role, s.num_consumers, s.world_size, s.rank, s.port) == ("local", 1, 2, 0, None)
+    assert (s.buffer_size_bytes, s.buffer_size_explicit, s.num_buffers) == (None, False, 2)
+    assert (s.use_legacy_packing, s.corrupt_chunk) == (False, None)
+    assert (s.backend, s.host, s.timeout_s) == ("auto", "127.0.0.1", 60.0)
+    assert type(s.num_buffers) is int and type(s.timeout_s) is float
+    assert s.source_kind == "synthetic"
+    assert dict(s.source_params) == {"preset": "tiny", "size": None, "seed": 0, "dtype": "bfloat16"}
+    assert (s.sink_kind, s.sink_path) == ("verify", None)
+
+
+@pytest.mark.parametrize(
+    ("role", "rank", "world_size", "port", "num_consumers"),
+    [
+        ("local", 0, 2, None, 1),
+        ("producer", 0, 2, DEFAULT_PORT, 1),
+        ("consumer", 1, 2, DEFAULT_PORT, 1),
+    ],
+)
+def test_each_role(role: str, rank: int, world_size: int, port: int | None, num_consumers: int) -> None:
+    s = settings(f"role={role}")
+    assert (s.role, s.rank, s.world_size, s.port, s.num_consumers) == (role, rank, world_size, port, num_consumers)
+
+
+def test_local_world_size_follows_num_consumers() -> None:
+    s = settings("role.num_consumers=3")
+    assert (s.world_size, s.num_consumers) == (4, 3)
+    assert settings("role.num_consumers=3", "group.world_size=4").world_size == 4
+
+
+def test_two_host_group_settings() -> None:
+    s = settings("role=consumer", "group.world_size=4", "group.rank=3", "group.host=10.0.0.7", "group.port=30000",
+                 "group.backend=gloo", "group.timeout_s=5")
+    assert (s.world_size, s.rank, s.host, s.port, s.backend, s.timeout_s) == (4, 3, "10.0.0.7", 30000, "gloo", 5.0)
+    assert s.num_consumers == 3
+
+
+def test_synthetic_source_params() -> None:
+    s = settings("source.preset=lora", "source.size=2GiB", "source.seed=7", "source.dtype=float32")
+    assert dict(s.source_params) == {"preset": "lora", "size": 2 * 1024**3, "seed": 7, "dtype": "float32"}
+
+
+def test_safetensors_source(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"")
+    s = settings("source=safetensors", f"source.path={checkpoint}")
+    assert s.source_kind == "safetensors"
+    assert dict(s.source_params) == {"path": checkpoint}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kind", "path"),
+    [
+        ([], "verify", None),
+        (["sink=discard"], "discard", None),
+        (["sink=save", "sink.path=out/ckpt"], "save", Path("out/ckpt")),
+    ],
+)
+def test_each_sink(overrides: list[str], kind: str, path: Path | None) -> None:
+    s = settings(*overrides)
+    assert (s.sink_kind, s.sink_path) == (kind, path)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1048576", 1048576), ("256MiB", 256 * 1024**2), ("64MB", 64 * 10**6)])
+def test_buffer_size_int_or_size_string(text: str, expected: int) -> None:
+    s = settings(f"refit.buffer_size_bytes={text}")
+    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (expected, True)
+    assert type(s.buffer_size_bytes) is int
+
+
+def test_debug_corrupt_chunk() -> None:
+    assert settings("role=consumer", "refit.debug.corrupt_chunk=3").corrupt_chunk == 3
+
+
+# --- NRL_REFIT_NUM_BUFFERS ------------------------------------------------------------------------------------
+
+
+def test_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "3")
+    cfg = compose_config([])
+    assert settings().num_buffers == 3
+    assert "num_buffers: 3\n" in resolved_yaml(cfg)
+    # An explicit value wins over the environment.
+    assert settings("refit.num_buffers=5").num_buffers == 5
+
+
+# --- adopt the producer's settings vs insist on one's own ------------------------------------------------------
+
+
+def test_consumer_defaults_adopt_the_producers_settings() -> None:
+    s = settings("role=consumer")
+    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (None, False)
+    assert (s.use_legacy_packing, s.legacy_explicit) == (False, False)
+
+
+@pytest.mark.parametrize("legacy", ["true", "false"])
+def test_consumer_explicit_settings_are_marked_explicit(legacy: str) -> None:
+    s = settings("role=consumer", "refit.buffer_size_bytes=64MiB", f"refit.use_legacy_packing={legacy}")
+    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (64 * 1024**2, True)
+    assert (s.use_legacy_packing, s.legacy_explicit) == (legacy == "true", True)
+
+
+def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
+    assert settings("role=producer").use_legacy_packing is False
+    assert settings("role=producer", "refit.use_legacy_packing=true").use_legacy_packing is True
+    assert settings("role=producer", "refit.use_legacy_packing=null").use_legacy_packing is False
+
+
+# --- output directories ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "suffix"),
+    [([], "_local"), (["role=producer"], "_producer"), (["role=consumer"], "_consumer1"),
+     (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2")],
+)
+def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        run_dir, sweep_dir = cfg.hydra.run.dir, cfg.hydra.sweep.dir
+    assert run_dir.startswith("outputs/") and run_dir.endswith(suffix)
+    assert sweep_dir.startswith("outputs/multirun/") and sweep_dir.endswith(suffix)
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
+    assert cfg.hydra.job.chdir is False
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "refit_app.sweep_summary.SweepSummary"
+
+
+# --- bad values: refused before anything starts, naming key, value and what is allowed ------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["refit.num_buffers=0"], "refit.num_buffers=0 is invalid: must be an integer >= 1"),
+        (["refit.buffer_size_bytes=12XB"], "refit.buffer_size_bytes: '12XB' is not a size"),
+        (["refit.buffer_size_bytes=0"], "refit.buffer_size_bytes: '0' is not a size"),
+        (["refit.buffer_size_bytes=-5"], "refit.buffer_size_bytes: '-5' is not a size"),
+        (["group.port=0"], "group.port=0 is invalid: must be a port number in 1..65535"),
+        (["role=producer", "group.port=65536"], "group.port=65536 is invalid: must be a port number in 1..65535"),
+        (["role=producer", "group.world_size=1"], "group.world_size=1 is invalid: must be an integer >= 2"),
+        (["role=consumer", "group.world_size=1"], "group.world_size=1 is invalid: must be an integer >= 2"),
+        (["role=consumer", "group.rank=2"], "group.rank=2 is invalid: a consumer's rank must be in 1..1"),
+        (["role=consumer", "group.rank=0"], "group.rank=0 is invalid: a consumer's rank must be in 1..1"),
+        (["role=producer", "group.rank=1"], "group.rank=1 is invalid: the producer is rank 0"),
+        (["group.rank=1"], "group.rank=1 is invalid: role=local assigns ranks itself"),
+        (["group.world_size=3"], "group.world_size=3 is invalid: role=local runs 1 producer + role.num_consumers=1"),
+        (["role.num_consumers=0"], "role.num_consumers=0 is invalid: must be an integer >= 1"),
+        (["group.timeout_s=0"], "group.timeout_s=0.0 is invalid: must be a number of seconds > 0"),
+        (["group.timeout_s=-1"], "group.timeout_s=-1.0 is invalid: must be a number of seconds > 0"),
+        (["group.backend=mpi"], "group.backend='mpi' is invalid: choose one of auto, gloo, nccl, pynccl"),
+        (["group.host="], "group.host='' is invalid: must be the producer's host name or IP address"),
+        (["source.preset=gpt-5"],
+         "source.preset='gpt-5' is invalid: choose one of tiny, llama-1b, llama-8b, qwen-0.5b, lora"),
+        (["source.dtype=int3"], "source.dtype='int3' is invalid: choose one of bfloat16, float16, float32, float64"),
+        (["source.size=lots"], "source.size: 'lots' is not a size"),
+        (["source.seed=-1"], "source.seed=-1 is invalid: must be an integer >= 0"),
+        (["source=safetensors"], "source.path is required: add source.path=<value> to the command line"),
+        (["source=safetensors", "source.path=/no/such/model"], "source.path='/no/such/model' is invalid: no such"),
+        (["sink=save"], "sink.path is required: add sink.path=<value> to the command line"),
+        (["refit.debug.corrupt_chunk=-1"], "refit.debug.corrupt_chunk=-1 is invalid: must be null or a chunk index"),
+        (["role.name=producer"], "role.name='producer' is invalid: choose the role with role=producer"),
+        (["sink.kind=save"], "sink.kind='save' is invalid: choose the sink with sink=save"),
+        (["~role"], "no role chosen: add role=<option>, choose one of local, producer, consumer"),
+        (["+refit.buffer_sz=1"], "unknown key 'refit.buffer_sz'; keys under refit: buffer_size_bytes, num_buffers"),
+    ],
+)
+def test_bad_values_are_refused(overrides: list[str], message: str) -> None:
+    assert message in refused(*overrides)
+
+
+def test_only_the_role_that_reads_a_path_requires_it() -> None:
+    assert settings("role=consumer", "source=safetensors").source_params["path"] is None
+    assert settings("role=producer", "sink=save").sink_path is None
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("abc", f"refit.num_buffers: environment variable {ENV}='abc' is invalid: must be an integer >= 1"),
+    ("0", f"refit.num_buffers=0 is invalid: must be an integer >= 1 (from environment variable {ENV})"),
+])
+def test_bad_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv(ENV, value)
+    assert refused() == message
+
+
+def test_every_bad_key_is_listed_at_once() -> None:
+    message = refused("refit.num_buffers=0", "group.port=0", "source.dtype=int3")
+    assert message.count(" is invalid: ") == 3
+    for key in ("refit.num_buffers=0", "group.port=0", "source.dtype='int3'"):
+        assert key in message
+
+
+@pytest.mark.parametrize("override", ["refit.buffer_sz=1", "role=foo", "refit.num_buffers=abc", "group.port=x"])
+def test_hydra_refuses_unknown_keys_options_and_types_while_composing(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        compose_config([override])
+
+
+# --- the one-line error wrapper, as a real Hydra application --------------------------------------------------
+
+APP = textwrap.dedent(
+    """
+    import os
+    import sys
+    import warnings
+
+    import hydra
+
+    from refit_app.cli import run_with_one_line_errors
+    from refit_app.config import CONF_DIR, validate
+    from refit_app.errors import SinkError
+
+
+    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+    def main(cfg):
+        settings = validate(cfg)
+        warnings.warn(f"validated num_buffers={settings.num_buffers}")
+        failure = os.environ.get("TEST_APP_FAILURE")
+        if failure == "refit":
+            raise SinkError("sink.path='/ro' is not writable: choose a directory you can write to")
+        if failure == "bug":
+            {}["no such key"]
+        if failure == "interrupt":
+            raise KeyboardInterrupt
+        # Progress output asks stderr whether it is a terminal; the wrapper must still answer like one.
+        print(f"OK num_buffers={settings.num_buffers} stderr_fd={sys.stderr.fileno()}")
+
+
+    if __name__ == "__main__":
+        run_with_one_line_errors(main)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("app") / "app.py"
+    path.write_text(APP)
+    return path
+
+
+def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", ENV)}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
+    environment.update(env)
+    # cwd: Hydra's outputs/ land beside the script, not in the repository.
+    return subprocess.run([sys.executable, str(app), *args], cwd=app.parent, env=environment, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        (["refit.buffer_sz=1"], {},
+         "unknown key 'refit.buffer_sz' (value '1'); keys under refit: buffer_size_bytes, num_buffers, "
+         "use_legacy_packing, debug"),
+        (["role=consumer", "role.num_consumers=2"], {},
+         "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name"),
+        (["role=foo"], {}, "role=foo is not an option; choose one of consumer, local, producer"),
+        (["refit.num_buffers=abc"], {}, "refit.num_buffers=abc is invalid: must be an integer"),
+        (["refit.use_legacy_packing=maybe"], {}, "refit.use_legacy_packing=maybe is invalid: must be true or false"),
+        (["refit.num_buffers=0"], {}, "refit.num_buffers=0 is invalid: must be an integer >= 1"),
+        ([], {ENV: "abc"}, f"refit.num_buffers: environment variable {ENV}='abc' is invalid: must be an integer >= 1"),
+        (["refit.buffer_size_bytes=12XB"], {},
+         "refit.buffer_size_bytes: '12XB' is not a size; use an integer number of bytes or a size like 256MiB, "
+         "1GiB, 64MB"),
+        (["refit.num_buffers=["], {}, "cannot parse the command line: no viable alternative at input '['"),
+        (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_failure_is_one_line(app: Path, args: list[str], env: dict[str, str], line: str) -> None:
+    result = run_app(app, *args, **env)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"refit_app: error: {line}"]
+    assert "OK" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("failure", "line"),
+    [
+        ("refit", "sink.path='/ro' is not writable: choose a directory you can write to"),
+        ("bug", "KeyError: 'no such key'"),
+    ],
+)
+def test_a_failure_in_the_task_is_one_line_after_its_warnings(app: Path, failure: str, line: str) -> None:
+    result = run_app(app, TEST_APP_FAILURE=failure)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert "UserWarning: validated num_buffers=2" in result.stderr
+    assert lines[-1] == f"refit_app: error: {line}"
+    assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
+    assert sum(line.startswith("refit_app: error:") for line in lines) == 1
+
+
+def test_success_passes_stderr_through(app: Path) -> None:
+    result = run_app(app, "refit.num_buffers=3")
+    assert result.returncode == 0, result.stderr
+    assert "OK num_buffers=3 stderr_fd=2" in result.stdout
+    assert "UserWarning: validated num_buffers=3" in result.stderr
+    assert "error" not in result.stderr
+
+
+def test_interrupt_is_one_line(app: Path) -> None:
+    result = run_app(app, TEST_APP_FAILURE="interrupt")
+    assert result.returncode == 130
+    assert result.stderr.splitlines()[-1] == "refit_app: error: interrupted"
+    assert "Traceback" not in result.stderr
+
+
+def test_multirun_failure_is_one_line_after_every_job_ran(app: Path) -> None:
+    result = run_app(app, "-m", "refit.num_buffers=0,4")
+    assert result.returncode == 1
+    assert "OK num_buffers=4" in result.stdout
+    lines = result.stderr.splitlines()
+    assert lines[-1] == "refit_app: error: refit.num_buffers=0 is invalid: must be an integer >= 1"
+    assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
+
+
+def test_full_error_shows_the_traceback(app: Path) -> None:
+    result = run_app(app, "refit.num_buffers=0", HYDRA_FULL_ERROR="1")
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "refit_app.errors.ConfigError: refit.num_buffers=0 is invalid" in result.stderr
+    assert "refit_app: error:" not in result.stderr

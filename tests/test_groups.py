@@ -1,0 +1,267 @@
+"""Rendezvous, broadcast groups and the control channel, on real gloo groups in spawned processes.
+
+Spawning is the slow part (each process imports torch), so related multi-process scenarios share one run:
+every rank plays the scenarios in the same order, each on its own port, and records each outcome; the tests
+then assert on those records. A rank that sits a scenario out records ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_utils import RankFailure, free_port, run_ranks
+
+from refit_app.errors import ConfigError, PeerError, RefitError
+from refit_app.groups import Control, GroupSpec, _resolve_backend, connect
+
+FAIL_TIMEOUT_S = 5.0
+OK_TIMEOUT_S = 30.0
+
+
+def _spec(rank: int, port: int, world_size: int, timeout_s: float = FAIL_TIMEOUT_S, **kw) -> GroupSpec:
+    return GroupSpec(backend=kw.pop("backend", "gloo"), port=port, world_size=world_size, rank=rank,
+                     timeout_s=timeout_s, **kw)
+
+
+# --- scenarios: each runs on every rank; returns what the tests check, or raises --------------------------
+
+
+def _broadcast_three(rank: int, port: int):
+    with connect(_spec(rank, port, 3, OK_TIMEOUT_S, backend="auto")) as rg:
+        assert (rg.rank, rg.world_size) == (rank, 3)
+        from_producer = torch.arange(5, dtype=torch.float32) if rank == 0 else torch.zeros(5)
+        rg.group.broadcast(from_producer, 0)
+        # Any rank can be the source, and async work completes on wait().
+        from_rank2 = torch.full((3,), 7, dtype=torch.int64) if rank == 2 else torch.zeros(3, dtype=torch.int64)
+        work = rg.group.broadcast_async(from_rank2, 2)
+        work.wait()
+        for _ in range(2):  # a phase may repeat; each round waits for its own reports
+            rg.control.report("step")
+            rg.control.gather("step")
+        return rg.backend, str(rg.group.device), from_producer.tolist(), from_rank2.tolist()
+
+
+def _reconnect_two(rank: int, port: int):
+    """A second group in a process whose first group was closed (ranks 0 and 1 only)."""
+    if rank == 2:
+        return None
+    rg = connect(_spec(rank, port, 2, OK_TIMEOUT_S))
+    t = torch.tensor([41 + rank], dtype=torch.int64)
+    rg.group.broadcast(t, 1)
+    rg.control.report("done")
+    rg.control.gather("done")
+    rg.close()
+    rg.close()  # idempotent
+    return t.item()
+
+
+def _world_size_mismatch(rank: int, port: int):
+    if rank == 2:
+        return None
+    connect(_spec(rank, port, 2 if rank == 0 else 3))
+
+
+def _rank_out_of_range(rank: int, port: int):
+    if rank == 2:
+        return None
+    connect(_spec(rank, port, 2) if rank == 0 else _spec(2, port, 2))
+
+
+def _duplicate_rank(rank: int, port: int):
+    connect(_spec(min(rank, 1), port, 3))
+
+
+def _silent_rank(rank: int, port: int):
+    """Rank 2 never reports; the others' gather must give up at its deadline and say who was missing."""
+    spec = _spec(rank, port, 3, OK_TIMEOUT_S)
+    with connect(spec) as rg:
+        if rank == 2:
+            deadline = time.monotonic() + OK_TIMEOUT_S
+            while rg.control.error() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return rg.control.error()
+        rg.control.report("step")
+        rg.control.gather("step", timeout_s=1.0)
+
+
+SCENARIOS = {
+    "broadcast_three": _broadcast_three,
+    "reconnect_two": _reconnect_two,
+    "world_size_mismatch": _world_size_mismatch,
+    "rank_out_of_range": _rank_out_of_range,
+    "duplicate_rank": _duplicate_rank,
+    "silent_rank": _silent_rank,
+}
+
+
+def _play(rank: int, world_size: int, port: int, ports: dict[str, int]) -> dict:
+    outcomes = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            outcomes[name] = scenario(rank, ports[name])
+        except RefitError as e:
+            outcomes[name] = e
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def played() -> list[dict]:
+    ports = {name: free_port() for name in SCENARIOS}
+    return run_ranks(_play, 3, ports, timeout=120)
+
+
+def test_three_ranks_broadcast_from_any_source_and_gather(played):
+    for rank in range(3):
+        backend, device, from_producer, from_rank2 = played[rank]["broadcast_three"]
+        assert (backend, device) == ("gloo", "cpu")  # auto resolves to gloo without GPUs
+        assert from_producer == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert from_rank2 == [7, 7, 7]
+
+
+def test_two_ranks_after_close_in_the_same_process(played):
+    assert [played[r]["reconnect_two"] for r in range(3)] == [42, 42, None]
+
+
+@pytest.mark.parametrize(
+    "scenario, ranks, expected",
+    [
+        ("world_size_mismatch", (0, 1), "group.world_size differs: the producer has 2, consumer rank 1 has 3"),
+        ("rank_out_of_range", (0, 1), "group.rank=2 is out of range for group.world_size=2"),
+        ("duplicate_rank", (0, 1, 2), "group.rank=1 is claimed by two consumers"),
+    ],
+)
+def test_checkin_mismatch_stops_every_rank_with_one_message(played, scenario, ranks, expected):
+    for rank in ranks:
+        error = played[rank][scenario]
+        assert isinstance(error, ConfigError), (rank, error)
+        assert expected in str(error)
+
+
+def test_gather_deadline_names_the_silent_rank_everywhere(played):
+    for rank in (0, 1):
+        error = played[rank]["silent_rank"]
+        assert isinstance(error, PeerError), (rank, error)
+        assert "rank 2 did not report step within 1s" in str(error)
+    # The silent rank learns it too, from the first rank that gave up.
+    assert "rank 2 did not report step" in played[2]["silent_rank"]
+
+
+# --- a consumer killed mid-broadcast: its own run, since the killed process returns nothing -------------------
+
+
+def _killed_mid_broadcast(rank: int, world_size: int, port: int):
+    try:
+        with connect(_spec(rank, port, world_size)) as rg:
+            buf = torch.ones(1 << 18)
+            for i in range(200):
+                rg.group.broadcast(buf, 0)
+                if rank == 2 and i == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            rg.control.report("done")
+            rg.control.gather("done")
+    except PeerError as e:
+        return e
+    return "completed"
+
+
+def test_consumer_killed_mid_broadcast_fails_the_others_within_the_deadline():
+    producer, survivor, killed = run_ranks(_killed_mid_broadcast, 3, timeout=60, return_exceptions=True)
+    assert isinstance(killed, RankFailure) and killed.exc_type == "Died"
+    for outcome in (producer, survivor):
+        assert isinstance(outcome, PeerError), outcome
+    assert "a rank may have died" in str(producer) or "rank 2 did not report" in str(producer)
+
+
+# --- in-process checks ------------------------------------------------------------------------------------
+
+
+def test_port_in_use_is_refused_at_once():
+    holder = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(ConfigError, match=f"group.port={holder.port} is already in use"):
+        connect(_spec(0, holder.port, 2))
+
+
+def test_consumer_without_producer_gives_up_at_its_deadline():
+    port = free_port()
+    with pytest.raises(PeerError, match=f"could not reach the producer at 127.0.0.1:{port} within 1s"):
+        connect(_spec(1, port, 2, timeout_s=1.0))
+
+
+def test_unresolvable_host_is_a_config_error():
+    with pytest.raises(ConfigError, match="group.host='nonexistent.invalid' cannot be resolved"):
+        connect(_spec(1, free_port(), 2, host="nonexistent.invalid"))
+
+
+def test_invalid_spec_lists_every_problem_at_once():
+    with pytest.raises(ConfigError) as info:
+        connect(GroupSpec(backend="mpi", port=70000, world_size=1, timeout_s=0))
+    message = str(info.value)
+    for fragment in ("group.backend='mpi'", "group.port=70000", "group.world_size=1", "group.timeout_s=0"):
+        assert fragment in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("backend", ["nccl", "pynccl"])
+def test_gpu_backends_without_gpu_are_refused(backend):
+    with pytest.raises(ConfigError, match=f"group.backend={backend} needs a CUDA GPU on every rank; use gloo"):
+        connect(_spec(0, free_port(), 2, backend=backend))
+
+
+def _info(backend: str, cuda: bool = False, vllm: bool = False) -> dict:
+    return {"backend": backend, "cuda": cuda, "vllm": vllm}
+
+
+@pytest.mark.parametrize(
+    "infos, expected",
+    [
+        ({0: _info("auto"), 1: _info("auto")}, "gloo"),
+        ({0: _info("auto", cuda=True), 1: _info("auto", cuda=True)}, "nccl"),
+        ({0: _info("auto", cuda=True), 1: _info("auto")}, "gloo"),  # one rank without a GPU
+        ({0: _info("auto", cuda=True), 1: _info("gloo", cuda=True)}, "gloo"),  # auto adopts an explicit choice
+        ({0: _info("pynccl", True, True), 1: _info("auto", True, True)}, "pynccl"),
+    ],
+)
+def test_backend_resolution(infos, expected):
+    assert _resolve_backend(infos) == expected
+
+
+@pytest.mark.parametrize(
+    "infos, expected",
+    [
+        ({0: _info("gloo"), 1: _info("nccl", cuda=True)}, "group.backend differs between ranks (rank 0 'gloo', rank 1 'nccl')"),
+        ({0: _info("nccl", cuda=True), 1: _info("auto")}, "group.backend=nccl needs a CUDA GPU on every rank, but rank 1 has none"),
+        ({0: _info("pynccl", True, True), 1: _info("auto", True)}, "group.backend=pynccl needs vLLM on every rank, but rank 1 lacks it"),
+    ],
+)
+def test_backend_conflicts_name_the_ranks(infos, expected):
+    with pytest.raises(ConfigError) as info:
+        _resolve_backend(infos)
+    assert expected in str(info.value)
+
+
+def test_control_keeps_the_first_error_and_explains_with_it():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = Control(store, rank=1, world_size=3, timeout_s=5.0, address=f"127.0.0.1:{store.port}")
+    assert control.error() is None
+    control.publish_error(2, "sink.path /ro is not writable")
+    control.publish_error(1, "later failure")
+    assert control.error() == "rank 2 failed: sink.path /ro is not writable"
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert control.explain(reset) == "rank 2 failed: sink.path /ro is not writable"
+
+
+def test_control_explains_a_reset_without_a_published_error():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = Control(store, rank=0, world_size=2, timeout_s=5.0, address=f"127.0.0.1:{store.port}")
+    reset = RuntimeError(
+        "[/w/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:735. "
+        "This is typically caused by a remote worker crashing."
+    )
+    assert control.explain(reset) == (
+        "lost the connection to a peer; a rank may have died (Connection closed by peer [127.0.0.1]:735.)"
+    )

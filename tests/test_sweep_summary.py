@@ -1,0 +1,203 @@
+"""The sweep summary: its table and plot from job directories, and the callback inside a real Hydra multirun."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+from omegaconf import OmegaConf
+
+from refit_app.metrics import write_metrics
+from refit_app.sweep_summary import SUMMARY_COLUMNS, SweepSummary, write_summary
+
+MiB = 2**20
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT_S = 120
+
+
+def _job(sweep_dir: Path, num: int, overrides: list[str], **metrics: object) -> Path:
+    job_dir = sweep_dir / str(num)
+    (job_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
+    if metrics:
+        write_metrics(job_dir, {"role": "producer", "status": "ok", "error": None, **metrics})
+    return job_dir
+
+
+def _ok(buffer_mib: int, num_buffers: int, gbps: float, legacy: bool = False) -> dict[str, object]:
+    return {
+        "buffer_size_bytes": buffer_mib * MiB,
+        "num_buffers": num_buffers,
+        "use_legacy_packing": legacy,
+        "bytes": 10**9,
+        "seconds": 1 / gbps,
+        "gb_per_s": gbps,
+        "peak_rss_bytes": 900 * MiB,
+        "peak_extra_bytes": 2 * buffer_mib * MiB,
+        "verified": True,
+        "backend": "gloo",
+    }
+
+
+def _overrides(buffer_mib: int, num_buffers: int) -> list[str]:
+    return [f"refit.buffer_size_bytes={buffer_mib}MiB", f"refit.num_buffers={num_buffers}"]
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _channels = imread(path).shape
+    assert height > 100 and width > 100
+
+
+def test_write_summary_over_a_sweep_directory(tmp_path: Path) -> None:
+    sweep = tmp_path / "multirun"
+    _job(sweep, 0, _overrides(16, 1), **_ok(16, 1, 1.2))
+    _job(sweep, 1, _overrides(64, 1), **_ok(64, 1, 1.6))
+    _job(sweep, 2, _overrides(16, 2), **_ok(16, 2, 1.5))
+    _job(sweep, 3, _overrides(64, 2), status="failed", error="PeerError: consumer 1 died", num_buffers=2)
+    _job(sweep, 10, _overrides(256, 2))  # started but left no metrics
+    _job(sweep, 4, _overrides(256, 1), **_ok(256, 1, 1.8))
+    (sweep / "notes").mkdir()  # not a job: no .hydra, no metrics
+    (sweep / "multirun.yaml").write_text("{}\n")
+
+    rows = write_summary(sweep)
+
+    assert [r["job"] for r in rows] == [0, 1, 2, 3, 4, 10]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed", "ok", "failed"]
+    assert rows[3]["error"] == "PeerError: consumer 1 died"
+    assert "no metrics.json" in rows[5]["error"]
+    assert rows[5]["overrides"] == "refit.buffer_size_bytes=256MiB refit.num_buffers=2"
+    assert rows[1]["buffer_size_bytes"] == 64 * MiB and rows[1]["gb_per_s"] == 1.6 and rows[1]["verified"] is True
+    assert all(set(r) == set(SUMMARY_COLUMNS) for r in rows)
+
+    with open(sweep / "summary.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [row["job"] for row in table] == ["0", "1", "2", "3", "4", "10"]
+    assert tuple(table[0]) == SUMMARY_COLUMNS
+    assert table[3]["status"] == "failed" and table[3]["error"] == "PeerError: consumer 1 died"
+    assert table[4]["buffer_size_bytes"] == str(256 * MiB) and table[4]["num_buffers"] == "1"
+
+    md = (sweep / "summary.md").read_text().splitlines()
+    assert len(md) == 2 + 6
+    assert md[1 + 2].startswith("| 1 | refit.buffer_size_bytes=64MiB refit.num_buffers=1 | ok | 64 MiB | 1 | bounded")
+    assert "| failed |" in md[2 + 5] and "no metrics.json" in md[2 + 5]
+
+    _assert_png(sweep / "throughput.png")
+    assert sorted(p.name for p in sweep.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+def test_job_number_comes_from_hydra_yaml_when_the_directory_is_not_named_by_it(tmp_path: Path) -> None:
+    sweep = tmp_path / "multirun"
+    job_dir = _job(sweep, 0, _overrides(16, 1), **_ok(16, 1, 1.2)).rename(sweep / "producer_rank0")
+    OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": 7}}}), job_dir / ".hydra" / "hydra.yaml")
+    assert [(r["job"], r["status"]) for r in write_summary(sweep)] == [(7, "ok")]
+
+
+def test_plot_splits_by_packing_and_survives_a_sweep_with_no_successes(tmp_path: Path) -> None:
+    sweep = tmp_path / "multirun"
+    _job(sweep, 0, ["refit.use_legacy_packing=false"], **_ok(64, 2, 1.6))
+    _job(sweep, 1, ["refit.use_legacy_packing=true"], **_ok(64, 2, 1.1, legacy=True))
+    write_summary(sweep)
+    _assert_png(sweep / "throughput.png")
+    # Two subplots side by side make the figure about twice as wide as it is tall.
+    height, width, _ = imread(sweep / "throughput.png").shape
+    assert width > 1.8 * height
+
+    only_failures = tmp_path / "failed_sweep"
+    _job(only_failures, 0, ["refit.num_buffers=1"], status="failed", error="ConfigError: bad")
+    rows = write_summary(only_failures)
+    assert [r["status"] for r in rows] == ["failed"]
+    assert (only_failures / "summary.csv").is_file()
+    assert not (only_failures / "throughput.png").exists()
+
+
+def test_callback_logs_instead_of_raising(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": "missing"}, "runtime": {"cwd": str(tmp_path)}}})
+    with caplog.at_level(logging.WARNING, logger="refit_app.sweep_summary"):
+        SweepSummary().on_multirun_end(config)
+    assert "could not write the sweep summary" in caplog.text
+    assert "missing" in caplog.text
+
+
+APP = """
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from refit_app.metrics import write_metrics
+
+    @hydra.main(version_base="1.3", config_path=".", config_name="config")
+    def main(cfg):
+        if cfg.buffer_mib == 64 and cfg.num_buffers == 2:
+            raise RuntimeError("buffer 64 MiB with 2 buffers\\nexploded")
+        write_metrics(HydraConfig.get().runtime.output_dir, {
+            "role": "producer", "status": "ok", "error": None, "bytes": 10**9, "seconds": 0.5, "gb_per_s": 2.0,
+            "buffer_size_bytes": cfg.buffer_mib * 2**20, "num_buffers": cfg.num_buffers,
+            "use_legacy_packing": False, "verified": None,
+        })
+
+    if __name__ == "__main__":
+        main()
+"""
+
+CONFIG = """
+    buffer_mib: 16
+    num_buffers: 1
+    hydra:
+      job:
+        chdir: true
+      callbacks:
+        summary:
+          _target_: refit_app.sweep_summary.SweepSummary
+"""
+
+
+def _run_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "app.py").write_text(textwrap.dedent(APP))
+    (tmp_path / "config.yaml").write_text(textwrap.dedent(CONFIG))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "app.py", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+
+
+def test_real_multirun_summarises_every_job_including_the_failed_one(tmp_path: Path) -> None:
+    # A relative sweep dir with chdir=true: the callback must not resolve it against the job's directory.
+    proc = _run_app(tmp_path, "-m", "buffer_mib=16,64", "num_buffers=1,2", "hydra.sweep.dir=sweep")
+    assert proc.returncode != 0, proc.stdout + proc.stderr  # Hydra reports the failed job after the batch
+    assert "exploded" in proc.stderr
+
+    sweep = tmp_path / "sweep"
+    with open(sweep / "summary.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [row["job"] for row in table] == ["0", "1", "2", "3"]
+    assert [row["overrides"] for row in table] == [
+        "buffer_mib=16 num_buffers=1",
+        "buffer_mib=16 num_buffers=2",
+        "buffer_mib=64 num_buffers=1",
+        "buffer_mib=64 num_buffers=2",
+    ]
+    assert [row["status"] for row in table] == ["ok", "ok", "ok", "failed"]
+    assert table[3]["error"] == "RuntimeError: buffer 64 MiB with 2 buffers exploded"
+    assert table[2]["buffer_size_bytes"] == str(64 * MiB) and table[2]["gb_per_s"] == "2.0"
+    assert "| failed |" in (sweep / "summary.md").read_text()
+    _assert_png(sweep / "throughput.png")
+    assert not list(tmp_path.glob("*/*/sweep"))  # nothing written relative to a job directory
+
+
+def test_single_run_writes_no_summary(tmp_path: Path) -> None:
+    proc = _run_app(tmp_path, "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "metrics.json").is_file()
+    assert not list(tmp_path.rglob("summary.*")) and not list(tmp_path.rglob("job_status.json"))
