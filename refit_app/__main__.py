@@ -1,11 +1,17 @@
 """``python -m refit_app``: resolve the config with Hydra and run it; every failure ends in one line."""
 
-import hydra
-from omegaconf import DictConfig
+import os
 
-from refit_app.app import run
-from refit_app.cli import run_with_one_line_errors
-from refit_app.config import CONF_DIR, CONFIG_NAME
+# c10d prints multi-line C++ warnings when a peer disappears; our own one-line error already says what happened.
+# Set before torch is imported, which reads it once.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from refit_app.app import run  # noqa: E402
+from refit_app.cli import run_with_one_line_errors  # noqa: E402
+from refit_app.config import CONF_DIR, CONFIG_NAME  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=CONFIG_NAME)

@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from refit_app.config import DEFAULT_PORT, RunSettings, resolved_yaml, validate
 from refit_app.errors import RefitError
 from refit_app.metrics import error_line, summary_line, write_atomic, write_metrics
-from refit_app.roles import ROLE_RUNNERS, LocalRunError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,10 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     writing the failed run's metrics.
     """
     settings = _with_job_port(validate(cfg))
+    # Imported here, not at the top: roles pulls in torch (seconds on a small machine), which `--help`, `--cfg`
+    # and a refused config never need.
+    from refit_app.roles import ROLE_RUNNERS
+
     if output_dir is None and HydraConfig.initialized():
         output_dir = HydraConfig.get().runtime.output_dir
     if output_dir is not None:
@@ -75,4 +78,4 @@ def _report(metrics: dict[str, Any], output_dir: str | Path | None) -> None:
         logger.info("%s", summary_line(metrics))
 
 
-__all__ = ["run", "LocalRunError"]
+__all__ = ["run"]

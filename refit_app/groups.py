@@ -49,6 +49,8 @@ PRODUCER_RANK = 0
 
 ERROR_LINGER_S = 2.0
 """How long a failed producer keeps its store open so consumers can read why it failed."""
+_CLOSE_WAIT_S = 10.0
+"""How long a successful producer waits for consumers to leave; they are one poll away from done by then."""
 _EXPLAIN_WAIT_S = 1.0
 """How long a rank whose collective broke waits for the failing rank to publish the root cause."""
 _SHORT_STORE_TIMEOUT_S = 2.0
@@ -144,10 +146,13 @@ class Control:
         finally:
             self._store.set_timeout(timedelta(seconds=self.timeout_s))
 
-    def publish_error(self, rank: int, message: str) -> None:
-        """Record ``message`` as the refit's failure unless another rank's failure was recorded first."""
+    def publish_error(self, rank: int, message: str, *, phase: str | None = None) -> None:
+        """Record ``message`` as the refit's failure unless another rank's failure was recorded first.
+
+        ``phase`` ties the failure to a phase gather, which then raises its own error type for it.
+        """
         self.failed = True
-        payload = json.dumps({"rank": rank, "message": message})
+        payload = json.dumps({"rank": rank, "message": message, "phase": phase})
         try:
             with self._short_timeout():
                 self._store.compare_set(_K_ERROR, "", payload)
@@ -155,35 +160,54 @@ class Control:
             # The producer's store is gone; peers will see the broken collective instead of the reason.
             logger.warning("rank %d: could not publish its error to %s: %s", self.rank, self._address, _one_line(e))
 
-    def _read_error(self) -> tuple[int, str] | None:
+    def _read_error(self) -> tuple[str, str | None] | None:
+        """The first published failure as ``("rank N failed: ...", phase)``, or None."""
         if not self._store.check([_K_ERROR]):
             return None
         doc = json.loads(self._store.get(_K_ERROR))
-        return int(doc["rank"]), str(doc["message"])
+        self.failed = True
+        return f"rank {doc['rank']} failed: {doc['message']}", doc.get("phase")
 
     def error(self) -> str | None:
         """The first published failure as ``"rank N failed: ..."``, or None; does not wait."""
         found = self._read_error()
-        if found is None:
-            return None
-        self.failed = True
-        return f"rank {found[0]} failed: {found[1]}"
+        return None if found is None else found[0]
+
+    def _raise_if_failed(self, phase: str, error_type: type[RefitError]) -> None:
+        found = self._read_error()
+        if found is not None:
+            # A failure from another phase (a sink error while we still wait for the handshake) stops us
+            # just the same, but it is not, say, a handshake disagreement.
+            raise (error_type if found[1] == phase else PeerError)(found[0])
 
     def report(self, phase: str, error: str | None = None) -> None:
-        """Tell every rank this one reached ``phase`` (``error=None``) or failed in it (and why)."""
+        """Tell every rank this one reached ``phase`` (``error=None``) or failed in it (and why).
+
+        Reporting a failure never raises: the caller is about to raise the failure itself, and a lost
+        store must not replace it.
+        """
         if error is not None:
-            self.publish_error(self.rank, error)
+            self.publish_error(self.rank, error, phase=phase)
         seq = self._reported.get(phase, 0)
         self._reported[phase] = seq + 1
-        self._store.set(_k_report(phase, seq, self.rank), json.dumps({"error": error}))
+        try:
+            self._store.set(_k_report(phase, seq, self.rank), json.dumps({"error": error}))
+        except dist.DistError as e:
+            if error is None:
+                raise PeerError(
+                    f"lost the control connection to the producer at {self._address} while reporting {phase} "
+                    f"({_one_line(e)}); rank {PRODUCER_RANK} may have died"
+                ) from e
+            logger.debug("rank %d: could not report its failure in %s: %s", self.rank, phase, _one_line(e))
 
     def gather(
         self, phase: str, *, timeout_s: float | None = None, error_type: type[RefitError] = PeerError
     ) -> None:
         """Wait until every rank reported its latest ``phase``; raise if any rank failed or missed the deadline.
 
-        Returns as soon as all reports are in; raises ``error_type`` at the first published error, without
-        waiting for the remaining ranks, so a failure anywhere stops everyone promptly.
+        Returns as soon as all reports are in. Raises at the first published error, without waiting for
+        the remaining ranks, so a failure anywhere stops everyone promptly: ``error_type`` when a rank
+        reported that error for this ``phase``, :class:`PeerError` otherwise.
         """
         seq = self._reported.get(phase, 0) - 1
         if seq < 0:
@@ -196,15 +220,11 @@ class Control:
             while True:
                 # A blocked store call must not outlive the deadline (a SIGSTOPped producer holds the store).
                 self._store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
-                published = self.error()
-                if published is not None:
-                    raise error_type(published)
+                self._raise_if_failed(phase, error_type)
                 if self._store.check(keys):
                     # report() publishes before it reports, so a failure in this phase is visible by now
                     # even if it landed after the check above.
-                    published = self.error()
-                    if published is not None:
-                        raise error_type(published)
+                    self._raise_if_failed(phase, error_type)
                     return
                 if time.monotonic() >= deadline:
                     missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
@@ -254,7 +274,7 @@ class Control:
             return f"lost the connection to a peer; a rank may have died ({text})"
         return text
 
-    def leave(self) -> None:
+    def _leave(self) -> None:
         """A consumer is done with the store, so the producer may close it without breaking a late read."""
         try:
             with self._short_timeout():
@@ -262,7 +282,7 @@ class Control:
         except dist.DistError as e:
             logger.debug("rank %d: producer store already gone at leave: %s", self.rank, _one_line(e))
 
-    def wait_for_consumers_to_leave(self, seconds: float) -> None:
+    def _wait_for_consumers_to_leave(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         poller = _Poller()
         while self._store.add(_K_LEFT, 0) < self.world_size - 1 and time.monotonic() < deadline:
@@ -379,16 +399,13 @@ BroadcastGroup = TorchBroadcastGroup | PyNcclBroadcastGroup
 class RefitGroup:
     """A connected rank: ``group`` moves tensors, ``control`` moves phase reports and errors."""
 
-    def __init__(
-        self, spec: GroupSpec, backend: str, store: dist.Store, group: BroadcastGroup, control: Control
-    ) -> None:
+    def __init__(self, spec: GroupSpec, backend: str, group: BroadcastGroup, control: Control) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.world_size = spec.world_size
         self.backend = backend
         self.group = group
         self.control = control
-        self._store: dist.Store | None = store
         self._closed = False
 
     @property
@@ -410,14 +427,14 @@ class RefitGroup:
             if failed or not self.is_producer:
                 self._shutdown_group(abort=failed)
             if self.is_producer:
-                self.control.wait_for_consumers_to_leave(ERROR_LINGER_S if failed else self.spec.timeout_s)
+                self.control._wait_for_consumers_to_leave(ERROR_LINGER_S if failed else _CLOSE_WAIT_S)
                 if not failed:
                     self._shutdown_group(abort=False)
             else:
-                self.control.leave()
+                self.control._leave()
         finally:
-            # Dropping the last reference stops the producer's store server and frees the port.
-            self._store = None
+            # With the backend gone, this is the last reference: dropping it stops the producer's store
+            # server and frees the port.
             self.control._store = None
         logger.info("rank %d: left the refit group at %s", self.rank, self.spec.address)
 
@@ -759,9 +776,9 @@ def connect(spec: GroupSpec) -> RefitGroup:
     except BaseException:
         control.failed = True
         if producer:
-            control.wait_for_consumers_to_leave(ERROR_LINGER_S)
+            control._wait_for_consumers_to_leave(ERROR_LINGER_S)
         else:
-            control.leave()
+            control._leave()
         raise
     logger.info(
         "rank %d: joined the refit group at %s (world size %d, backend %s)",
@@ -770,4 +787,4 @@ def connect(spec: GroupSpec) -> RefitGroup:
         spec.world_size,
         backend,
     )
-    return RefitGroup(spec, backend, store, group, control)
+    return RefitGroup(spec, backend, group, control)

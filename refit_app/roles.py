@@ -210,7 +210,7 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             )
             sink.begin(manifest)
         except RefitError as e:
-            ack(rg, f"rank {s.rank}: {e}")
+            ack(rg, str(e))
             sink.abort()
             raise
         ack(rg, None)
@@ -239,7 +239,7 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                 outcome = sink.finish(checksums)
             except RefitError as e:
                 # The data arrived but is wrong or cannot be kept: every rank must learn it, with this reason.
-                finish(rg, f"rank {s.rank}: {e}")
+                finish(rg, str(e))
                 raise
         except BaseException:
             sink.abort()

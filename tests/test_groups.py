@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from mp_utils import RankFailure, free_port, run_ranks
 
+from refit_app import groups
 from refit_app.errors import ConfigError, PeerError, RefitError
 from refit_app.groups import Control, GroupSpec, _resolve_backend, connect
 
@@ -212,6 +213,13 @@ def test_gpu_backends_without_gpu_are_refused(backend):
         connect(_spec(0, free_port(), 2, backend=backend))
 
 
+def test_pynccl_without_vllm_is_refused(monkeypatch):
+    monkeypatch.setattr(groups, "_has_cuda", lambda: True)
+    monkeypatch.setattr(groups, "_has_vllm", lambda: False)
+    with pytest.raises(ConfigError, match=r"group.backend=pynccl needs vLLM: pip install 'refit_app\[vllm\]'"):
+        connect(_spec(0, free_port(), 2, backend="pynccl"))
+
+
 def _info(backend: str, cuda: bool = False, vllm: bool = False) -> dict:
     return {"backend": backend, "cuda": cuda, "vllm": vllm}
 
@@ -233,9 +241,18 @@ def test_backend_resolution(infos, expected):
 @pytest.mark.parametrize(
     "infos, expected",
     [
-        ({0: _info("gloo"), 1: _info("nccl", cuda=True)}, "group.backend differs between ranks (rank 0 'gloo', rank 1 'nccl')"),
-        ({0: _info("nccl", cuda=True), 1: _info("auto")}, "group.backend=nccl needs a CUDA GPU on every rank, but rank 1 has none"),
-        ({0: _info("pynccl", True, True), 1: _info("auto", True)}, "group.backend=pynccl needs vLLM on every rank, but rank 1 lacks it"),
+        (
+            {0: _info("gloo"), 1: _info("nccl", cuda=True)},
+            "group.backend differs between ranks (rank 0 'gloo', rank 1 'nccl')",
+        ),
+        (
+            {0: _info("nccl", cuda=True), 1: _info("auto")},
+            "group.backend=nccl needs a CUDA GPU on every rank, but rank 1 has none",
+        ),
+        (
+            {0: _info("pynccl", True, True), 1: _info("auto", True)},
+            "group.backend=pynccl needs vLLM on every rank, but rank 1 lacks it",
+        ),
     ],
 )
 def test_backend_conflicts_name_the_ranks(infos, expected):

@@ -1,0 +1,544 @@
+"""Benchmark: the packed refit against the transport's own limit and against one broadcast per tensor.
+
+``python -m refit_app.bench`` starts one producer and N consumers as spawned processes on this machine, joined in
+one gloo group over loopback, and times three ways of moving the same synthetic model over that same group:
+
+- ``refit``: :func:`packed_broadcast_producer` / :func:`packed_broadcast_consumer` as the application runs them
+  (the consumer drops each batch, like ``sink=discard``);
+- ``limit``: the same chunks, packed before the clock starts into buffers both sides hold already, all broadcast
+  asynchronously back to back and then waited for. No packing strategy can beat it on the same group;
+- ``per_tensor``: one synchronous broadcast per tensor into a freshly allocated tensor, as several RL frameworks do.
+
+Modes alternate within a repetition (A B C A B C ...) so that machine noise hits all of them alike; one untimed
+repetition warms every path first. Each list-valued flag is a sweep axis; every combination is one case. Results go
+to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) and ``<out>/table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import queue
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit_app.groups import GroupSpec, RefitGroup, connect
+from refit_app.manifest import TensorMeta
+from refit_app.metrics import PeakMemory, format_binary, format_bytes, write_atomic
+from refit_app.packed_tensor import (
+    chunk_ids,
+    get_num_buffers,
+    get_target_packed_tensor_size,
+    pack_tensors,
+    packed_broadcast_consumer,
+    packed_broadcast_producer,
+)
+from refit_app.sizes import parse_size
+from refit_app.sources import PRESETS, SyntheticSource
+
+logger = logging.getLogger(__name__)
+
+MODES = ("refit", "limit", "per_tensor")
+POSTS = ("none", "cast")
+"""``post_iter_func`` on the producer: identity, or an fp32 model cast to bf16 as it is sent (real work per tensor)."""
+
+DEFAULT_PRESETS = ("llama-1b", "lora")
+DEFAULT_SIZES = {"llama-1b": "1GB", "lora": "natural"}
+DEFAULT_REPS = 5
+DEFAULT_FLAT_REFITS = 20
+DEFAULT_TIMEOUT_S = 3600.0
+COLLECTIVE_TIMEOUT_S = 600.0
+"""Deadline of every collective: a 4 GB chunk list on a slow machine must not trip it, a hung peer must."""
+MEMORY_SLACK = 0.10
+"""Issue 5's bound on peak RSS above the model: num_buffers x max(buffer, largest tensor), plus this fraction."""
+SEED = 0
+_CHILD_EXIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked configuration; every mode of it runs on the same group and the same model."""
+
+    preset: str
+    size_bytes: int | None
+    """Bytes on the wire (the model after ``post``); None for the preset's natural size."""
+    buffer_size_bytes: int
+    num_buffers: int
+    consumers: int
+    post: str
+    reps: int
+    modes: tuple[str, ...]
+    flat_refits: int
+    """Consecutive refits after the timed ones, each with its own peak-memory measurement (0: none)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The model as both sides see it.
+
+
+def _source(case: Case) -> SyntheticSource:
+    # A cast run starts from fp32 twice the wire size, so both posts move the same architecture and bytes.
+    if case.post == "cast":
+        size = None if case.size_bytes is None else 2 * case.size_bytes
+        return SyntheticSource(case.preset, size, SEED, torch.float32)
+    return SyntheticSource(case.preset, case.size_bytes, SEED, torch.bfloat16)
+
+
+def _post_func(post: str) -> Callable[[tuple[str, torch.Tensor]], torch.Tensor]:
+    if post == "cast":
+        return lambda item: item[1].to(torch.bfloat16)
+    return lambda item: item[1]
+
+
+def _wire_metas(source: SyntheticSource, post: str) -> list[TensorMeta]:
+    metas = source.manifest_tensors()
+    if post == "cast":
+        return [replace(m, dtype=torch.bfloat16) for m in metas]
+    return metas
+
+
+def _chunks(metas: list[TensorMeta], case: Case) -> list[list[int]]:
+    """Tensor indices of each chunk, exactly as the packed broadcast plans them."""
+    ids = chunk_ids((m.nbytes for m in metas), case.buffer_size_bytes)
+    return [[i for i, _ in members] for _, members in itertools.groupby(enumerate(ids), key=lambda p: p[1])]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The three modes, one side each. Every function moves the whole model once.
+
+
+class _Limit:
+    """The model packed once, before any timing, into one buffer per chunk, on both sides.
+
+    Receive buffers are written once so their pages are resident, as a long-lived buffer's would be; otherwise the
+    first timed receive would pay for page faults the refit's own buffers do not pay twice.
+    """
+
+    def __init__(self, rank: int, source: SyntheticSource, metas: list[TensorMeta], case: Case) -> None:
+        chunks = _chunks(metas, case)
+        if rank == 0:
+            post = _post_func(case.post)
+            tensors = [post(item) for item in source.tensors()]
+            self.buffers = [pack_tensors(tensors[i] for i in chunk) for chunk in chunks]
+        else:
+            self.buffers = [torch.zeros(sum(metas[i].nbytes for i in chunk), dtype=torch.uint8) for chunk in chunks]
+
+    def run(self, rg: RefitGroup) -> int:
+        works = [rg.group.broadcast_async(buffer, 0) for buffer in self.buffers if buffer.numel()]
+        for work in works:
+            work.wait()
+        return sum(buffer.numel() for buffer in self.buffers)
+
+
+def _refit(rg: RefitGroup, source: SyntheticSource, metas: list[TensorMeta], case: Case) -> int:
+    moved = 0
+
+    def count(nbytes: int, ntensors: int) -> None:
+        nonlocal moved
+        moved += nbytes
+
+    settings = {"buffer_size_bytes": case.buffer_size_bytes, "num_buffers": case.num_buffers, "on_chunk": count}
+    if rg.rank == 0:
+        packed_broadcast_producer(source.tensors(), rg.group, 0, _post_func(case.post), **settings)
+    else:
+        packed_broadcast_consumer(((m.name, (m.shape, m.dtype)) for m in metas), rg.group, 0, _discard, **settings)
+    return moved
+
+
+def _discard(batch: list[tuple[str, torch.Tensor]]) -> None:
+    """What ``sink=discard`` does: nothing, so the transfer alone is timed."""
+
+
+def _per_tensor(rg: RefitGroup, source: SyntheticSource, metas: list[TensorMeta], case: Case) -> int:
+    moved = 0
+    if rg.rank == 0:
+        post = _post_func(case.post)
+        for item in source.tensors():
+            t = post(item).contiguous()
+            rg.group.broadcast(t, 0)
+            moved += t.numel() * t.element_size()
+    else:
+        for m in metas:
+            t = torch.empty(m.shape, dtype=m.dtype)
+            rg.group.broadcast(t, 0)
+            moved += m.nbytes
+    return moved
+
+
+def _barrier(rg: RefitGroup) -> None:
+    """Every rank has finished what came before: each rank's tiny broadcast completes only once it has joined."""
+    flag = torch.zeros(1, dtype=torch.uint8)
+    for src in range(rg.world_size):
+        rg.group.broadcast(flag, src)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One rank.
+
+
+def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, PeakMemory]:
+    _barrier(rg)
+    with PeakMemory() as memory:
+        started = time.perf_counter()
+        moved = run()
+        seconds = time.perf_counter() - started
+    if moved != expected:
+        raise RuntimeError(f"rank {rg.rank}: {label} moved {moved} bytes, expected {expected}")
+    return seconds, memory
+
+
+def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
+    source = _source(case)
+    metas = _wire_metas(source, case.post)
+    total = sum(m.nbytes for m in metas)
+    limit = _Limit(rg.rank, source, metas, case) if "limit" in case.modes else None
+    runners: dict[str, Callable[[], int]] = {
+        "refit": lambda: _refit(rg, source, metas, case),
+        "per_tensor": lambda: _per_tensor(rg, source, metas, case),
+    }
+    if limit is not None:
+        runners["limit"] = lambda: limit.run(rg)
+
+    seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
+    refit_peaks: list[int | None] = []
+    for rep in range(case.reps + 1):  # repetition 0 warms caches, connections and the limit's buffers
+        for mode in case.modes:
+            elapsed, memory = _timed(rg, runners[mode], total, mode)
+            if rep:
+                seconds[mode].append(elapsed)
+                if mode == "refit":
+                    refit_peaks.append(memory.peak_extra_bytes)
+    del limit, runners
+    gc.collect()
+
+    # Flatness: consecutive refits in one process, nothing else in between, each measured on its own.
+    flat: list[dict[str, int | None]] = []
+    for _ in range(case.flat_refits):
+        _, memory = _timed(rg, lambda: _refit(rg, source, metas, case), total, "refit")
+        flat.append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": memory.peak_extra_bytes})
+    return {
+        "seconds": seconds,
+        "refit_peak_extra_bytes": refit_peaks,
+        "flat": flat,
+        "model": source.describe(),
+        "bytes": total,
+        "num_tensors": len(metas),
+        "num_chunks": len(_chunks(metas, case)),
+        "largest_tensor_bytes": max(m.nbytes for m in metas),
+    }
+
+
+def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], results: Any) -> None:
+    """Entry point of one spawned rank: every case of this world size, then ("ok"|"failed", rank, payload)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=COLLECTIVE_TIMEOUT_S)
+        with connect(spec) as rg:
+            payload: Any = [_run_case(rg, case) for case in cases]
+        results.put(("ok", rank, payload))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        results.put(("failed", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        results.close()
+        results.join_thread()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` (all with the same consumer count) on one group; per-rank results, in rank order."""
+    world_size = cases[0].consumers + 1
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, cases, results), name=f"bench-rank{r}")
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcomes) + len(failures) < world_size:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the benchmark did not finish within --timeout-s={timeout_s:g}; raise it")
+            try:
+                status, rank, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
+                if dead and not failures:
+                    failures.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    break
+                continue
+            if status == "ok":
+                outcomes[rank] = payload
+            else:
+                failures.append(f"rank {rank}: {payload}")
+                break  # the other ranks fail with it (their collectives break); no point waiting for them
+    finally:
+        for p in procs:
+            p.join(_CHILD_EXIT_S if not failures else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(_CHILD_EXIT_S)
+        results.close()
+    if failures:
+        raise RuntimeError("benchmark rank failed: " + failures[0])
+    return [outcomes[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summaries.
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    model = per_rank[0]
+    total, largest = model["bytes"], model["largest_tensor_bytes"]
+    modes: dict[str, Any] = {}
+    for mode in case.modes:
+        # A transfer is over when its slowest rank is: the wall time of a repetition is the longest per-rank time.
+        per_rep = [max(rank["seconds"][mode][i] for rank in per_rank) for i in range(case.reps)]
+        seconds = _stats(per_rep)
+        modes[mode] = {
+            "seconds": seconds,
+            "gb_per_s": {k: total / 1e9 / v for k, v in seconds.items()},
+            "per_rep_seconds": per_rep,
+            "per_rank_seconds": [rank["seconds"][mode] for rank in per_rank],
+        }
+    ratios = {}
+    if "refit" in modes and "limit" in modes:
+        ratios["refit_over_limit"] = modes["limit"]["seconds"]["median"] / modes["refit"]["seconds"]["median"]
+    if "refit" in modes and "per_tensor" in modes:
+        ratios["refit_speedup_over_per_tensor"] = (
+            modes["per_tensor"]["seconds"]["median"] / modes["refit"]["seconds"]["median"]
+        )
+    bound = int(case.num_buffers * max(case.buffer_size_bytes, largest) * (1 + MEMORY_SLACK))
+    memory = []
+    for rank, result in enumerate(per_rank):
+        peaks = [p for p in result["refit_peak_extra_bytes"] if p is not None]
+        flat = result["flat"]
+        entry: dict[str, Any] = {"rank": rank, "refit_peak_extra_bytes_max": max(peaks) if peaks else None}
+        if flat:
+            entry.update(
+                flat_refits=len(flat),
+                first_peak_extra_bytes=flat[0]["peak_extra_bytes"],
+                last_peak_extra_bytes=flat[-1]["peak_extra_bytes"],
+                max_peak_extra_bytes=max((f["peak_extra_bytes"] or 0) for f in flat),
+                first_baseline_rss_bytes=flat[0]["baseline_rss_bytes"],
+                last_baseline_rss_bytes=flat[-1]["baseline_rss_bytes"],
+            )
+        worst = max([*peaks, *(f["peak_extra_bytes"] or 0 for f in flat)], default=None)
+        entry["within_bound"] = None if worst is None else worst <= bound
+        memory.append(entry)
+    return {
+        "case": asdict(case),
+        **{key: model[key] for key in ("model", "bytes", "num_tensors", "num_chunks", "largest_tensor_bytes")},
+        "modes": modes,
+        "ratios": ratios,
+        "memory_bound_bytes": bound,
+        "memory": memory,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gloo_threads": "torch default",
+    }
+
+
+def _size_label(summary: dict[str, Any]) -> str:
+    return format_bytes(summary["bytes"])
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """The results as a markdown table: one row per case, throughput medians with min-max, and the ratios."""
+    head = (
+        "| model | size | tensors | chunks | buffer x n | consumers | post | refit GB/s | limit GB/s | per-tensor GB/s "
+        "| refit/limit | refit vs per-tensor | peak RSS above model (P / C max) |\n"
+    )
+    rule = "|" + "---|" * 13 + "\n"
+    rows = []
+    for s in summaries:
+        case = s["case"]
+
+        def cell(mode: str) -> str:
+            if mode not in s["modes"]:
+                return "-"
+            g = s["modes"][mode]["gb_per_s"]
+            # min time is max throughput: the range is written low-high.
+            return f"{g['median']:.2f} ({g['max']:.2f}-{g['min']:.2f})"
+
+        ratios = s["ratios"]
+        mem = s["memory"]
+        producer = mem[0]["refit_peak_extra_bytes_max"]
+        consumer = max((m["refit_peak_extra_bytes_max"] or 0) for m in mem[1:])
+        rows.append(
+            f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
+            f"| {format_binary(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
+            f"| {case['post']} | {cell('refit')} | {cell('limit')} | {cell('per_tensor')} "
+            f"| {ratios.get('refit_over_limit', float('nan')):.2f}x "
+            f"| {ratios.get('refit_speedup_over_per_tensor', float('nan')):.2f}x "
+            f"| {format_binary(producer or 0)} / {format_binary(consumer)} |"
+        )
+    return head + rule + "\n".join(rows) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _parse_sizes(values: Sequence[str]) -> list[int | None]:
+    return [None if v == "natural" else parse_size(v, "--size") for v in values]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m refit_app.bench",
+        description="Time the packed refit against the transport limit and per-tensor broadcast over gloo.",
+    )
+    p.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=list(DEFAULT_PRESETS),
+                   help="synthetic model shapes (default: %(default)s)")
+    p.add_argument("--size", nargs="+", default=None,
+                   help="bytes on the wire, e.g. 256MB 1GB 4GB, or 'natural' for the preset's own size "
+                        "(default: 1GB for llama presets, natural for lora)")
+    p.add_argument("--buffer-size", nargs="+", default=None,
+                   help="packed buffer target, e.g. 64MiB (default: get_target_packed_tensor_size(), "
+                        f"{format_binary(get_target_packed_tensor_size())} here)")
+    p.add_argument("--num-buffers", nargs="+", type=int, default=None,
+                   help=f"buffers in flight (default: get_num_buffers(), {get_num_buffers()} here)")
+    p.add_argument("--consumers", nargs="+", type=int, default=[1], help="consumer processes (default: 1)")
+    p.add_argument("--post", nargs="+", choices=POSTS, default=["none"],
+                   help="producer post_iter_func: none, or cast (fp32 model sent as bf16) (default: none)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time (default: all)")
+    p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed repetitions per mode (default: %(default)s)")
+    p.add_argument("--flat-refits", type=int, default=DEFAULT_FLAT_REFITS,
+                   help="consecutive refits after the timed ones, for the memory flatness check (default: %(default)s)")
+    p.add_argument("--out", default="outputs/bench", help="directory for bench.json and table.md (default: %(default)s)")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="deadline for each group of cases (default: %(default)s)")
+    return p
+
+
+def cases_from_args(args: argparse.Namespace) -> list[Case]:
+    buffer_sizes = (
+        [get_target_packed_tensor_size()]
+        if args.buffer_size is None
+        else [parse_size(v, "--buffer-size") for v in args.buffer_size]
+    )
+    num_buffers = [get_num_buffers()] if args.num_buffers is None else args.num_buffers
+    problems = [f"--num-buffers {n} must be >= 1" for n in num_buffers if n < 1]
+    problems += [f"--consumers {n} must be >= 1" for n in args.consumers if n < 1]
+    if args.reps < 1:
+        problems.append(f"--reps {args.reps} must be >= 1")
+    if args.flat_refits < 0:
+        problems.append(f"--flat-refits {args.flat_refits} must be >= 0")
+    if problems:
+        raise SystemExit("refit_app.bench: " + "; ".join(problems))
+    cases = []
+    for preset in args.preset:
+        sizes = _parse_sizes(args.size) if args.size is not None else _parse_sizes([DEFAULT_SIZES.get(preset, "1GB")])
+        for size, buf, nb, consumers, post in itertools.product(sizes, buffer_sizes, num_buffers, args.consumers,
+                                                                args.post):
+            cases.append(Case(preset, size, buf, nb, consumers, post, args.reps, tuple(args.modes), args.flat_refits))
+    return cases
+
+
+def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
+    """Run every case (one group per consumer count), write bench.json and table.md, return the summaries."""
+    summaries: dict[Case, dict[str, Any]] = {}
+    for consumers, group in itertools.groupby(sorted(cases, key=lambda c: c.consumers), key=lambda c: c.consumers):
+        batch = list(group)
+        logger.info("running %d case(s) with %d consumer(s)", len(batch), consumers)
+        per_rank = _run_world(batch, timeout_s)
+        for i, case in enumerate(batch):
+            summaries[case] = _summarize(case, [rank[i] for rank in per_rank])
+    ordered = [summaries[c] for c in cases]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "machine": machine_info(),
+        "backend": "gloo (loopback, one process per rank)",
+        "modes": {
+            "refit": "packed_broadcast_producer/consumer, consumer drops each batch",
+            "limit": "the same chunks pre-packed on both sides, all broadcast async back to back, then waited",
+            "per_tensor": "one synchronous broadcast per tensor into a freshly allocated tensor",
+        },
+        "timing": "per repetition: the slowest rank's wall time; median, min and max over repetitions",
+        "cases": ordered,
+    }
+    write_atomic(out_dir / "bench.json", (json.dumps(doc, indent=2, default=str) + "\n").encode())
+    write_atomic(out_dir / "table.md", format_table(ordered).encode())
+    return ordered
+
+
+def _memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
+    for s in summaries:
+        case = s["case"]
+        for m in s["memory"]:
+            if "flat_refits" not in m:
+                continue
+            who = "producer" if m["rank"] == 0 else f"consumer {m['rank']}"
+            yield (
+                f"{case['preset']} {_size_label(s)} {who}: peak above model over {m['flat_refits']} refits: "
+                f"first {format_binary(m['first_peak_extra_bytes'] or 0)}, "
+                f"last {format_binary(m['last_peak_extra_bytes'] or 0)}, "
+                f"max {format_binary(m['max_peak_extra_bytes'])} (bound {format_binary(s['memory_bound_bytes'])}); "
+                f"RSS before refit 1 {format_binary(m['first_baseline_rss_bytes'] or 0)}, "
+                f"before refit {m['flat_refits']} {format_binary(m['last_baseline_rss_bytes'] or 0)}"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    cases = cases_from_args(args)
+    summaries = run(cases, Path(args.out), args.timeout_s)
+    out = sys.stdout
+    out.write(format_table(summaries))
+    for line in _memory_lines(summaries):
+        out.write(line + "\n")
+    out.write(f"results: {Path(args.out) / 'bench.json'}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

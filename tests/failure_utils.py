@@ -1,0 +1,200 @@
+"""Run ``python -m refit_app`` as real processes, break them on purpose, and never leave one behind.
+
+Every process runs in its own session (so ``role=local``'s children go down with it), writes stdout and stderr to
+files (a full pipe would stall a rank and look like a hang), and is waited on with a hard limit past which it is
+killed and the test fails. :class:`Launcher` kills whatever is still running when a test ends, passed or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from refit_app.safetensors_io import save_tensors
+
+STARTUP_ALLOWANCE_S = 60.0
+"""Hard limit on interpreter start-up (torch and Hydra imports) on a loaded 2-core machine, on top of each
+case's own limit; a process past it is treated as hung and killed."""
+_POLL_S = 0.05
+_PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")
+
+
+def free_port() -> int:
+    """A port the OS considers free now; TCPStore needs a concrete port for consumers to dial."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Outcome:
+    """How one process ended."""
+
+    name: str
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    """From start to exit, interpreter start-up included."""
+    since_event_s: float | None = None
+    """From the failure the test caused (a kill, a stop) to exit; None where the test caused none."""
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+    @property
+    def error(self) -> str:
+        """The single stderr line a failed run must print (the test asserts there is exactly one)."""
+        lines = self.error_lines
+        return lines[-1] if lines else ""
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: exit {self.returncode} after {self.seconds:.1f}s\n--- stderr ---\n{self.stderr[-3000:]}"
+            f"\n--- stdout (tail) ---\n{self.stdout[-3000:]}"
+        )
+
+
+class RefitProcess:
+    """One ``python -m refit_app ...`` process."""
+
+    def __init__(self, name: str, cwd: Path, overrides: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.cwd = cwd
+        self.overrides = overrides
+        self._out_path = cwd / f"{name}.stdout"
+        self._err_path = cwd / f"{name}.stderr"
+        child_env = {k: v for k, v in os.environ.items() if k not in _PASSTHROUGH_ENV_DROP}
+        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env.update(env or {})
+        with open(self._out_path, "wb") as out, open(self._err_path, "wb") as err:
+            self.started = time.monotonic()
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "refit_app", *overrides],
+                cwd=cwd,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        self.event_at: float | None = None
+        self.outcome: Outcome | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def running(self) -> bool:
+        return self._popen.poll() is None
+
+    def output(self) -> str:
+        return self._out_path.read_text(errors="replace") + self._err_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout_s: float) -> None:
+        """Block until ``pattern`` (a regex) shows up in the output; fail if the process exits or time runs out."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while not regex.search(self.output()):
+            if not self.running():
+                raise AssertionError(f"{self.name} exited before printing {pattern!r}\n{self.wait(1).describe()}")
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{self.name} did not print {pattern!r} within {timeout_s:g}s:\n{self.output()}")
+            time.sleep(_POLL_S)
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the process (not its session: role=local children must see their parent vanish)."""
+        self._popen.send_signal(sig)
+
+    def wait(self, timeout_s: float, *, event_at: float | None = None) -> Outcome:
+        """Wait up to ``timeout_s`` for the exit; a process still running then is killed and the test fails."""
+        if self.outcome is not None:
+            return self.outcome
+        try:
+            self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"{self.name} hung: still running {timeout_s:g}s later; killed\n{self.output()[-4000:]}"
+            ) from None
+        ended = time.monotonic()
+        self.outcome = Outcome(
+            self.name,
+            self._popen.returncode,
+            self._out_path.read_text(errors="replace"),
+            self._err_path.read_text(errors="replace"),
+            ended - self.started,
+            None if event_at is None else ended - event_at,
+        )
+        return self.outcome
+
+    def kill(self) -> None:
+        """Kill the whole session (role=local spawns ranks); resume it first in case a test stopped it."""
+        if self._popen.poll() is not None:
+            return
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self._popen.pid, sig)
+            except ProcessLookupError:
+                break
+        self._popen.wait(timeout=10)
+
+
+class Launcher:
+    """Starts refit processes in one directory and kills every one of them on exit."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self._procs: list[RefitProcess] = []
+
+    def start(self, name: str, *overrides: str, env: dict[str, str] | None = None) -> RefitProcess:
+        proc = RefitProcess(name, self.cwd, list(overrides), env)
+        self._procs.append(proc)
+        return proc
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for proc in self._procs:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files the bad-input cases start from, and a way to prove they were left alone.
+
+
+def write_checkpoint(directory: Path, seed: int = 0) -> None:
+    """A small valid single-file checkpoint: the "existing output" a failed run must not touch."""
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_tensors(
+        directory / "model.safetensors",
+        {"a.weight": torch.randn(16, 8, generator=g), "b.bias": torch.arange(5, dtype=torch.int64)},
+        {"format": "pt"},
+    )
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with a hash of its bytes."""
+    if root.is_file():
+        return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
