@@ -66,6 +66,8 @@ COLLECTIVE_TIMEOUT_S = 600.0
 MEMORY_SLACK = 0.10
 """Issue 5's bound on peak RSS above the model: num_buffers x max(buffer, largest tensor), plus this fraction."""
 SEED = 0
+BUSY_LOAD_PER_CORE = 0.5
+"""Above this 1-minute load average per core at the start, the run warns that other work skews its timings."""
 _CHILD_EXIT_S = 10.0
 
 
@@ -190,15 +192,18 @@ def _barrier(rg: RefitGroup) -> None:
 # One rank.
 
 
-def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, PeakMemory]:
+def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
+    """(wall seconds, CPU seconds of every thread of this rank, its peak memory) of one transfer."""
     _barrier(rg)
     with PeakMemory() as memory:
+        cpu = time.process_time()
         started = time.perf_counter()
         moved = run()
         seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu
     if moved != expected:
         raise RuntimeError(f"rank {rg.rank}: {label} moved {moved} bytes, expected {expected}")
-    return seconds, memory
+    return seconds, cpu, memory
 
 
 def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
@@ -214,12 +219,14 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
         runners["limit"] = lambda: limit.run(rg)
 
     seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
+    cpu_seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
     refit_peaks: list[int | None] = []
     for rep in range(case.reps + 1):  # repetition 0 warms caches, connections and the limit's buffers
         for mode in case.modes:
-            elapsed, memory = _timed(rg, runners[mode], total, mode)
+            elapsed, cpu, memory = _timed(rg, runners[mode], total, mode)
             if rep:
                 seconds[mode].append(elapsed)
+                cpu_seconds[mode].append(cpu)
                 if mode == "refit":
                     refit_peaks.append(memory.peak_extra_bytes)
     del limit, runners
@@ -228,10 +235,11 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     # Flatness: consecutive refits in one process, nothing else in between, each measured on its own.
     flat: list[dict[str, int | None]] = []
     for _ in range(case.flat_refits):
-        _, memory = _timed(rg, lambda: _refit(rg, source, metas, case), total, "refit")
+        _, _, memory = _timed(rg, lambda: _refit(rg, source, metas, case), total, "refit")
         flat.append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": memory.peak_extra_bytes})
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "refit_peak_extra_bytes": refit_peaks,
         "flat": flat,
         "model": source.describe(),
@@ -330,6 +338,11 @@ def _summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "gb_per_s": {k: total / 1e9 / v for k, v in seconds.items()},
             "per_rep_seconds": per_rep,
             "per_rank_seconds": [rank["seconds"][mode] for rank in per_rank],
+            # CPU time of all of a rank's threads (gloo's included) over wall time: cores kept busy.
+            "cores_busy_median": [
+                statistics.median(c / w for c, w in zip(rank["cpu_seconds"][mode], rank["seconds"][mode]))
+                for rank in per_rank
+            ],
         }
     ratios = {}
     if "refit" in modes and "limit" in modes:
@@ -382,7 +395,6 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "gloo_threads": "torch default",
     }
 
 
@@ -485,6 +497,14 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
 
 def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
     """Run every case (one group per consumer count), write bench.json and table.md, return the summaries."""
+    load_before = os.getloadavg()
+    if load_before[0] > BUSY_LOAD_PER_CORE * (os.cpu_count() or 1):
+        logger.warning(
+            "this machine is busy (load average %.1f on %d cores): timings will be noisy; ratios between modes, which "
+            "alternate within each repetition, suffer least",
+            load_before[0],
+            os.cpu_count(),
+        )
     summaries: dict[Case, dict[str, Any]] = {}
     for consumers, group in itertools.groupby(sorted(cases, key=lambda c: c.consumers), key=lambda c: c.consumers):
         batch = list(group)
@@ -495,7 +515,7 @@ def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, An
     ordered = [summaries[c] for c in cases]
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
-        "machine": machine_info(),
+        "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "backend": "gloo (loopback, one process per rank)",
         "modes": {
             "refit": "packed_broadcast_producer/consumer, consumer drops each batch",

