@@ -681,6 +681,10 @@ def _producer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> st
     store.set(_K_PRODUCER, json.dumps({"world_size": spec.world_size, "backend": spec.backend}))
     infos = {PRODUCER_RANK: _capabilities(spec.backend)}
     pending = list(range(1, spec.world_size))
+    logger.info(
+        "rank 0: waiting up to %gs for %d consumer(s) at port %d (group.host of the consumers: this host's address)",
+        spec.timeout_s, len(pending), spec.port,
+    )
     poller = _Poller()
     while pending:
         if store.check([_K_OUTCOME]):

@@ -26,7 +26,7 @@ METRICS_KEYS: dict[str, str] = {
     "error": "null, or the failure as one line",
     "bytes": "payload bytes moved (sum of tensor sizes, without padding)",
     "num_tensors": "tensors moved",
-    "num_chunks": "packed chunks (broadcasts) moved",
+    "num_chunks": "packed chunks the tensors were split into",
     "seconds": "wall time of the transfer, from the first chunk to the last, handshake excluded",
     "gb_per_s": "bytes / 1e9 / seconds",
     "buffer_size_bytes": "packed buffer size actually used",
@@ -43,6 +43,16 @@ METRICS_KEYS: dict[str, str] = {
     "sink": "what the consumer did with them: verify, save or discard",
     "consumers": "role=local only: a list of each consumer's metrics, with the keys above",
 }
+
+EXTRA_METRICS_KEYS: dict[str, str] = {
+    "num_broadcasts": "chunks actually broadcast (a chunk of only zero-byte tensors is skipped in bounded mode)",
+    "handshake_seconds": "rendezvous-to-accepted-manifest time on this rank (not part of seconds)",
+    "checksums": "producer: whether it sent per-tensor checksums (some consumer verifies)",
+    "verified_tensors": "sink=verify: tensors checked bit for bit",
+    "saved_to": "sink=save: the checkpoint directory",
+    "saved_files": "sink=save: the files written there",
+}
+"""Keys of a successful run that only some roles or sinks write."""
 
 # Enough digits to compare runs, few enough that a diff of two metrics.json files is readable.
 _SIGNIFICANT_DIGITS = 5

@@ -100,7 +100,16 @@ def _exchange_needs(rg: RefitGroup, wants_checksums: bool) -> bool:
     return anyone
 
 
-def _base_metrics(s: RunSettings, rg: RefitGroup, manifest: Manifest) -> dict[str, Any]:
+def _metrics(
+    s: RunSettings,
+    rg: RefitGroup,
+    manifest: Manifest,
+    transfer: _Transfer,
+    seconds: float,
+    handshake_s: float,
+    memory: PeakMemory,
+) -> dict[str, Any]:
+    """The figures both sides report (metrics.py's METRICS_KEYS describes them)."""
     return {
         "role": "producer" if s.rank == 0 else "consumer",
         "rank": s.rank,
@@ -113,6 +122,13 @@ def _base_metrics(s: RunSettings, rg: RefitGroup, manifest: Manifest) -> dict[st
         "backend": rg.backend,
         "world_size": rg.world_size,
         "source": manifest.source,
+        "bytes": transfer.bytes,
+        "num_chunks": transfer.chunks,
+        "num_broadcasts": transfer.broadcasts,
+        "seconds": seconds,
+        "gb_per_s": gb_per_s(transfer.bytes, seconds),
+        "handshake_seconds": handshake_s,
+        **memory.to_metrics(),
     }
 
 
@@ -163,14 +179,7 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             seconds = time.perf_counter() - started
         finish(rg, None)
         return {
-            **_base_metrics(s, rg, manifest),
-            "bytes": transfer.bytes,
-            "num_chunks": transfer.chunks,
-            "num_broadcasts": transfer.broadcasts,
-            "seconds": seconds,
-            "gb_per_s": gb_per_s(transfer.bytes, seconds),
-            "handshake_seconds": handshake_s,
-            **memory.to_metrics(),
+            **_metrics(s, rg, manifest, transfer, seconds, handshake_s, memory),
             "checksums": checksums_needed,
             "verified": None,
             "sink": None,
@@ -248,14 +257,7 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             raise
         finish(rg, None)
         return {
-            **_base_metrics(s, rg, manifest),
-            "bytes": transfer.bytes,
-            "num_chunks": transfer.chunks,
-            "num_broadcasts": transfer.broadcasts,
-            "seconds": seconds,
-            "gb_per_s": gb_per_s(transfer.bytes, seconds),
-            "handshake_seconds": handshake_s,
-            **memory.to_metrics(),
+            **_metrics(s, rg, manifest, transfer, seconds, handshake_s, memory),
             "sink": s.sink_kind,
             **outcome,
         }
@@ -271,10 +273,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _local_rank(s: RunSettings, results: Any) -> None:
+def _local_rank(s: RunSettings, results: Any, log_files: list[str]) -> None:
     """Entry point of one spawned rank: run it and send back ("ok", metrics) or ("failed", metrics)."""
     label = "producer" if s.rank == 0 else f"consumer {s.rank}"
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=f"[%(asctime)s][{label}] %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    # The parent's log files (Hydra's job log) get the ranks' lines too; appends of whole lines interleave cleanly.
+    handlers += [logging.FileHandler(path, mode="a") for path in log_files]
+    logging.basicConfig(level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{label}] %(message)s")
     try:
         runner = run_producer if s.rank == 0 else run_consumer
         # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
@@ -290,13 +295,17 @@ def _local_rank(s: RunSettings, results: Any) -> None:
 
 def run_local(s: RunSettings) -> dict[str, Any]:
     """Run the producer and ``num_consumers`` consumers as processes here; producer figures at the top level."""
+    if s.source_kind == "safetensors":
+        # Reading the headers is cheap: a bad checkpoint fails here in a second, not after the ranks' start-up.
+        make_source(s.source_kind, **s.source_params)
     port = _free_port() if s.port is None else s.port
+    log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_local_rank,
-            args=(replace(s, role="producer" if r == 0 else "consumer", rank=r, port=port), results),
+            args=(replace(s, role="producer" if r == 0 else "consumer", rank=r, port=port), results, log_files),
             name=f"refit-rank{r}",
         )
         for r in range(s.world_size)
