@@ -17,6 +17,7 @@ to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -25,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import socket
 import statistics
 import sys
 import time
@@ -126,8 +128,8 @@ def _chunks(metas: list[TensorMeta], case: Case) -> list[list[int]]:
 class _Limit:
     """The model packed once, before any timing, into one buffer per chunk, on both sides.
 
-    Receive buffers are written once so their pages are resident, as a long-lived buffer's would be; otherwise the
-    first timed receive would pay for page faults the refit's own buffers do not pay twice.
+    Receive buffers are written once, so their pages are resident and every repetition times the transport alone.
+    The refit allocates its buffers anew in every call, so the ratio refit/limit includes what that costs.
     """
 
     def __init__(self, rank: int, source: SyntheticSource, metas: list[TensorMeta], case: Case) -> None:
@@ -210,13 +212,12 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     source = _source(case)
     metas = _wire_metas(source, case.post)
     total = sum(m.nbytes for m in metas)
-    limit = _Limit(rg.rank, source, metas, case) if "limit" in case.modes else None
     runners: dict[str, Callable[[], int]] = {
-        "refit": lambda: _refit(rg, source, metas, case),
-        "per_tensor": lambda: _per_tensor(rg, source, metas, case),
+        "refit": functools.partial(_refit, rg, source, metas, case),
+        "per_tensor": functools.partial(_per_tensor, rg, source, metas, case),
     }
-    if limit is not None:
-        runners["limit"] = lambda: limit.run(rg)
+    if "limit" in case.modes:
+        runners["limit"] = functools.partial(_Limit(rg.rank, source, metas, case).run, rg)
 
     seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
     cpu_seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
@@ -229,13 +230,13 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
                 cpu_seconds[mode].append(cpu)
                 if mode == "refit":
                     refit_peaks.append(memory.peak_extra_bytes)
-    del limit, runners
+    del runners  # frees the limit's packed copy of the model before the flatness refits measure memory
     gc.collect()
 
     # Flatness: consecutive refits in one process, nothing else in between, each measured on its own.
     flat: list[dict[str, int | None]] = []
     for _ in range(case.flat_refits):
-        _, _, memory = _timed(rg, lambda: _refit(rg, source, metas, case), total, "refit")
+        _, _, memory = _timed(rg, functools.partial(_refit, rg, source, metas, case), total, "refit")
         flat.append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": memory.peak_extra_bytes})
     return {
         "seconds": seconds,
@@ -266,8 +267,6 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], results
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -420,7 +419,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             # min time is max throughput: the range is written low-high.
             return f"{g['median']:.2f} ({g['max']:.2f}-{g['min']:.2f})"
 
-        ratios = s["ratios"]
+        ratios = {key: f"{value:.2f}x" for key, value in s["ratios"].items()}
         mem = s["memory"]
         producer = mem[0]["refit_peak_extra_bytes_max"]
         consumer = max((m["refit_peak_extra_bytes_max"] or 0) for m in mem[1:])
@@ -428,8 +427,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
             f"| {format_binary(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
             f"| {case['post']} | {cell('refit')} | {cell('limit')} | {cell('per_tensor')} "
-            f"| {ratios.get('refit_over_limit', float('nan')):.2f}x "
-            f"| {ratios.get('refit_speedup_over_per_tensor', float('nan')):.2f}x "
+            f"| {ratios.get('refit_over_limit', '-')} | {ratios.get('refit_speedup_over_per_tensor', '-')} "
             f"| {format_binary(producer or 0)} / {format_binary(consumer)} |"
         )
     return head + rule + "\n".join(rows) + "\n"
@@ -465,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed repetitions per mode (default: %(default)s)")
     p.add_argument("--flat-refits", type=int, default=DEFAULT_FLAT_REFITS,
                    help="consecutive refits after the timed ones, for the memory flatness check (default: %(default)s)")
-    p.add_argument("--out", default="outputs/bench", help="directory for bench.json and table.md (default: %(default)s)")
+    p.add_argument("--out", default="outputs/bench",
+                   help="directory for bench.json and table.md (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help="deadline for each group of cases (default: %(default)s)")
     return p

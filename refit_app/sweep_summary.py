@@ -190,12 +190,18 @@ def _plot_png(rows: list[dict[str, Any]]) -> bytes | None:
     fig = Figure(figsize=(6.4 * len(packings), 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(packings), squeeze=False)[0]
+    # Overrides every job shares say nothing about a line: they go into the title, not each legend entry.
+    shared = set.intersection(*(set(r["_overrides"]) for r in points))
+    if shared:
+        fig.suptitle(" ".join(sorted(shared)), fontsize="small")
     for ax, legacy in zip(axes, packings):
         lines: dict[tuple[Any, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in points:
             if bool(r["use_legacy_packing"]) != legacy:
                 continue
-            others = " ".join(o for o in r["_overrides"] if o.split("=", 1)[0].lstrip("+~") not in _PLOT_AXES_KEYS)
+            others = " ".join(
+                o for o in r["_overrides"] if o not in shared and o.split("=", 1)[0].lstrip("+~") not in _PLOT_AXES_KEYS
+            )
             lines[(r["num_buffers"], others)][r["buffer_size_bytes"] / 2**20].append(r["gb_per_s"])
         for (num_buffers, others), by_size in sorted(lines.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
             sizes = sorted(by_size)
