@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -165,6 +166,8 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     ``view(torch.uint8)`` needs a last stride of 1, which a contiguous tensor can lack when a dimension has size 1
     (``torch.zeros(3, 2)[:1, 1]``); re-striding the dense storage as 1-D avoids that failure.
     """
+    # A lazily conjugated or negated view stores other bytes than its values; resolve it to real values first.
+    t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
@@ -248,6 +251,42 @@ def _get_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
     return _STREAMS[key]
 
 
+class _HostBufferPool:
+    """Host byte buffers kept from one call to the next.
+
+    A refit repeats every training step with the same sizes. Fresh host memory is faulted in page by page on first
+    write, which on VMs that hand freed pages back to their host runs at 0.5-1 GB/s, slower than the transport
+    itself (see the benchmark in README); reused buffers are already resident. Memory stays bounded: the pool keeps
+    at most as many buffers as the last call used, the largest ones. CUDA buffers are not pooled here: torch's
+    caching allocator keeps them already, and an inference engine wants free GPU memory back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor | None:
+        """The largest kept buffer, now owned by the caller, or None."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)[-len(buffers) :] if buffers else []
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = []
+
+
+_HOST_POOL = _HostBufferPool()
+
+
+def release_buffers() -> None:
+    """Free the host buffers that refit calls keep for the next call (at most ``num_buffers`` of them)."""
+    _HOST_POOL.clear()
+
+
 class _Slot:
     """A reusable byte buffer and the broadcast currently using it."""
 
@@ -260,6 +299,8 @@ class _Slot:
 
     def reserve(self, nbytes: int, *, keep: int = 0, min_capacity: int = 0) -> torch.Tensor:
         """A buffer of at least ``nbytes``; grows (keeping the first ``keep`` bytes) only when too small."""
+        if self.buffer is None and self.device.type == "cpu":
+            self.buffer = _HOST_POOL.take()
         if self.buffer is None or self.buffer.numel() < nbytes:
             grown = torch.empty(max(nbytes, min_capacity), dtype=torch.uint8, device=self.device)
             if keep:
@@ -294,6 +335,11 @@ class _Slot:
 def _make_slots(device: torch.device, count: int) -> list[_Slot]:
     streams: list[Any] = _get_streams(device, count) if device.type == "cuda" else [None] * count
     return [_Slot(device, s) for s in streams]
+
+
+def _keep_buffers(slots: Iterable[_Slot]) -> None:
+    """Hand the slots' host buffers to the next call; only once nothing in flight can still touch them."""
+    _HOST_POOL.give([slot.buffer for slot in slots if slot.buffer is not None and slot.device.type == "cpu"])
 
 
 def _drain(slots: Iterable[_Slot]) -> None:
@@ -383,6 +429,7 @@ def packed_broadcast_producer(
             logger.debug("in-flight broadcast failed while unwinding", exc_info=True)
         raise
     _drain(slots)
+    _keep_buffers(slots)
 
 
 def _pack_chunk(
@@ -485,6 +532,8 @@ def _packed_broadcast_consumer_batches(
                 yield complete()
         while in_flight:
             yield complete()
+        # The caller asked past the last batch, so it is done with it: its buffer may serve the next call.
+        _keep_buffers(slots)
     finally:
         if in_flight:
             try:

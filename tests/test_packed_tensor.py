@@ -349,3 +349,51 @@ def test_consumer_callback_error_propagates_after_draining():
     with pytest.raises(Boom, match="sink full"):
         packed_broadcast_consumer(iter(metas(tensors)), replay, 0, sink, num_buffers=3, buffer_size_bytes=200)
     assert seen == ["w0", "w2"] and replay.received == 4
+
+
+def test_host_buffers_are_kept_for_the_next_call_and_bounded():
+    """Repeated refits reuse resident host buffers instead of faulting in new ones, and memory does not grow."""
+    from refit_app.packed_tensor import _HOST_POOL, release_buffers
+
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(12)]
+    release_buffers()
+    first = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), first, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+    for _ in range(20):
+        again = RecordingGroup()
+        packed_broadcast_producer(iter(tensors), again, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+        assert set(again.data_ptrs) == set(first.data_ptrs)
+        assert len(_HOST_POOL._free) == 3
+    # A call with fewer buffers shrinks what is kept.
+    packed_broadcast_producer(iter(tensors), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, num_buffers=1)
+    assert len(_HOST_POOL._free) == 1
+    release_buffers()
+    assert _HOST_POOL._free == []
+
+
+def test_failed_call_keeps_no_buffers():
+    from refit_app.packed_tensor import _HOST_POOL, release_buffers
+
+    release_buffers()
+
+    def post(item):
+        if item[0] == "w5":
+            raise Boom("stop")
+        return item[1]
+
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(8)]
+    with pytest.raises(Boom):
+        packed_broadcast_producer(iter(tensors), AsyncRecordingGroup(), 0, post, buffer_size_bytes=200)
+    assert _HOST_POOL._free == []  # a buffer a failed broadcast may still touch is never handed out again
+
+
+def test_parameters_and_lazy_views_travel_as_their_values():
+    g = torch.Generator().manual_seed(3)
+    param = torch.nn.Parameter(torch.randn(4, 4, generator=g))
+    conj = torch.randn(40, dtype=torch.complex64, generator=g).conj()  # lazy conjugate: stored bytes differ
+    neg = torch.randn(6, dtype=torch.complex64, generator=g).conj().imag  # lazy negation
+    tensors = [("bf16_scalar", torch.tensor(1.0, dtype=torch.bfloat16)), ("param", param), ("conj", conj), ("neg", neg)]
+    for target in (16, 1 << 20):  # oversized (sent alone) and packed, unaligned after the scalar
+        expected = [(n, t.detach().resolve_conj().resolve_neg()) for n, t in tensors]
+        _, received = round_trip(tensors, target=target)
+        assert_exact(expected, received)
