@@ -17,6 +17,7 @@ to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import itertools
@@ -195,6 +196,15 @@ def _barrier(rg: RefitGroup) -> None:
 # One rank.
 
 
+def _return_free_memory_to_os() -> None:
+    """glibc keeps freed heap memory (and raises its mmap threshold after large frees), so RSS would still count
+    buffers already released; trimming makes the model-only baseline honest. A no-op where glibc is absent."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
     """(wall seconds, CPU seconds of every thread of this rank, its peak memory) of one transfer."""
     _barrier(rg)
@@ -235,6 +245,7 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     # refit keeps its host buffers for the next call, so memory is measured against the RSS with the model alone
     # (buffers released), not against the RSS just before each refit.
     release_buffers()
+    _return_free_memory_to_os()
     probe = PeakMemory()
     probe.start()
     model_rss = probe.baseline_rss
@@ -427,14 +438,17 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
         ratios = {key: f"{value:.2f}x" for key, value in s["ratios"].items()}
         mem = s["memory"]
+        consumers = [m["refit_peak_extra_bytes_max"] for m in mem[1:] if m["refit_peak_extra_bytes_max"] is not None]
         producer = mem[0]["refit_peak_extra_bytes_max"]
-        consumer = max((m["refit_peak_extra_bytes_max"] or 0) for m in mem[1:])
+        consumer = max(consumers) if consumers else None
         rows.append(
             f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
             f"| {format_binary(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
             f"| {case['post']} | {cell('refit')} | {cell('limit')} | {cell('per_tensor')} "
             f"| {ratios.get('refit_over_limit', '-')} | {ratios.get('refit_speedup_over_per_tensor', '-')} "
-            f"| {format_binary(producer or 0)} / {format_binary(consumer)} |"
+            # Memory is measured by the --flat-refits runs; without them there is no figure.
+            f"| {'-' if producer is None else format_binary(producer)} / "
+            f"{'-' if consumer is None else format_binary(consumer)} |"
         )
     return head + rule + "\n".join(rows) + "\n"
 

@@ -125,3 +125,22 @@ def run_ranks(
         details = "\n".join(f"--- {f} ---\n{f.traceback}" for f in failures)
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
     return ordered
+
+
+def _play_scenarios(rank: int, world_size: int, port: int, scenarios: dict, ports: dict[str, int]) -> dict:
+    from refit_app.errors import RefitError
+
+    outcomes: dict[str, Any] = {}
+    for name, scenario in scenarios.items():
+        try:
+            outcomes[name] = scenario(rank, ports[name])
+        except RefitError as e:
+            outcomes[name] = e
+    return outcomes
+
+
+def play_scenarios(scenarios: dict[str, Callable[[int, int], Any]], world_size: int, timeout: float = 120.0) -> list:
+    """Run every ``scenario(rank, port)`` in turn on each rank of one spawned group of processes, each scenario on
+    its own port, paying the processes' start-up once. Returns per rank ``{name: result or RefitError raised}``."""
+    ports = {name: free_port() for name in scenarios}
+    return run_ranks(_play_scenarios, world_size, scenarios, ports, timeout=timeout)

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import RankFailure, free_port, run_ranks
+from mp_utils import RankFailure, free_port, play_scenarios, run_ranks
 
 from refit_app import groups
-from refit_app.errors import ConfigError, PeerError, RefitError
+from refit_app.errors import ConfigError, PeerError
 from refit_app.groups import Control, GroupSpec, _resolve_backend, connect
 
 FAIL_TIMEOUT_S = 5.0
@@ -100,20 +100,9 @@ SCENARIOS = {
 }
 
 
-def _play(rank: int, world_size: int, port: int, ports: dict[str, int]) -> dict:
-    outcomes = {}
-    for name, scenario in SCENARIOS.items():
-        try:
-            outcomes[name] = scenario(rank, ports[name])
-        except RefitError as e:
-            outcomes[name] = e
-    return outcomes
-
-
 @pytest.fixture(scope="module")
 def played() -> list[dict]:
-    ports = {name: free_port() for name in SCENARIOS}
-    return run_ranks(_play, 3, ports, timeout=120)
+    return play_scenarios(SCENARIOS, 3)
 
 
 def test_three_ranks_broadcast_from_any_source_and_gather(played):

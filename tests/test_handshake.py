@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mp_utils import free_port, run_ranks
+from mp_utils import play_scenarios
 
-from refit_app.errors import HandshakeError, PeerError, RefitError, SinkError
+from refit_app.errors import HandshakeError, PeerError, SinkError
 from refit_app.groups import GroupSpec, connect
 from refit_app.handshake import (
     accept_manifest,
@@ -122,19 +122,9 @@ SCENARIOS = {
 }
 
 
-def _play(rank: int, world_size: int, port: int, ports: dict[str, int]) -> dict:
-    outcomes = {}
-    for name, scenario in SCENARIOS.items():
-        try:
-            outcomes[name] = scenario(rank, ports[name])
-        except RefitError as e:
-            outcomes[name] = e
-    return outcomes
-
-
 @pytest.fixture(scope="module")
 def played() -> list[dict]:
-    return run_ranks(_play, 3, {name: free_port() for name in SCENARIOS}, timeout=120)
+    return play_scenarios(SCENARIOS, 3)
 
 
 def test_manifest_and_checksums_reach_every_consumer(played):
