@@ -37,12 +37,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from refit_app.errors import ConfigError, PeerError, RefitError
+from refit_app.packed_tensor import Work
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +99,6 @@ class GroupSpec:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-class Work(Protocol):
-    def wait(self) -> None: ...
 
 
 class _Poller:
@@ -463,13 +460,14 @@ class PyNcclBroadcastGroup:
         self._comm = None
 
 
-BroadcastGroup = TorchBroadcastGroup | PyNcclBroadcastGroup
+BackendGroup = TorchBroadcastGroup | PyNcclBroadcastGroup
+"""The groups :func:`connect` builds; each satisfies :class:`refit_app.packed_tensor.BroadcastGroup`."""
 
 
 class RefitGroup:
     """A connected rank: ``group`` moves tensors, ``control`` moves phase reports and errors."""
 
-    def __init__(self, spec: GroupSpec, backend: str, group: BroadcastGroup, control: Control) -> None:
+    def __init__(self, spec: GroupSpec, backend: str, group: BackendGroup, control: Control) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.world_size = spec.world_size
@@ -810,7 +808,7 @@ def _make_pynccl_group(store: dist.Store, spec: GroupSpec, control: Control) -> 
     return PyNcclBroadcastGroup(comm, device, control)
 
 
-def _make_group(backend: str, store: dist.Store, spec: GroupSpec, control: Control) -> BroadcastGroup:
+def _make_group(backend: str, store: dist.Store, spec: GroupSpec, control: Control) -> BackendGroup:
     timeout = timedelta(seconds=spec.timeout_s)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(dist.PrefixStore("refit/gloo", store), spec.rank, spec.world_size, timeout)

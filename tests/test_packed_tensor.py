@@ -397,3 +397,30 @@ def test_parameters_and_lazy_views_travel_as_their_values():
         expected = [(n, t.detach().resolve_conj().resolve_neg()) for n, t in tensors]
         _, received = round_trip(tensors, target=target)
         assert_exact(expected, received)
+
+
+def test_signatures_keep_the_spec():
+    """Names, order and defaults of ../shared/spec/packed_tensor_api.txt; additions only keyword-only with defaults."""
+    import inspect
+
+    def shape(fn):
+        return [(p.name, p.kind.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    POS, KW, empty = "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY", inspect.Parameter.empty
+    assert shape(get_target_packed_tensor_size) == [] and shape(get_num_buffers) == []
+    producer = shape(packed_broadcast_producer)
+    assert producer[:7] == [
+        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("post_iter_func", POS, empty),
+        ("buffer_size_bytes", KW, None), ("num_buffers", KW, None), ("use_legacy_packing", KW, False),
+    ]
+    batches = shape(_packed_broadcast_consumer_batches)
+    assert batches[:4] == [("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("num_buffers", KW, None)]
+    consumer = shape(packed_broadcast_consumer)
+    assert consumer[:6] == [
+        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("post_unpack_func", POS, empty),
+        ("return_iterator", POS, False), ("num_buffers", KW, None),
+    ]
+    for extra in producer[7:] + batches[4:] + consumer[6:]:
+        assert extra[1] == KW and extra[2] is not empty, extra
+    assert ("buffer_size_bytes", KW, None) in consumer and ("use_legacy_packing", KW, False) in consumer
+    assert ("buffer_size_bytes", KW, None) in batches and ("use_legacy_packing", KW, False) in batches
