@@ -71,6 +71,7 @@ class _Transfer:
         self.bytes = 0
         self.chunks = 0
         self.broadcasts = 0
+        self._sends_empty_chunks = manifest.use_legacy_packing  # legacy mode broadcasts them, as vLLM does
         self._progress = (
             Progress(manifest.total_bytes, _count_chunks(manifest), label, stream=sys.stderr) if show_progress else None
         )
@@ -78,7 +79,7 @@ class _Transfer:
     def on_chunk(self, nbytes: int, ntensors: int) -> None:
         self.bytes += nbytes
         self.chunks += 1
-        self.broadcasts += nbytes > 0
+        self.broadcasts += nbytes > 0 or self._sends_empty_chunks
         if self._progress is not None:
             self._progress.update(nbytes)
 
