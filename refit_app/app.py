@@ -12,9 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from refit_app.config import DEFAULT_PORT, RunSettings, resolved_yaml, validate
-from refit_app.errors import RefitError
-from refit_app.metrics import error_line, summary_line, write_atomic, write_metrics
+from refit_app.config import RunSettings, resolved_yaml, validate
+from refit_app.errors import RefitError, one_line
+from refit_app.files import write_atomic
+from refit_app.metrics import summary_line, write_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,9 @@ def _with_job_port(s: RunSettings) -> RunSettings:
     still in TIME_WAIT, and a producer sweep and a consumer sweep started with the same arguments pair up job by
     job. ``role=local`` picks a free port per job anyway."""
     job = _sweep_job_num()
-    if job is None or s.port is None and s.role == "local":
+    if job is None or s.group.port is None:
         return s
-    return replace(s, port=(DEFAULT_PORT if s.port is None else s.port) + job)
+    return replace(s, group=replace(s.group, port=s.group.port + job))
 
 
 def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     settings = _with_job_port(validate(cfg))
     # Imported here, not at the top: roles pulls in torch (seconds on a small machine), which `--help`, `--cfg`
     # and a refused config never need.
-    from refit_app.roles import ROLE_RUNNERS
+    from refit_app.roles import run_role
 
     if output_dir is None and HydraConfig.initialized():
         output_dir = HydraConfig.get().runtime.output_dir
@@ -57,14 +58,14 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(output_dir) / RESOLVED_CONFIG_FILE, resolved_yaml(cfg).encode())
     try:
-        metrics = ROLE_RUNNERS[settings.role](settings)
+        metrics = run_role(settings)
     except RefitError as e:
         metrics = getattr(e, "metrics", None) or {"role": settings.role, "rank": settings.rank}
         metrics.update(status="failed", error=str(e))
         _report(metrics, output_dir)
         raise
     except Exception as e:
-        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": error_line(e)}, output_dir)
+        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": one_line(e, with_type=True)}, output_dir)
         raise
     _report(metrics, output_dir)
     return metrics

@@ -23,15 +23,11 @@ import gc
 import itertools
 import json
 import logging
-import multiprocessing as mp
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,9 +35,11 @@ from typing import Any
 
 import torch
 
+from refit_app.files import write_atomic
 from refit_app.groups import GroupSpec, RefitGroup, connect
+from refit_app.launch import free_port, run_ranks
 from refit_app.manifest import TensorMeta
-from refit_app.metrics import PeakMemory, format_binary, format_bytes, write_atomic
+from refit_app.metrics import PeakMemory
 from refit_app.packed_tensor import (
     chunk_ids,
     get_num_buffers,
@@ -51,8 +49,9 @@ from refit_app.packed_tensor import (
     packed_broadcast_producer,
     release_buffers,
 )
-from refit_app.sizes import parse_size
-from refit_app.sources import PRESETS, SyntheticSource
+from refit_app.presets import PRESETS
+from refit_app.sizes import format_decimal, format_size, parse_size
+from refit_app.sources import SyntheticSource
 
 logger = logging.getLogger(__name__)
 
@@ -267,69 +266,26 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     }
 
 
-def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], results: Any) -> None:
-    """Entry point of one spawned rank: every case of this world size, then ("ok"|"failed", rank, payload)."""
+def _rank_main(rank: int, world_size: int, port: int, cases: list[Case]) -> list[dict[str, Any]]:
+    """Entry point of one spawned rank: every case of this world size on one group."""
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    try:
-        spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=COLLECTIVE_TIMEOUT_S)
-        with connect(spec) as rg:
-            payload: Any = [_run_case(rg, case) for case in cases]
-        results.put(("ok", rank, payload))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
-        results.put(("failed", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        results.close()
-        results.join_thread()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=COLLECTIVE_TIMEOUT_S)
+    with connect(spec) as rg:
+        return [_run_case(rg, case) for case in cases]
 
 
 def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]]:
     """Run ``cases`` (all with the same consumer count) on one group; per-rank results, in rank order."""
     world_size = cases[0].consumers + 1
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, cases, results), name=f"bench-rank{r}")
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, Any] = {}
-    failures: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outcomes) + len(failures) < world_size:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the benchmark did not finish within --timeout-s={timeout_s:g}; raise it")
-            try:
-                status, rank, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
-                if dead and not failures:
-                    failures.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                    break
-                continue
-            if status == "ok":
-                outcomes[rank] = payload
-            else:
-                failures.append(f"rank {rank}: {payload}")
-                break  # the other ranks fail with it (their collectives break); no point waiting for them
-    finally:
-        for p in procs:
-            p.join(_CHILD_EXIT_S if not failures else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join(_CHILD_EXIT_S)
-        results.close()
-    if failures:
-        raise RuntimeError("benchmark rank failed: " + failures[0])
-    return [outcomes[r] for r in range(world_size)]
+    # A failed rank breaks the others' collectives at once: no point waiting for them.
+    outcomes = run_ranks(_rank_main, world_size, (world_size, free_port(), cases), timeout_s=timeout_s,
+                         grace_s=_CHILD_EXIT_S, name="bench-rank")
+    failed = next((o for o in outcomes if not o.ok), None)
+    if failed is not None:
+        if failed.exc_type == "Timeout":
+            raise TimeoutError(f"the benchmark did not finish within --timeout-s={timeout_s:g}; raise it")
+        raise RuntimeError(f"benchmark rank failed: {failed}\n{failed.traceback}")
+    return [o.value for o in outcomes]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -415,7 +371,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def _size_label(summary: dict[str, Any]) -> str:
-    return format_bytes(summary["bytes"])
+    return format_decimal(summary["bytes"])
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
@@ -443,12 +399,12 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         consumer = max(consumers) if consumers else None
         rows.append(
             f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
-            f"| {format_binary(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
+            f"| {format_size(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
             f"| {case['post']} | {cell('refit')} | {cell('limit')} | {cell('per_tensor')} "
             f"| {ratios.get('refit_over_limit', '-')} | {ratios.get('refit_speedup_over_per_tensor', '-')} "
             # Memory is measured by the --flat-refits runs; without them there is no figure.
-            f"| {'-' if producer is None else format_binary(producer)} / "
-            f"{'-' if consumer is None else format_binary(consumer)} |"
+            f"| {'-' if producer is None else format_size(producer)} / "
+            f"{'-' if consumer is None else format_size(consumer)} |"
         )
     return head + rule + "\n".join(rows) + "\n"
 
@@ -473,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 1GB for llama presets, natural for lora)")
     p.add_argument("--buffer-size", nargs="+", default=None,
                    help="packed buffer target, e.g. 64MiB (default: get_target_packed_tensor_size(), "
-                        f"{format_binary(get_target_packed_tensor_size())} here)")
+                        f"{format_size(get_target_packed_tensor_size())} here)")
     p.add_argument("--num-buffers", nargs="+", type=int, default=None,
                    help=f"buffers in flight (default: get_num_buffers(), {get_num_buffers()} here)")
     p.add_argument("--consumers", nargs="+", type=int, default=[1], help="consumer processes (default: 1)")
@@ -558,11 +514,11 @@ def _memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
             who = "producer" if m["rank"] == 0 else f"consumer {m['rank']}"
             yield (
                 f"{case['preset']} {_size_label(s)} {who}: peak above model over {m['flat_refits']} refits: "
-                f"first {format_binary(m['first_peak_extra_bytes'] or 0)}, "
-                f"last {format_binary(m['last_peak_extra_bytes'] or 0)}, "
-                f"max {format_binary(m['max_peak_extra_bytes'])} (bound {format_binary(s['memory_bound_bytes'])}); "
-                f"RSS before refit 2 {format_binary(m['second_baseline_rss_bytes'] or 0)}, "
-                f"before refit {m['flat_refits']} {format_binary(m['last_baseline_rss_bytes'] or 0)}"
+                f"first {format_size(m['first_peak_extra_bytes'] or 0)}, "
+                f"last {format_size(m['last_peak_extra_bytes'] or 0)}, "
+                f"max {format_size(m['max_peak_extra_bytes'])} (bound {format_size(s['memory_bound_bytes'])}); "
+                f"RSS before refit 2 {format_size(m['second_baseline_rss_bytes'] or 0)}, "
+                f"before refit {m['flat_refits']} {format_size(m['last_baseline_rss_bytes'] or 0)}"
             )
 
 

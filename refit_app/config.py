@@ -12,17 +12,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from refit_app.errors import ConfigError
+from refit_app.environment import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.errors import ConfigError, one_line
+from refit_app.presets import PRESETS, SYNTHETIC_DTYPES
+from refit_app.settings import (
+    DEFAULT_PORT,
+    GroupSpec,
+    RefitSpec,
+    SinkSpec,
+    SourceSpec,
+    is_int,
+    show,
+)
 from refit_app.sizes import parse_size
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -30,17 +39,6 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 package)."""
 
 CONFIG_NAME = "config"
-
-# The same names as refit_app.groups.BACKENDS and refit_app.sources.PRESETS (a test keeps them equal); repeated
-# here so that checking a config does not import torch.
-BACKENDS = ("auto", "gloo", "nccl", "pynccl")
-SYNTHETIC_PRESETS = ("tiny", "llama-1b", "llama-8b", "qwen-0.5b", "lora")
-SYNTHETIC_DTYPES = ("bfloat16", "float16", "float32", "float64")
-
-DEFAULT_PORT = 29500
-"""Rendezvous port of a producer/consumer run when ``group.port`` is null (``role=local`` picks a free one)."""
-
-NUM_BUFFERS_ENV = "NRL_REFIT_NUM_BUFFERS"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Schema. Field docstrings are the reference for every key; README lists the same keys.
@@ -93,7 +91,7 @@ class Refit:
     buffer_size_bytes: Optional[str] = None
     """Target packed-buffer size: bytes or a size such as 256MiB, 1GiB, 64MB. null: the library default on a
     producer; the producer's value on a consumer."""
-    num_buffers: int = II(f"oc.env:{NUM_BUFFERS_ENV},2")
+    num_buffers: int = II(f"oc.env:{NUM_BUFFERS_ENV},{DEFAULT_NUM_BUFFERS}")
     """How many buffers are in flight at once; each side chooses its own."""
     use_legacy_packing: Optional[bool] = False
     """true: vLLM-compatible chunks. null (a consumer's default): adopt the producer's mode."""
@@ -121,14 +119,18 @@ class Group:
 
 @dataclass
 class Source:
-    """Where the producer's weights come from (the ``source`` config group)."""
+    """Where the producer's weights come from (the ``source`` config group). A source of your own is a config
+    file with ``_target_: your.module.YourSource`` and its keyword arguments (see README, "Plug in your own")."""
 
+    _target_: str = MISSING
+    """The class that builds the source, called with the other keys as keyword arguments."""
     kind: str = MISSING
-    """synthetic or safetensors; set by the chosen ``source=`` option."""
+    """The built-in source's name, set by the chosen ``source=`` option."""
 
 
 @dataclass
 class SyntheticSource(Source):
+    _target_: str = "refit_app.sources.SyntheticSource"
     kind: str = "synthetic"
     preset: str = "tiny"
     """Model shape: tiny, llama-1b, llama-8b, qwen-0.5b or lora (thousands of small adapter matrices)."""
@@ -142,6 +144,7 @@ class SyntheticSource(Source):
 
 @dataclass
 class SafetensorsSource(Source):
+    _target_: str = "refit_app.sources.SafetensorsSource"
     kind: str = "safetensors"
     path: str = MISSING
     """A .safetensors file or a Hugging Face model directory (sharded or not)."""
@@ -149,19 +152,24 @@ class SafetensorsSource(Source):
 
 @dataclass
 class Sink:
-    """What a consumer does with the tensors it receives (the ``sink`` config group)."""
+    """What a consumer does with the tensors it receives (the ``sink`` config group). A sink of your own is a
+    config file with ``_target_: your.module.YourSink`` and its keyword arguments."""
 
+    _target_: str = MISSING
+    """The class that builds the sink, called with the other keys as keyword arguments."""
     kind: str = MISSING
-    """verify, save or discard; set by the chosen ``sink=`` option."""
+    """The built-in sink's name, set by the chosen ``sink=`` option."""
 
 
 @dataclass
 class VerifySink(Sink):
+    _target_: str = "refit_app.sinks.VerifySink"
     kind: str = "verify"
 
 
 @dataclass
 class SaveSink(Sink):
+    _target_: str = "refit_app.sinks.SaveSink"
     kind: str = "save"
     path: str = MISSING
     """Directory that receives the checkpoint in Hugging Face layout (created if absent)."""
@@ -169,6 +177,7 @@ class SaveSink(Sink):
 
 @dataclass
 class DiscardSink(Sink):
+    _target_: str = "refit_app.sinks.DiscardSink"
     kind: str = "discard"
 
 
@@ -179,8 +188,10 @@ class Config:
     role: Role = MISSING
     refit: Refit = field(default_factory=Refit)
     group: Group = field(default_factory=Group)
-    source: Source = MISSING
-    sink: Sink = MISSING
+    source: Any = MISSING
+    """A built-in source schema, or a user's node with ``_target_``."""
+    sink: Any = MISSING
+    """A built-in sink schema, or a user's node with ``_target_``."""
 
 
 _GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -205,13 +216,6 @@ def register_schemas() -> None:
 register_schemas()
 
 
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The config ``python -m refit_app <overrides>`` would run with (without the ``hydra`` node), for tests and
-    experiment scripts."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
-
-
 def resolved_yaml(cfg: DictConfig) -> str:
     """The config actually used, interpolations resolved, as saved beside metrics.json."""
     return OmegaConf.to_yaml(cfg, resolve=True)
@@ -224,35 +228,31 @@ def resolved_yaml(cfg: DictConfig) -> str:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Every setting of a run as plain Python values, checked; what the application runs with."""
+    """Every setting of a run, checked; what the application runs with."""
 
     role: str
-    num_consumers: int
-    """Consumers in the group (world_size - 1)."""
-    buffer_size_bytes: int | None
-    """None: the library default (producer), the producer's value (consumer)."""
-    buffer_size_explicit: bool
-    """Whether refit.buffer_size_bytes was set: a consumer then insists on it at the handshake."""
-    num_buffers: int
-    use_legacy_packing: bool
-    legacy_explicit: bool
-    """Whether refit.use_legacy_packing was set (not null): a consumer then insists on it at the handshake."""
-    corrupt_chunk: int | None
-    backend: str
-    host: str
-    port: int | None
-    """None only for role=local: pick a free port."""
-    world_size: int
-    rank: int
-    """This process's rank; 0 for role=local, whose consumers take 1..world_size-1."""
-    timeout_s: float
-    source_kind: str
-    source_params: Mapping[str, Any]
-    """Keyword arguments of ``sources.make_source``: synthetic ``preset``, ``size`` (bytes or None), ``seed``,
-    ``dtype`` (a name); safetensors ``path``."""
-    sink_kind: str
-    sink_path: Path | None
+    group: GroupSpec
+    """``group.port`` is None only for role=local, whose launcher picks a free port; rank 0 for role=local."""
+    refit: RefitSpec
+    source: SourceSpec | None
+    """None where this role reads no source (a consumer)."""
+    sink: SinkSpec | None
+    """None where this role feeds no sink (a producer)."""
+    sink_name: str | None = None
+    """The built-in sink's name (verify, save, discard), or the user's class path; for metrics."""
 
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this consumer checks the producer's checksums (asks the producer to send them)."""
+        return self.sink is not None and self.sink.target == VerifySink._target_
+
+
+CUSTOM = "custom"
+"""What ``Checker.option`` returns for a user's own ``_target_`` source or sink."""
 
 _ABSENT = object()
 _ENV_REF = re.compile(r"oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)")
@@ -266,7 +266,7 @@ class _Checker:
         self.errors: list[str] = []
 
     def fail(self, key: str, value: Any, allowed: str) -> None:
-        self.errors.append(f"{key}={_show(value)} is invalid: {allowed}")
+        self.errors.append(f"{key}={show(value)} is invalid: {allowed}")
 
     def get(self, key: str, required: bool = True, allowed: str = "") -> Any:
         """The value at ``key``, or ``_ABSENT`` after recording why it cannot be read.
@@ -285,15 +285,15 @@ class _Checker:
             if env is not None:
                 raw = os.environ.get(env)
                 problem = " is not set" if raw is None else f"={raw!r} is invalid"
-                self.errors.append(f"{key}: environment variable {env}{problem}: {allowed or _squeeze(str(e))}")
+                self.errors.append(f"{key}: environment variable {env}{problem}: {allowed or one_line(e)}")
             else:
-                self.errors.append(f"{key} cannot be read: {_squeeze(str(e))}")
+                self.errors.append(f"{key} cannot be read: {one_line(e)}")
             return _ABSENT
         if value is _ABSENT:
             self.errors.append(f"{key} is not in the config (was conf/ changed?)")
         return value
 
-    def option(self, group: str, field_name: str) -> Any:
+    def option(self, group: str, field_name: str, *, custom_allowed: bool = False) -> Any:
         """The option name a group node records (role.name, source.kind), checked against the option chosen.
 
         Overriding e.g. role.name=producer while role=local is selected would run one role with another's
@@ -304,6 +304,9 @@ class _Checker:
         if OmegaConf.is_missing(self.cfg, group):
             self.errors.append(f"no {group} chosen: add {group}=<option>, {_one_of(tuple(options))}")
             return _ABSENT
+        if custom_allowed and OmegaConf.get_type(OmegaConf.select(self.cfg, group)) not in options.values():
+            # A user's own source or sink: a node with _target_ and no schema of ours.
+            return CUSTOM if self.get(f"{group}._target_") is not _ABSENT else _ABSENT
         value = self.get(key)
         node = OmegaConf.select(self.cfg, group)
         chosen = next((name for name, schema in options.items() if OmegaConf.get_type(node) is schema), None)
@@ -343,27 +346,6 @@ class _Checker:
         return match.group(1) if match else None
 
 
-def _show(value: Any) -> str:
-    """A value as the user would type it back: strings quoted, None as null."""
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
-
-
-def _squeeze(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
 def _one_of(options: tuple[str, ...]) -> str:
     return "choose one of " + ", ".join(options)
 
@@ -378,58 +360,34 @@ def validate(cfg: DictConfig) -> RunSettings:
 
     role = c.option("role", "name")
     num_consumers = c.get("role.num_consumers") if role == "local" else None
-    if role == "local" and num_consumers is not _ABSENT and not (_is_int(num_consumers) and num_consumers >= 1):
+    if role == "local" and num_consumers is not _ABSENT and not (is_int(num_consumers) and num_consumers >= 1):
         c.fail("role.num_consumers", num_consumers, "must be an integer >= 1")
 
+    refit = _check_refit(c)
+    group = _check_group(c, role, num_consumers)
+    source = _check_source(c, needed=role in ("local", "producer"))
+    sink, sink_name = _check_sink(c, needed=role in ("local", "consumer"))
+
+    if c.errors:
+        raise ConfigError("; ".join(c.errors))
+    return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name)
+
+
+def _check_refit(c: _Checker) -> RefitSpec | None:
     buffer_size = _size(c, "refit.buffer_size_bytes")
     num_buffers = c.get("refit.num_buffers", allowed="must be an integer >= 1")
-    if num_buffers is not _ABSENT and not (_is_int(num_buffers) and num_buffers >= 1):
+    if num_buffers is not _ABSENT and not (is_int(num_buffers) and num_buffers >= 1):
         c.fail("refit.num_buffers", num_buffers, "must be an integer >= 1" + c.env_note("refit.num_buffers"))
     legacy = c.get("refit.use_legacy_packing")
     if legacy not in (None, _ABSENT) and not isinstance(legacy, bool):
         c.fail("refit.use_legacy_packing", legacy, "must be true, false or null (a consumer: adopt the producer's)")
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
-    if corrupt_chunk not in (None, _ABSENT) and not (_is_int(corrupt_chunk) and corrupt_chunk >= 0):
+    if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
         c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
-
-    backend = c.get("group.backend")
-    if backend is not _ABSENT and backend not in BACKENDS:
-        c.fail("group.backend", backend, _one_of(BACKENDS))
-    host = c.get("group.host")
-    if host is not _ABSENT and not (isinstance(host, str) and host.strip()):
-        c.fail("group.host", host, "must be the producer's host name or IP address")
-    port = c.get("group.port")
-    if port not in (None, _ABSENT) and not (_is_int(port) and 1 <= port <= 65535):
-        c.fail("group.port", port, "must be a port number in 1..65535 (or null)")
-    timeout_s = c.get("group.timeout_s")
-    if timeout_s is not _ABSENT and not _is_positive_number(timeout_s):
-        c.fail("group.timeout_s", timeout_s, "must be a number of seconds > 0")
-    world_size, rank = _check_ranks(c, role, num_consumers)
-
-    source_kind, source_params = _check_source(c, needed=role in ("local", "producer"))
-    sink_kind, sink_path = _check_sink(c, needed=role in ("local", "consumer"))
-
     if c.errors:
-        raise ConfigError("; ".join(c.errors))
-    return RunSettings(
-        role=role,
-        num_consumers=world_size - 1,
-        buffer_size_bytes=buffer_size,
-        buffer_size_explicit=buffer_size is not None,
-        num_buffers=num_buffers,
-        use_legacy_packing=bool(legacy),
-        legacy_explicit=legacy is not None,
-        corrupt_chunk=corrupt_chunk,
-        backend=backend,
-        host=host,
-        port=DEFAULT_PORT if port is None and role != "local" else port,
-        world_size=world_size,
-        rank=rank,
-        timeout_s=float(timeout_s),
-        source_kind=source_kind,
-        source_params=dict(source_params),
-        sink_kind=sink_kind,
-        sink_path=sink_path,
+        return None
+    return RefitSpec(
+        buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, corrupt_chunk=corrupt_chunk
     )
 
 
@@ -445,74 +403,92 @@ def _size(c: _Checker, key: str) -> int | None:
         return None
 
 
-def _check_ranks(c: _Checker, role: Any, num_consumers: Any) -> tuple[int, int]:
-    """The world size and this process's rank, each checked against the role."""
-    world_size = c.get("group.world_size")
-    rank = c.get("group.rank")
-    if role is _ABSENT:
+def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
+    """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
+    values = {key: c.get(f"group.{key}") for key in ("backend", "host", "port", "world_size", "rank", "timeout_s")}
+    if _ABSENT in values.values() or role is _ABSENT:
         # Which ranks are valid depends on the role; its own error already tells the user what to fix.
-        return 2, 0
+        return None
+    world_size, rank = values["world_size"], values["rank"]
     if role == "local":
         # A local run starts every rank itself, so the group's shape follows from role.num_consumers.
-        expected = 1 + num_consumers if _is_int(num_consumers) else None
-        if world_size not in (None, _ABSENT, expected):
+        expected = 1 + num_consumers if is_int(num_consumers) else None
+        if world_size not in (None, expected):
             c.fail("group.world_size", world_size,
-                   f"role=local runs 1 producer + role.num_consumers={_show(num_consumers)} consumers; "
-                   f"leave it null")
-        if rank not in (None, _ABSENT):
+                   f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null")
+        if rank is not None:
             c.fail("group.rank", rank, "role=local assigns ranks itself; leave it null")
-        return expected or 2, 0
-    if world_size is not _ABSENT and not (_is_int(world_size) and world_size >= 2):
-        c.fail("group.world_size", world_size, "must be an integer >= 2 (the producer and at least one consumer)")
-    known_size = world_size if _is_int(world_size) and world_size >= 2 else None
-    if role == "producer":
-        if rank not in (0, None, _ABSENT):
+        values.update(world_size=expected or 2, rank=0)
+    else:
+        if values["port"] is None:
+            values["port"] = DEFAULT_PORT
+        known_size = world_size if is_int(world_size) and world_size >= 2 else None
+        if role == "producer" and rank not in (0, None):
             c.fail("group.rank", rank, "the producer is rank 0")
-        return known_size or 2, 0
-    if role == "consumer" and rank is not _ABSENT:
-        top = known_size - 1 if known_size else None
-        if not _is_int(rank) or rank < 1 or (top is not None and rank > top):
-            span = f"1..{top}" if top else "1..world_size-1"
-            c.fail("group.rank", rank,
-                   f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
-                   f"{_show(known_size)})")
-    return known_size or 2, rank if _is_int(rank) else 0
+        if role == "consumer":
+            top = known_size - 1 if known_size else None
+            if not is_int(rank) or rank < 1 or (top is not None and rank > top):
+                span = f"1..{top}" if top else "1..world_size-1"
+                c.fail("group.rank", rank,
+                       f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
+                       f"{show(known_size)})")
+        if role == "producer" or not (is_int(rank) and known_size and 1 <= rank < known_size):
+            values["rank"] = 0  # refused above where it matters; GroupSpec checks the rest
+    try:
+        return GroupSpec(**values)
+    except ConfigError as e:
+        c.errors.append(str(e))
+        return None
 
 
-def _check_source(c: _Checker, needed: bool) -> tuple[str, dict[str, Any]]:
-    """The source kind and its keyword arguments; a path is required only where the source is read."""
-    kind = c.option("source", "kind")
+def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
+    """The source and its keyword arguments; a path is required only where the source is read."""
+    kind = c.option("source", "kind", custom_allowed=True)
+    if kind is _ABSENT or not needed and kind != "synthetic":
+        return None
+    node = OmegaConf.select(c.cfg, "source")
+    target = c.get("source._target_")
     if kind == "synthetic":
         preset = c.get("source.preset")
-        if preset is not _ABSENT and preset not in SYNTHETIC_PRESETS:
-            c.fail("source.preset", preset, _one_of(SYNTHETIC_PRESETS))
+        if preset is not _ABSENT and preset not in PRESETS:
+            c.fail("source.preset", preset, _one_of(tuple(PRESETS)))
         size_bytes = _size(c, "source.size")
         seed = c.get("source.seed")
-        if seed is not _ABSENT and not (_is_int(seed) and seed >= 0):
+        if seed is not _ABSENT and not (is_int(seed) and seed >= 0):
             c.fail("source.seed", seed, "must be an integer >= 0")
         dtype = c.get("source.dtype")
         if dtype is not _ABSENT and dtype not in SYNTHETIC_DTYPES:
             c.fail("source.dtype", dtype, _one_of(SYNTHETIC_DTYPES))
-        return kind, {"preset": preset, "size": size_bytes, "seed": seed, "dtype": dtype}
-    if kind == "safetensors":
-        path = c.get("source.path", required=needed)
-        if path is _ABSENT:
-            return kind, {"path": None}
-        if needed and not Path(path).exists():
+        params = {"preset": preset, "size_bytes": size_bytes, "seed": seed, "dtype": dtype}
+    elif kind == "safetensors":
+        path = c.get("source.path")
+        if path is not _ABSENT and not Path(path).exists():
             c.fail("source.path", path, "no such file or directory; give a .safetensors file or a model directory")
-        return kind, {"path": Path(path)}
-    return "", {}
+        params = {"path": path}
+    else:
+        params = _user_params(node)
+    return SourceSpec(target, params)
 
 
-def _check_sink(c: _Checker, needed: bool) -> tuple[str, Path | None]:
-    """The sink kind and its directory; a path is required only where the sink is used."""
-    kind = c.option("sink", "kind")
-    if kind != "save":
-        return ("" if kind is _ABSENT else kind), None
-    path = c.get("sink.path", required=needed)
-    if path is _ABSENT:
-        return kind, None
-    if not path.strip():
-        c.fail("sink.path", path, "must name the directory to write the checkpoint into")
-        return kind, None
-    return kind, Path(path)
+def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]:
+    """The sink, its keyword arguments and its name; a path is required only where the sink is used."""
+    kind = c.option("sink", "kind", custom_allowed=True)
+    if kind is _ABSENT or not needed:
+        return None, None
+    node = OmegaConf.select(c.cfg, "sink")
+    target = c.get("sink._target_")
+    if kind == "save":
+        path = c.get("sink.path")
+        if path is not _ABSENT and not path.strip():
+            c.fail("sink.path", path, "must name the directory to write the checkpoint into")
+        return SinkSpec(target, {"path": path}), kind
+    if kind == CUSTOM:
+        return SinkSpec(target, _user_params(node)), target
+    return SinkSpec(target, {}), kind
+
+
+def _user_params(node: DictConfig) -> dict[str, Any]:
+    """A user's own source or sink: every key but ``_target_``, resolved, as keyword arguments."""
+    params = OmegaConf.to_container(node, resolve=True)
+    params.pop("_target_", None)
+    return params

@@ -1,5 +1,7 @@
 """Errors a user can cause or fix. Each one is reported as a single line, without a traceback."""
 
+import re
+
 
 class RefitError(Exception):
     """A refit failed for a reason the user can act on (bad input, a lost peer, a mismatch)."""
@@ -27,3 +29,27 @@ class SourceError(RefitError):
 
 class SinkError(RefitError):
     """The received weights cannot be stored."""
+
+
+MAX_ERROR_CHARS = 500
+"""Longest error line that metrics, summaries and logs show; the rest is elided."""
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def one_line(error: BaseException | str, *, with_type: bool = False) -> str:
+    """An error as the single line users see: every line of the message joined, c10d's source location and
+    advice boilerplate dropped, at most ``MAX_ERROR_CHARS`` long. ``with_type`` prefixes the exception's class
+    name, for errors that are not a :class:`RefitError` (whose messages are written to stand alone)."""
+    text = str(error)
+    text = _SOURCE_LOCATION.sub("", text.strip())
+    text = text.split(" This is typically caused")[0]
+    text = "; ".join(" ".join(line.split()) for line in text.splitlines() if line.strip())
+    if isinstance(error, BaseException):
+        if not text:
+            return type(error).__name__
+        if with_type:
+            text = f"{type(error).__name__}: {text}"
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 3] + "..."
+    return text

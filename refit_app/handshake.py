@@ -4,7 +4,7 @@ Sequence, over one :class:`~refit_app.groups.RefitGroup`::
 
     producer                                  consumer
     send_manifest(rg, m)  --- length, bytes --> recv_manifest(rg)
-                                                check_settings(m, ...)   (or accept_manifest)
+                                                accept_manifest(rg, ...)  (check, prepare)
         gather "handshake" <--- report -------- ack(rg, error)
     ... packed broadcast of the data ...
     send_checksums(rg, crcs) --- trailer -----> recv_checksums(rg, n)
@@ -17,12 +17,15 @@ and both values; ``finish`` makes sure no rank reports success for a refit that 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from refit_app.errors import HandshakeError
-from refit_app.groups import PRODUCER_RANK, RefitGroup
+from refit_app.errors import HandshakeError, RefitError
+from refit_app.groups import RefitGroup
 from refit_app.manifest import Manifest
+from refit_app.settings import PRODUCER_RANK
+from refit_app.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +79,6 @@ def recv_manifest(rg: RefitGroup) -> Manifest:
         raise
 
 
-def _format_size(n: int) -> str:
-    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= unit:
-            return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"
-    return f"{n} B"
-
-
 def check_settings(
     manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None
 ) -> None:
@@ -95,8 +91,8 @@ def check_settings(
     if buffer_size_bytes is not None and buffer_size_bytes != manifest.buffer_size_bytes:
         differences.append(
             "refit.buffer_size_bytes differs: producer "
-            f"{_format_size(manifest.buffer_size_bytes)} ({manifest.buffer_size_bytes}), "
-            f"this consumer {_format_size(buffer_size_bytes)} ({buffer_size_bytes})"
+            f"{format_size(manifest.buffer_size_bytes)} ({manifest.buffer_size_bytes}), "
+            f"this consumer {format_size(buffer_size_bytes)} ({buffer_size_bytes})"
         )
     if use_legacy_packing is not None and use_legacy_packing != manifest.use_legacy_packing:
         differences.append(
@@ -122,13 +118,23 @@ def ack(rg: RefitGroup, error: str | None) -> None:
 
 
 def accept_manifest(
-    rg: RefitGroup, *, buffer_size_bytes: int | None = None, use_legacy_packing: bool | None = None
+    rg: RefitGroup,
+    *,
+    buffer_size_bytes: int | None = None,
+    use_legacy_packing: bool | None = None,
+    prepare: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
-    """Consumer: receive, check and acknowledge the manifest in one call."""
+    """Consumer: receive, check and acknowledge the manifest in one call.
+
+    ``prepare`` (a sink's ``begin``, say) runs on the accepted manifest before the acknowledgement: whatever it
+    raises is reported to every rank as this consumer's refusal, so nobody starts a transfer that cannot land.
+    """
     manifest = recv_manifest(rg)
     try:
         check_settings(manifest, buffer_size_bytes=buffer_size_bytes, use_legacy_packing=use_legacy_packing)
-    except HandshakeError as e:
+        if prepare is not None:
+            prepare(manifest)
+    except RefitError as e:
         ack(rg, str(e))
         raise
     ack(rg, None)

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from refit_app.files import write_atomic
+from refit_app.sizes import format_decimal, format_size
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
@@ -56,7 +59,6 @@ EXTRA_METRICS_KEYS: dict[str, str] = {
 
 # Enough digits to compare runs, few enough that a diff of two metrics.json files is readable.
 _SIGNIFICANT_DIGITS = 5
-_MAX_ERROR_CHARS = 500
 
 _PROC_STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -198,17 +200,6 @@ def gb_per_s(nbytes: int, seconds: float) -> float | None:
     return nbytes / 1e9 / seconds
 
 
-def error_line(exc: BaseException) -> str:
-    """An exception as the single line that metrics, summaries and logs show."""
-    text = " ".join(str(exc).split())
-    if not text:
-        return type(exc).__name__
-    line = f"{type(exc).__name__}: {text}"
-    if len(line) > _MAX_ERROR_CHARS:
-        return line[: _MAX_ERROR_CHARS - 3] + "..."
-    return line
-
-
 def overall_verified(metrics: Mapping[str, Any]) -> bool | None:
     """The run's verdict: its own ``verified``, or for role=local without one, the consumers' combined."""
     verified = metrics.get("verified")
@@ -234,20 +225,6 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` in one step, so a reader (or a crash) never sees a half-written file."""
-    # Unique per process and thread, as sweep jobs may rebuild the same summary at once; opened
-    # normally (not mkstemp) so the file gets the user's umask instead of 0600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_metrics(path_dir: str | os.PathLike[str], metrics: Mapping[str, Any]) -> Path:
     """Write ``metrics.json`` into ``path_dir`` (see METRICS_KEYS); returns its path."""
     path = Path(path_dir) / METRICS_FILE
@@ -258,26 +235,6 @@ def write_metrics(path_dir: str | os.PathLike[str], metrics: Mapping[str, Any]) 
     return path
 
 
-def _number(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
-
-
-def format_bytes(nbytes: float) -> str:
-    """Decimal units, as throughput is quoted: ``1.07 GB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{_number(nbytes / scale)} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def format_binary(nbytes: float) -> str:
-    """Binary units, as buffer sizes are configured: ``256 MiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{_number(nbytes / scale)} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def summary_line(metrics: Mapping[str, Any]) -> str:
     """The run in one log line: what moved, how fast, with which settings, how much memory, and the verdict."""
     who = str(metrics.get("role", "refit"))
@@ -286,7 +243,7 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
     if metrics.get("status") == "failed":
         return f"{who}: failed: {metrics.get('error') or 'unknown error'}"
 
-    parts = [f"{who}: {format_bytes(metrics.get('bytes') or 0)}"]
+    parts = [f"{who}: {format_decimal(metrics.get('bytes') or 0)}"]
     parts.append(f" in {metrics.get('num_tensors', '?')} tensors / {metrics.get('num_chunks', '?')} chunks")
     seconds = metrics.get("seconds")
     if seconds is not None:
@@ -296,7 +253,7 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
 
     settings = []
     if metrics.get("buffer_size_bytes") is not None:
-        settings.append(f"buffer {format_binary(metrics['buffer_size_bytes'])} x {metrics.get('num_buffers', '?')}")
+        settings.append(f"buffer {format_size(metrics['buffer_size_bytes'])} x {metrics.get('num_buffers', '?')}")
     if metrics.get("use_legacy_packing") is not None:
         settings.append("legacy packing" if metrics["use_legacy_packing"] else "bounded packing")
     if metrics.get("backend"):
@@ -309,7 +266,7 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         parts.append(f", {len(consumers)} consumer{'s' if len(consumers) != 1 else ''}")
     extra = metrics.get("peak_extra_bytes")
     if extra is not None:
-        parts.append(f", peak {'-' if extra < 0 else '+'}{format_binary(abs(extra))}")
+        parts.append(f", peak {'-' if extra < 0 else '+'}{format_size(abs(extra))}")
     verified = overall_verified(metrics)
     if verified is True:
         parts.append(", verified")

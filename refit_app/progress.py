@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
-from refit_app.metrics import format_bytes
+from refit_app.sizes import format_decimal
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         rate = self.done_bytes / elapsed
         text = (
-            f"{self.label}: {format_bytes(self.done_bytes)} / {format_bytes(self.total_bytes)}, "
+            f"{self.label}: {format_decimal(self.done_bytes)} / {format_decimal(self.total_bytes)}, "
             f"{self.done_chunks}/{self.total_chunks} chunks, {rate / 1e9:.2f} GB/s"
         )
         remaining = self.total_bytes - self.done_bytes

@@ -17,7 +17,6 @@ import logging
 import math
 import mmap
 import os
-import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from refit_app.checksum import tensor_bytes
 from refit_app.errors import SinkError, SourceError
+from refit_app.files import create_temp, fsync_dir, write_atomic
 from refit_app.manifest import TensorMeta, dtype_itemsize
 from refit_app.sizes import format_size
 
@@ -340,42 +340,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         offset += written
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make renames durable: without it a crash can lose the new directory entry."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _create_temp(final: Path) -> tuple[int, Path]:
-    """A new hidden ``.<name>.<random>.tmp`` beside ``final``.
-
-    Not ``tempfile.mkstemp``: its 0600 mode would survive the rename and hide the checkpoint from an
-    inference server running as another user; ``os.open`` applies the umask like any saved file.
-    """
-    while True:
-        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = _create_temp(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class SafetensorsWriter:
     """Writes one safetensors file whose tensors (shapes and dtypes known up front) arrive in any order.
 
@@ -421,7 +385,7 @@ class SafetensorsWriter:
     def open(self) -> None:
         """Create the temporary file; the first point where a missing or read-only directory shows up."""
         try:
-            fd, tmp = _create_temp(self.path)
+            fd, tmp = create_temp(self.path)
         except OSError as e:
             raise SinkError(f"cannot create a file in {self.path.parent}: {e.strerror or e}") from e
         self._fd, self._tmp = fd, tmp
@@ -565,7 +529,7 @@ class CheckpointWriter:
                     "metadata": {"total_size": self.total_bytes},
                     "weight_map": dict(sorted(self._shard_of.items())),
                 }
-                _atomic_write_bytes(self.directory / INDEX_FILE_NAME, json.dumps(index, indent=2).encode() + b"\n")
+                write_atomic(self.directory / INDEX_FILE_NAME, json.dumps(index, indent=2).encode() + b"\n", durable=True)
         except OSError as e:
             self.abort()
             raise SinkError(f"cannot write {self.directory / INDEX_FILE_NAME}: {e.strerror or e}") from e
@@ -576,7 +540,7 @@ class CheckpointWriter:
         for stale in sorted(previous - set(final)):
             logger.info("removing %s, left from the checkpoint this one replaces", stale)
             stale.unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         logger.info("saved %s in %d file(s) to %s", format_size(self.total_bytes), len(final), self.directory)
         return final
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import logging
 import shutil
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from refit_app.checksum import tensor_checksum
-from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
+from refit_app.errors import HandshakeError, SinkError, VerificationError
 from refit_app.manifest import Manifest, TensorMeta
+from refit_app.packed_tensor import (
+    _flat_bytes as tensor_bytes,  # TODO(lead): public name
+)
+from refit_app.plugins import instantiate
 from refit_app.safetensors_io import CheckpointWriter
 from refit_app.sizes import format_size
 
@@ -204,16 +209,37 @@ class DiscardSink:
         """Nothing to undo."""
 
 
-SINK_KINDS = ("verify", "save", "discard")
+class CorruptingSink:
+    """Test-only fault hook (``refit.debug.corrupt_chunk``): flips one received byte of chunk ``chunk`` before
+    ``inner`` sees it, to prove that verification catches corruption."""
+
+    def __init__(self, inner: Sink, chunk: int) -> None:
+        self._inner = inner
+        self._chunk = chunk
+        self._seen = 0
+
+    def begin(self, manifest: Manifest) -> None:
+        self._seen = 0
+        self._inner.begin(manifest)
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        if self._seen == self._chunk:
+            name, t = next(((n, t) for n, t in batch if t.numel()), (None, None))
+            if t is not None:
+                logger.warning("refit.debug.corrupt_chunk=%d: flipping one byte of %s", self._chunk, name)
+                tensor_bytes(t)[0] ^= 0x01
+        self._seen += 1
+        self._inner.consume(batch)
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        return self._inner.finish(checksums)
+
+    def abort(self) -> None:
+        self._inner.abort()
 
 
-def make_sink(kind: str, path: str | None = None) -> Sink:
-    if kind == "verify":
-        return VerifySink()
-    if kind == "save":
-        if not path:
-            raise ConfigError("sink=save needs sink.path: the directory to write the checkpoint into")
-        return SaveSink(path)
-    if kind == "discard":
-        return DiscardSink()
-    raise ConfigError(f"unknown sink {kind!r}; choose one of {', '.join(SINK_KINDS)}")
+def make_sink(target: str, params: Mapping[str, Any], *, corrupt_chunk: int | None = None) -> Sink:
+    """The sink that ``target`` (a ``module.Class`` path, as a config's ``_target_``) names, built with
+    ``params``; the config has checked the built-in sinks' parameters already."""
+    sink = instantiate(target, params)
+    return sink if corrupt_chunk is None else CorruptingSink(sink, corrupt_chunk)

@@ -1,4 +1,6 @@
-"""Byte sizes as users type them (``256MiB``, ``1.5GiB``, ``64MB``) and as logs show them (``256 MiB``)."""
+"""Byte sizes as users type them (``256MiB``, ``1.5GiB``, ``64MB``) and as logs show them: buffer and model sizes
+in binary units (``256 MiB``), payloads and throughput in decimal ones (``1.07 GB``). Every size shown anywhere goes
+through this module."""
 
 from __future__ import annotations
 
@@ -55,3 +57,12 @@ def format_size(n: int) -> str:
         if abs(n) >= factor:
             return f"{n / factor:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n} B"
+
+
+def format_decimal(nbytes: float) -> str:
+    """Decimal units, as throughput and payloads are quoted: ``1.07 GB``, ``537 MB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    return f"{nbytes:.0f} B"

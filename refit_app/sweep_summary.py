@@ -22,14 +22,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from refit_app.metrics import (
-    METRICS_FILE,
-    error_line,
-    format_binary,
-    format_bytes,
-    overall_verified,
-    write_atomic,
-)
+from refit_app.errors import one_line
+from refit_app.files import write_atomic
+from refit_app.metrics import METRICS_FILE, overall_verified
+from refit_app.sizes import format_decimal, format_size
 
 logger = logging.getLogger(__name__)
 
@@ -157,14 +153,14 @@ def _md_text(rows: list[dict[str, Any]]) -> str:
             _md_cell(r["job"]),
             _md_cell(r["overrides"]),
             _md_cell(r["status"]),
-            _md_cell(r["buffer_size_bytes"], format_binary),
+            _md_cell(r["buffer_size_bytes"], format_size),
             _md_cell(r["num_buffers"]),
             _md_cell(packing),
-            _md_cell(r["bytes"], format_bytes),
+            _md_cell(r["bytes"], format_decimal),
             _md_cell(r["seconds"], lambda s: f"{s:.3f}"),
             _md_cell(r["gb_per_s"], lambda g: f"{g:.3f}"),
-            _md_cell(r["peak_rss_bytes"], format_binary),
-            _md_cell(r["peak_extra_bytes"], format_binary),
+            _md_cell(r["peak_rss_bytes"], format_size),
+            _md_cell(r["peak_extra_bytes"], format_size),
             _md_cell(r["verified"], lambda v: "yes" if v else "NO"),
             _md_cell(r["error"]),
         ]
@@ -259,7 +255,7 @@ class SweepSummary(Callback):
             self._record_job_end(config, job_return)
             write_summary(_sweep_dir(config))
         except Exception as e:
-            logger.warning("could not update the sweep summary: %s", error_line(e))
+            logger.warning("could not update the sweep summary: %s", one_line(e, with_type=True))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
@@ -268,7 +264,7 @@ class SweepSummary(Callback):
             failed = sum(r["status"] != "ok" for r in rows)
             logger.info("sweep summary: %d jobs, %d failed, in %s", len(rows), failed, sweep_dir / SUMMARY_MD)
         except Exception as e:
-            logger.warning("could not write the sweep summary: %s", error_line(e))
+            logger.warning("could not write the sweep summary: %s", one_line(e, with_type=True))
 
     @staticmethod
     def _record_job_end(config: DictConfig, job_return: JobReturn) -> None:
@@ -280,7 +276,7 @@ class SweepSummary(Callback):
             exc = getattr(job_return, "_return_value", None)
             status = {
                 "status": "failed",
-                "error": error_line(exc) if isinstance(exc, BaseException) else "the job failed",
+                "error": one_line(exc, with_type=True) if isinstance(exc, BaseException) else "the job failed",
             }
         job_dir = Path(str(config.hydra.runtime.output_dir))
         write_atomic(job_dir / JOB_STATUS_FILE, (json.dumps(status) + "\n").encode())

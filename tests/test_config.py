@@ -14,18 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from refit_app import groups, sources
-from refit_app.config import (
-    BACKENDS,
-    CONF_DIR,
-    DEFAULT_PORT,
-    SYNTHETIC_PRESETS,
-    RunSettings,
-    compose_config,
-    resolved_yaml,
-    validate,
-)
+from refit_app.config import CONF_DIR, CONFIG_NAME, RunSettings, resolved_yaml, validate
 from refit_app.errors import ConfigError
+from refit_app.settings import DEFAULT_PORT, GroupSpec, SinkSpec, SourceSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV = "NRL_REFIT_NUM_BUFFERS"
@@ -35,6 +26,11 @@ ENV = "NRL_REFIT_NUM_BUFFERS"
 def _no_env_num_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     # The developer's shell must not decide what these tests see.
     monkeypatch.delenv(ENV, raising=False)
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name=CONFIG_NAME, overrides=overrides)
 
 
 def settings(*overrides: str) -> RunSettings:
@@ -59,11 +55,6 @@ def test_conf_dir_is_the_top_level_conf() -> None:
     assert (Path(CONF_DIR) / "config.yaml").is_file()
 
 
-def test_allowed_names_match_the_modules_that_use_them() -> None:
-    assert BACKENDS == groups.BACKENDS
-    assert set(SYNTHETIC_PRESETS) == set(sources.PRESETS)
-
-
 def test_defaults_are_a_local_synthetic_verified_refit() -> None:
     cfg = compose_config([])
     assert OmegaConf.to_container(cfg.refit, resolve=True) == {
@@ -73,14 +64,15 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
         "debug": {"corrupt_chunk": None},
     }
     s = validate(cfg)
-    assert (s.role, s.num_consumers, s.world_size, s.rank, s.port) == ("local", 1, 2, 0, None)
-    assert (s.buffer_size_bytes, s.buffer_size_explicit, s.num_buffers) == (None, False, 2)
-    assert (s.use_legacy_packing, s.corrupt_chunk) == (False, None)
-    assert (s.backend, s.host, s.timeout_s) == ("auto", "127.0.0.1", 60.0)
-    assert type(s.num_buffers) is int and type(s.timeout_s) is float
-    assert s.source_kind == "synthetic"
-    assert dict(s.source_params) == {"preset": "tiny", "size": None, "seed": 0, "dtype": "bfloat16"}
-    assert (s.sink_kind, s.sink_path) == ("verify", None)
+    assert s.role == "local"
+    assert s.group == GroupSpec(backend="auto", host="127.0.0.1", port=None, world_size=2, rank=0, timeout_s=60.0)
+    assert (s.refit.buffer_size_bytes, s.refit.num_buffers) == (None, 2)
+    assert (s.refit.use_legacy_packing, s.refit.corrupt_chunk) == (False, None)
+    assert type(s.refit.num_buffers) is int and type(s.group.timeout_s) is float
+    assert s.source == SourceSpec(
+        "refit_app.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"}
+    )
+    assert (s.sink, s.sink_name, s.verifies) == (SinkSpec("refit_app.sinks.VerifySink", {}), "verify", True)
 
 
 @pytest.mark.parametrize(
@@ -93,33 +85,30 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
 )
 def test_each_role(role: str, rank: int, world_size: int, port: int | None, num_consumers: int) -> None:
     s = settings(f"role={role}")
-    assert (s.role, s.rank, s.world_size, s.port, s.num_consumers) == (role, rank, world_size, port, num_consumers)
+    assert (s.role, s.rank, s.group.world_size, s.group.port) == (role, rank, world_size, port)
 
 
 def test_local_world_size_follows_num_consumers() -> None:
-    s = settings("role.num_consumers=3")
-    assert (s.world_size, s.num_consumers) == (4, 3)
-    assert settings("role.num_consumers=3", "group.world_size=4").world_size == 4
+    assert settings("role.num_consumers=3").group.world_size == 4
+    assert settings("role.num_consumers=3", "group.world_size=4").group.world_size == 4
 
 
 def test_two_host_group_settings() -> None:
     s = settings("role=consumer", "group.world_size=4", "group.rank=3", "group.host=10.0.0.7", "group.port=30000",
                  "group.backend=gloo", "group.timeout_s=5")
-    assert (s.world_size, s.rank, s.host, s.port, s.backend, s.timeout_s) == (4, 3, "10.0.0.7", 30000, "gloo", 5.0)
-    assert s.num_consumers == 3
+    assert s.group == GroupSpec(backend="gloo", host="10.0.0.7", port=30000, world_size=4, rank=3, timeout_s=5.0)
 
 
 def test_synthetic_source_params() -> None:
     s = settings("source.preset=lora", "source.size=2GiB", "source.seed=7", "source.dtype=float32")
-    assert dict(s.source_params) == {"preset": "lora", "size": 2 * 1024**3, "seed": 7, "dtype": "float32"}
+    assert s.source.params == {"preset": "lora", "size_bytes": 2 * 1024**3, "seed": 7, "dtype": "float32"}
 
 
 def test_safetensors_source(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_bytes(b"")
     s = settings("source=safetensors", f"source.path={checkpoint}")
-    assert s.source_kind == "safetensors"
-    assert dict(s.source_params) == {"path": checkpoint}
+    assert s.source == SourceSpec("refit_app.sources.SafetensorsSource", {"path": str(checkpoint)})
 
 
 @pytest.mark.parametrize(
@@ -127,23 +116,24 @@ def test_safetensors_source(tmp_path: Path) -> None:
     [
         ([], "verify", None),
         (["sink=discard"], "discard", None),
-        (["sink=save", "sink.path=out/ckpt"], "save", Path("out/ckpt")),
+        (["sink=save", "sink.path=out/ckpt"], "save", "out/ckpt"),
     ],
 )
-def test_each_sink(overrides: list[str], kind: str, path: Path | None) -> None:
+def test_each_sink(overrides: list[str], kind: str, path: str | None) -> None:
     s = settings(*overrides)
-    assert (s.sink_kind, s.sink_path) == (kind, path)
+    assert s.sink_name == kind
+    assert s.sink.params == ({} if path is None else {"path": path})
 
 
 @pytest.mark.parametrize(("text", "expected"), [("1048576", 1048576), ("256MiB", 256 * 1024**2), ("64MB", 64 * 10**6)])
 def test_buffer_size_int_or_size_string(text: str, expected: int) -> None:
     s = settings(f"refit.buffer_size_bytes={text}")
-    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (expected, True)
-    assert type(s.buffer_size_bytes) is int
+    assert s.refit.buffer_size_bytes == expected
+    assert type(s.refit.buffer_size_bytes) is int
 
 
 def test_debug_corrupt_chunk() -> None:
-    assert settings("role=consumer", "refit.debug.corrupt_chunk=3").corrupt_chunk == 3
+    assert settings("role=consumer", "refit.debug.corrupt_chunk=3").refit.corrupt_chunk == 3
 
 
 # --- NRL_REFIT_NUM_BUFFERS ------------------------------------------------------------------------------------
@@ -152,10 +142,10 @@ def test_debug_corrupt_chunk() -> None:
 def test_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "3")
     cfg = compose_config([])
-    assert settings().num_buffers == 3
+    assert settings().refit.num_buffers == 3
     assert "num_buffers: 3\n" in resolved_yaml(cfg)
     # An explicit value wins over the environment.
-    assert settings("refit.num_buffers=5").num_buffers == 5
+    assert settings("refit.num_buffers=5").refit.num_buffers == 5
 
 
 # --- adopt the producer's settings vs insist on one's own ------------------------------------------------------
@@ -163,21 +153,19 @@ def test_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_consumer_defaults_adopt_the_producers_settings() -> None:
     s = settings("role=consumer")
-    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (None, False)
-    assert (s.use_legacy_packing, s.legacy_explicit) == (False, False)
+    assert (s.refit.buffer_size_bytes, s.refit.use_legacy_packing) == (None, None)
 
 
 @pytest.mark.parametrize("legacy", ["true", "false"])
-def test_consumer_explicit_settings_are_marked_explicit(legacy: str) -> None:
+def test_consumer_explicit_settings_are_kept(legacy: str) -> None:
     s = settings("role=consumer", "refit.buffer_size_bytes=64MiB", f"refit.use_legacy_packing={legacy}")
-    assert (s.buffer_size_bytes, s.buffer_size_explicit) == (64 * 1024**2, True)
-    assert (s.use_legacy_packing, s.legacy_explicit) == (legacy == "true", True)
+    assert (s.refit.buffer_size_bytes, s.refit.use_legacy_packing) == (64 * 1024**2, legacy == "true")
 
 
 def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
-    assert settings("role=producer").use_legacy_packing is False
-    assert settings("role=producer", "refit.use_legacy_packing=true").use_legacy_packing is True
-    assert settings("role=producer", "refit.use_legacy_packing=null").use_legacy_packing is False
+    assert settings("role=producer").refit.use_legacy_packing is False
+    assert settings("role=producer", "refit.use_legacy_packing=true").refit.use_legacy_packing is True
+    assert settings("role=producer", "refit.use_legacy_packing=null").refit.use_legacy_packing is None
 
 
 # --- output directories ----------------------------------------------------------------------------------------
@@ -243,8 +231,8 @@ def test_bad_values_are_refused(overrides: list[str], message: str) -> None:
 
 
 def test_only_the_role_that_reads_a_path_requires_it() -> None:
-    assert settings("role=consumer", "source=safetensors").source_params["path"] is None
-    assert settings("role=producer", "sink=save").sink_path is None
+    assert settings("role=consumer", "source=safetensors").source is None
+    assert settings("role=producer", "sink=save").sink is None
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -287,7 +275,7 @@ APP = textwrap.dedent(
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
     def main(cfg):
         settings = validate(cfg)
-        warnings.warn(f"validated num_buffers={settings.num_buffers}")
+        warnings.warn(f"validated num_buffers={settings.refit.num_buffers}")
         failure = os.environ.get("TEST_APP_FAILURE")
         if failure == "refit":
             raise SinkError("sink.path='/ro' is not writable: choose a directory you can write to")
@@ -296,7 +284,7 @@ APP = textwrap.dedent(
         if failure == "interrupt":
             raise KeyboardInterrupt
         # Progress output asks stderr whether it is a terminal; the wrapper must still answer like one.
-        print(f"OK num_buffers={settings.num_buffers} stderr_fd={sys.stderr.fileno()}")
+        print(f"OK num_buffers={settings.refit.num_buffers} stderr_fd={sys.stderr.fileno()}")
 
 
     if __name__ == "__main__":

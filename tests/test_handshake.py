@@ -188,5 +188,5 @@ def test_packing_mismatch_names_both_values():
 
 
 def test_odd_buffer_sizes_still_show_exact_bytes():
-    with pytest.raises(HandshakeError, match=r"producer 1.50 MiB \(1572864\), this consumer 1000 B \(1000\)"):
+    with pytest.raises(HandshakeError, match=r"producer 1.5 MiB \(1572864\), this consumer 1000 B \(1000\)"):
         check_settings(_manifest(buffer_size_bytes=3 * MiB // 2), buffer_size_bytes=1000, use_legacy_packing=None)

@@ -14,11 +14,11 @@ from refit_app import metrics as metrics_mod
 from refit_app.metrics import (
     METRICS_KEYS,
     PeakMemory,
-    error_line,
     gb_per_s,
     summary_line,
     write_metrics,
 )
+from refit_app.errors import one_line
 from refit_app.progress import Progress
 
 MiB = 2**20
@@ -151,10 +151,12 @@ def test_summary_line() -> None:
     assert summary_line(failed) == "consumer 1: failed: PeerError: producer died"
 
 
-def test_error_line_is_one_bounded_line() -> None:
-    assert error_line(ValueError("bad\n  value\tthere")) == "ValueError: bad value there"
-    assert error_line(KeyError()) == "KeyError"
-    long = error_line(RuntimeError("x" * 2000))
+def test_one_line_is_one_bounded_line() -> None:
+    assert one_line(ValueError("bad\n  value\tthere"), with_type=True) == "ValueError: bad; value there"
+    assert one_line(KeyError()) == "KeyError"
+    assert one_line(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                 "This is typically caused by a crash")) == "Connection closed by peer"
+    long = one_line(RuntimeError("x" * 2000), with_type=True)
     assert len(long) == 500 and long.endswith("...")
 
 

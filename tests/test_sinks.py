@@ -17,7 +17,7 @@ from refit_app.checksum import tensor_bytes, tensor_checksum
 from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
 from refit_app.manifest import Manifest, TensorMeta
 from refit_app.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME, Checkpoint, CheckpointWriter, save_tensors
-from refit_app.sinks import DiscardSink, SaveSink, VerifySink, make_sink
+from refit_app.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
 from refit_app.sources import SafetensorsSource, SyntheticSource
 
 ALIGN = 16
@@ -301,11 +301,27 @@ def test_discard_keeps_nothing():
     sink.abort()
 
 
-def test_make_sink(tmp_path):
-    assert isinstance(make_sink("verify"), VerifySink)
-    assert isinstance(make_sink("discard", None), DiscardSink)
-    assert isinstance(make_sink("save", str(tmp_path)), SaveSink)
-    with pytest.raises(ConfigError, match="sink=save needs sink.path"):
-        make_sink("save", None)
-    with pytest.raises(ConfigError, match="unknown sink 'keep'; choose one of verify, save, discard"):
-        make_sink("keep")
+def test_make_sink_builds_the_target_and_wraps_the_fault_hook(tmp_path):
+    assert isinstance(make_sink("refit_app.sinks.VerifySink", {}), VerifySink)
+    assert isinstance(make_sink("refit_app.sinks.DiscardSink", {}), DiscardSink)
+    assert isinstance(make_sink("refit_app.sinks.SaveSink", {"path": str(tmp_path)}), SaveSink)
+    corrupting = make_sink("refit_app.sinks.VerifySink", {}, corrupt_chunk=0)
+    assert isinstance(corrupting, CorruptingSink)
+    with pytest.raises(ConfigError, match="module refit_app.sinks has no 'KeepSink'"):
+        make_sink("refit_app.sinks.KeepSink", {})
+
+
+def test_corrupting_sink_flips_one_byte_of_the_chosen_chunk():
+    seen = []
+
+    class Recorder(DiscardSink):
+        def consume(self, batch):
+            seen.append([t.clone() for _, t in batch])
+
+    sink = CorruptingSink(Recorder(), chunk=1)
+    sink.begin(Manifest([], 1, False))
+    originals = [[("a", torch.zeros(4, dtype=torch.uint8))], [("b", torch.zeros(0)), ("c", torch.zeros(4, dtype=torch.uint8))]]
+    for batch in originals:
+        sink.consume(batch)
+    assert seen[0][0].tolist() == [0, 0, 0, 0]
+    assert seen[1][1].tolist() == [1, 0, 0, 0]

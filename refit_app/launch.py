@@ -1,0 +1,173 @@
+"""Start ranks as processes on this machine and supervise them: the one harness that ``role=local``, the
+benchmark and the tests use.
+
+Each rank runs ``fn(rank, *args)`` in a freshly spawned interpreter and sends back its return value or its
+failure. Ranks die with their parent (``PR_SET_PDEATHSIG``), so an interrupted launcher leaves no orphan that could
+go on to publish a checkpoint. The supervisor never waits without a deadline: a rank that dies without a word is
+reported as such, and once one rank has failed the others get ``grace_s`` to exit with their own errors before
+they are killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from refit_app.errors import RefitError, one_line
+
+_JOIN_S = 5.0
+"""How long a rank that sent its result gets to exit before it is killed."""
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free now (another process could still take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RankOutcome:
+    """How one rank ended: its return value, or its failure."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    """``fn``'s return value when ``ok``."""
+    error: str = ""
+    """The failure as one line (a :class:`RefitError`'s own message, else the exception's type and message)."""
+    exc_type: str = ""
+    """Class name of the exception; ``"Died"`` for a rank that exited without a result, ``"Timeout"`` for one
+    killed by the supervisor."""
+    traceback: str = ""
+    exc: BaseException | None = None
+    """The exception itself when it survived pickling."""
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.exc_type}: {self.error}" if not self.ok else f"rank {self.rank}: ok"
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        # The parent died before the request took effect.
+        os._exit(1)
+
+
+def _child(fn: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
+    _die_with_parent()
+    try:
+        value = fn(rank, *args)
+        pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
+        outcome = RankOutcome(rank, True, value)
+    except BaseException as e:  # noqa: BLE001 - everything a rank raises goes back to the parent
+        try:
+            exc: BaseException | None = pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+            exc = None
+        message = str(e) if isinstance(e, RefitError) else one_line(e, with_type=True)
+        outcome = RankOutcome(rank, False, error=message, exc_type=type(e).__name__,
+                              traceback=traceback.format_exc(), exc=exc)
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is delivered; skip interpreter teardown, which takes seconds with torch loaded.
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float | None = None,
+    grace_s: float | None = None,
+    name: str = "rank",
+) -> list[RankOutcome]:
+    """Run ``fn(rank, *args)`` for ranks ``0..world_size-1``, each in its own spawned process; outcomes in rank
+    order.
+
+    ``fn`` must be a module-level function (spawn pickles it by reference) and its return value must pickle.
+    ``timeout_s``: every rank still running then is killed. ``grace_s``: after the first failure, how long the
+    others may take to exit with their own errors before they are killed (None: until ``timeout_s``).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, tuple(args), results), name=f"{name}{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first_failure: tuple[float, int] | None = None
+    cause = ""
+    try:
+        while len(outcomes) < world_size:
+            try:
+                outcome = results.get(timeout=0.1)
+            except queue.Empty:
+                outcome = None
+            if outcome is not None:
+                outcomes[outcome.rank] = outcome
+                if not outcome.ok and first_failure is None:
+                    first_failure = (time.monotonic(), outcome.rank)
+                continue
+            silent_dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
+            if silent_dead:
+                _drain(results, outcomes, timeout=0.5)  # a result may still be in the pipe
+                for r in silent_dead:
+                    if r not in outcomes:
+                        outcomes[r] = RankOutcome(r, False, error=f"rank {r} died (exit code {procs[r].exitcode})",
+                                                  exc_type="Died")
+                        first_failure = first_failure or (time.monotonic(), r)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                cause = f"did not finish within {timeout_s:g}s; killed"
+                break
+            if first_failure is not None and grace_s is not None and now - first_failure[0] >= grace_s:
+                cause = f"did not exit within {grace_s:g}s after rank {first_failure[1]} failed; killed"
+                break
+    finally:
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                if r in outcomes:
+                    p.join(_JOIN_S)
+                if p.is_alive():
+                    p.kill()
+            p.join(_JOIN_S)
+        results.close()
+    for r in range(world_size):
+        outcomes.setdefault(r, RankOutcome(r, False, error=f"rank {r} {cause or 'was killed'}", exc_type="Timeout"))
+    return [outcomes[r] for r in range(world_size)]
+
+
+def _drain(results: Any, outcomes: dict[int, RankOutcome], timeout: float) -> None:
+    try:
+        while True:
+            outcome = results.get(timeout=timeout)
+            outcomes[outcome.rank] = outcome
+    except queue.Empty:
+        return

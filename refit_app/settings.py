@@ -1,0 +1,120 @@
+"""Typed settings that the rest of the code takes as they are: each rule about a value is checked here, once,
+when the settings object is made (from the config by :func:`refit_app.config.validate`, or by a library user).
+
+Nothing here imports torch, so checking a config stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from refit_app.errors import ConfigError
+
+BACKENDS = ("auto", "gloo", "nccl", "pynccl")
+"""``auto`` resolves, at the rendezvous, to NCCL where every rank has a CUDA GPU and to gloo otherwise."""
+PRODUCER_RANK = 0
+DEFAULT_PORT = 29500
+"""Rendezvous port of a producer and its consumers when ``group.port`` is null (``role=local`` picks a free one)."""
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def show(value: Any) -> str:
+    """A value as the user would type it back: strings quoted, None as null."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Problems:
+    """Collects every invalid value of one settings object, so that the user fixes them all in one go."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def fail(self, key: str, value: Any, allowed: str) -> None:
+        self.items.append(f"{key}={show(value)} is invalid: {allowed}")
+
+    def raise_any(self) -> None:
+        if self.items:
+            raise ConfigError("; ".join(self.items))
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how to rendezvous; the producer is rank 0, consumers are ranks 1..world_size-1.
+
+    Invalid values raise :class:`ConfigError` naming every offending ``group.*`` key at once.
+    """
+
+    backend: str = "auto"
+    """``auto`` (NCCL if every rank has a CUDA GPU, else gloo), ``gloo``, ``nccl`` or ``pynccl``."""
+    host: str = "127.0.0.1"
+    """The producer's address; the producer's store listens on every interface."""
+    port: int | None = DEFAULT_PORT
+    """None only before ``role=local`` has picked a free port for its ranks."""
+    world_size: int = 2
+    rank: int = PRODUCER_RANK
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline for the rendezvous, for each collective and for each phase gather."""
+
+    def __post_init__(self) -> None:
+        p = Problems()
+        if self.backend not in BACKENDS:
+            p.fail("group.backend", self.backend, "choose one of " + ", ".join(BACKENDS))
+        if not (isinstance(self.host, str) and self.host.strip()):
+            p.fail("group.host", self.host, "must be the producer's host name or IP address")
+        if self.port is not None and not (is_int(self.port) and 1 <= self.port <= 65535):
+            p.fail("group.port", self.port, "must be a port number in 1..65535")
+        if not (is_int(self.world_size) and self.world_size >= 2):
+            p.fail("group.world_size", self.world_size,
+                   "must be an integer >= 2 (the producer and at least one consumer)")
+        elif not (is_int(self.rank) and 0 <= self.rank < self.world_size):
+            p.fail("group.rank", self.rank, f"must be in 0..{self.world_size - 1} (0 is the producer)")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            p.fail("group.timeout_s", self.timeout_s, "must be a number of seconds > 0")
+        p.raise_any()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_producer(self) -> bool:
+        return self.rank == PRODUCER_RANK
+
+
+@dataclass(frozen=True)
+class RefitSpec:
+    """How tensors are packed and moved, and how many refits one run performs."""
+
+    buffer_size_bytes: int | None = None
+    """None: the library default on a producer, the producer's value on a consumer (which otherwise insists on
+    its own at the handshake)."""
+    num_buffers: int = 2
+    use_legacy_packing: bool | None = False
+    """None (a consumer's default): adopt the producer's mode."""
+    corrupt_chunk: int | None = None
+    """Test-only fault hook: a consumer flips one byte of this received chunk."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A producer's source: the class that ``_target_`` names and its keyword arguments, already checked."""
+
+    target: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A consumer's sink: the class that ``_target_`` names and its keyword arguments, already checked."""
+
+    target: str
+    params: dict[str, Any] = field(default_factory=dict)
