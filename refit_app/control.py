@@ -288,8 +288,6 @@ class Control:
         while self._store.add(_K_LEFT, 0) < self.world_size - 1 and time.monotonic() < deadline:
             poller.sleep(deadline)
 
-
-
     def release(self) -> None:
         """Drop this rank's store connection; on the producer, with the group gone, this stops the store server
         and frees the port."""

@@ -42,8 +42,13 @@ _CLOSE_WAIT_S = 10.0
 class RefitGroup:
     """A connected rank: ``group`` moves tensors, ``control`` moves phase reports and errors."""
 
-    def __init__(self, spec: GroupSpec, backend: str, group: BackendGroup, control: Control) -> None:
+    def __init__(
+        self, spec: GroupSpec, backend: str, group: BackendGroup, control: Control, *, owns_group: bool = True
+    ) -> None:
         self.spec = spec
+        self.owns_group = owns_group
+        """False for a wrapped process group of the caller's (:func:`refit_app.process_group.from_process_group`):
+        closing leaves it as it is."""
         self.rank = spec.rank
         self.world_size = spec.world_size
         self.backend = backend
@@ -67,11 +72,11 @@ class RefitGroup:
         self._closed = True
         failed = self.control.failed
         try:
-            if failed or not self.is_producer:
+            if self.owns_group and (failed or not self.is_producer):
                 self._shutdown_group(abort=failed)
             if self.is_producer:
                 self.control.wait_for_consumers_to_leave(ERROR_LINGER_S if failed else _CLOSE_WAIT_S)
-                if not failed:
+                if self.owns_group and not failed:
                     self._shutdown_group(abort=False)
             else:
                 self.control.leave()

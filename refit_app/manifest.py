@@ -9,7 +9,9 @@ import torch
 
 from refit_app.errors import HandshakeError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: companion ``files`` (a model's config.json) travel with the tensors."""
+MAX_LISTED_CHANGES = 5
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -70,6 +72,8 @@ class Manifest:
     """Checkpoint-level metadata (safetensors ``__metadata__``) carried to a saving consumer."""
     source: str = ""
     """Human-readable description of where the weights came from."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Small text files that belong with the weights (a model's ``config.json``), by file name."""
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +88,7 @@ class Manifest:
             "checksums": self.checksums,
             "metadata": self.metadata,
             "source": self.source,
+            "files": self.files,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -105,4 +110,29 @@ class Manifest:
             checksums=bool(doc["checksums"]),
             metadata=dict(doc.get("metadata", {})),
             source=str(doc.get("source", "")),
+            files={str(k): str(v) for k, v in doc.get("files", {}).items()},
         )
+
+
+def tensor_list_changes(old: list[TensorMeta], new: list[TensorMeta]) -> list[str]:
+    """How ``new`` differs from ``old`` (names, order, shapes, dtypes), as short phrases; empty when equal."""
+    if old == new:
+        return []
+    before = {m.name: m for m in old}
+    after = {m.name: m for m in new}
+    changes = []
+    added = [n for n in after if n not in before]
+    removed = [n for n in before if n not in after]
+    reshaped = [
+        f"{n} {list(before[n].shape)} {dtype_to_str(before[n].dtype)} -> {list(m.shape)} {dtype_to_str(m.dtype)}"
+        for n, m in after.items()
+        if n in before and (before[n].shape, before[n].dtype) != (m.shape, m.dtype)
+    ]
+    for label, items in (("added", added), ("removed", removed), ("changed", reshaped)):
+        if items:
+            shown = ", ".join(items[:MAX_LISTED_CHANGES])
+            more = f" and {len(items) - MAX_LISTED_CHANGES} more" if len(items) > MAX_LISTED_CHANGES else ""
+            changes.append(f"{len(items)} {label} ({shown}{more})")
+    if not changes:
+        changes.append("the same tensors in another order")
+    return changes

@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from refit_app.checksum import tensor_checksum
-from refit_app.errors import HandshakeError, SinkError, VerificationError
-from refit_app.manifest import Manifest, TensorMeta
+from refit_app.errors import HandshakeError, SinkError
+from refit_app.manifest import Manifest
 from refit_app.packed_tensor import (
     _flat_bytes as tensor_bytes,  # TODO(lead): public name
 )
 from refit_app.plugins import instantiate
 from refit_app.safetensors_io import CheckpointWriter
 from refit_app.sizes import format_size
+from refit_app.verify import Verifier
 
 logger = logging.getLogger(__name__)
-
-MAX_NAMED_TENSORS = 5
-
 
 class Sink(Protocol):
     def begin(self, manifest: Manifest) -> None:
@@ -48,61 +44,11 @@ class Sink(Protocol):
         ...
 
 
-def _names(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:MAX_NAMED_TENSORS])
-    extra = len(names) - MAX_NAMED_TENSORS
-    return shown + (f" and {extra} more" if extra > 0 else "")
-
-
-class _Arrivals:
-    """Which manifest tensors arrived, how often, and whether each matched its declared shape and dtype."""
-
-    def __init__(self, tensors: list[TensorMeta]):
-        self.index = {m.name: i for i, m in enumerate(tensors)}
-        self.tensors = tensors
-        self.counts: Counter[str] = Counter()
-        self.unexpected: list[str] = []
-        self.mismatched: list[str] = []
-
-    def record(self, name: str, t: torch.Tensor) -> int | None:
-        """The tensor's manifest position, or None when it is not in the manifest."""
-        i = self.index.get(name)
-        if i is None:
-            self.unexpected.append(name)
-            return None
-        self.counts[name] += 1
-        meta = self.tensors[i]
-        if tuple(t.shape) != meta.shape or t.dtype != meta.dtype:
-            self.mismatched.append(f"{name} ({t.dtype} {list(t.shape)}, expected {meta.dtype} {list(meta.shape)})")
-        return i
-
-    def problems(self) -> list[str]:
-        problems = []
-        missing = [m.name for m in self.tensors if self.counts[m.name] == 0]
-        repeated = [n for n, c in self.counts.items() if c > 1]
-        if missing:
-            problems.append(f"{len(missing)} tensor(s) never arrived: {_names(missing)}")
-        if repeated:
-            problems.append(f"{len(repeated)} tensor(s) arrived more than once: {_names(repeated)}")
-        if self.unexpected:
-            problems.append(f"{len(self.unexpected)} tensor(s) not in the manifest: {_names(self.unexpected)}")
-        if self.mismatched:
-            problems.append(
-                f"{len(self.mismatched)} tensor(s) with the wrong shape or dtype: {_names(self.mismatched)}"
-            )
-        return problems
-
-
 class VerifySink:
-    """Checks every received tensor bit for bit against the producer's CRC32s, keeping nothing.
-
-    Each tensor is checksummed as it arrives (the views die after ``consume``), so verification needs
-    no second pass and no copy of the model.
-    """
+    """Checks every received tensor bit for bit against the producer's checksums, every round, keeping nothing."""
 
     def __init__(self) -> None:
-        self._arrivals: _Arrivals | None = None
-        self._received: list[int | None] = []
+        self._verifier: Verifier | None = None
 
     def begin(self, manifest: Manifest) -> None:
         if not manifest.checksums:
@@ -110,39 +56,21 @@ class VerifySink:
                 "sink=verify needs per-tensor checksums but the producer's manifest says it sends none; "
                 "run a producer of the same refit_app version"
             )
-        self._arrivals = _Arrivals(manifest.tensors)
-        self._received = [None] * len(manifest.tensors)
+        self._verifier = Verifier(manifest.tensors)
 
     def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        if self._arrivals is None:
+        if self._verifier is None:
             raise RuntimeError("VerifySink.consume() before begin()")
-        for name, t in batch:
-            i = self._arrivals.record(name, t)
-            if i is not None:
-                self._received[i] = tensor_checksum(t)
+        self._verifier.consume(batch)
 
     def finish(self, checksums: list[int] | None) -> dict:
-        if self._arrivals is None:
+        if self._verifier is None:
             raise RuntimeError("VerifySink.finish() before begin()")
-        tensors = self._arrivals.tensors
-        if checksums is None:
-            raise VerificationError("cannot verify: the producer sent no checksums")
-        if len(checksums) != len(tensors):
-            raise VerificationError(
-                f"cannot verify: the producer sent {len(checksums)} checksums for a manifest of {len(tensors)} tensors"
-            )
-        problems = self._arrivals.problems()
-        differ = [
-            m.name for m, got, want in zip(tensors, self._received, checksums) if got is not None and got != want
-        ]
-        if differ:
-            problems.insert(
-                0, f"{len(differ)} of {len(tensors)} tensor(s) differ from what the producer sent: {_names(differ)}"
-            )
-        if problems:
-            raise VerificationError("verification failed: " + "; ".join(problems))
-        logger.info("verified %d tensors bit for bit", len(tensors))
-        return {"verified": True, "verified_tensors": len(tensors)}
+        return self._verifier.verdict(checksums)
+
+    def close(self) -> dict:
+        """Nothing to publish: every round was verified as it ended."""
+        return {}
 
     def abort(self) -> None:
         """Nothing to undo: verification keeps no state outside memory."""

@@ -12,8 +12,12 @@ from refit_app.packed_tensor import (
     BUFFER_MEMORY_RATIO_ENV,
     NUM_BUFFERS_ENV,
     BroadcastGroup,
+    Chunk,
+    ChunkPlanner,
     _packed_broadcast_consumer_batches,
     chunk_ids,
+    iter_chunks,
+    plan_chunks,
     get_num_buffers,
     get_target_packed_tensor_size,
     packed_broadcast_consumer,
@@ -154,6 +158,97 @@ def test_chunk_ids_legacy_hand_computed():
     assert list(chunk_ids([3, 12, 3], 10, True)) == [0, 0, 1]
 
 
+def test_plan_chunks_hand_computed():
+    C = Chunk
+    # bounded, target 10: [4, 4] | [5] | [12] alone | [0, 3]
+    assert plan_chunks([4, 4, 5, 12, 0, 3], 10) == [
+        C(0, 0, 2, 8, True, False), C(1, 2, 1, 5, True, False), C(2, 3, 1, 12, True, True), C(3, 4, 2, 3, True, False),
+    ]
+    # legacy: the oversized tensor shares the chunk before it, so nothing is ever `alone`
+    assert plan_chunks([4, 4, 5, 12, 0, 3], 10, True) == [C(0, 0, 3, 13, True, False), C(1, 3, 1, 12, True, False),
+                                                          C(2, 4, 2, 3, True, False)]
+    # a chunk of only zero-byte tensors: skipped in bounded mode, broadcast (0 bytes) in legacy mode
+    assert plan_chunks([12, 0, 0], 10) == [C(0, 0, 1, 12, True, True), C(1, 1, 2, 0, False, False)]
+    assert plan_chunks([12, 0, 0], 10, True) == [C(0, 0, 1, 12, True, False), C(1, 1, 2, 0, True, False)]
+    assert plan_chunks([0], 10, True) == [C(0, 0, 1, 0, True, False)]
+    assert plan_chunks([], 10) == [] and plan_chunks([10], 10)[0].alone is False  # exactly the target is not over
+    assert plan_chunks([3, 12], 10)[1].stop == 2
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_chunk_ids_and_plan_agree(legacy):
+    g = torch.Generator().manual_seed(5)
+    sizes = [int(x) for x in torch.randint(0, 40, (500,), generator=g)]
+    sizes = [0 if i % 17 == 0 else (300 if i % 29 == 0 else n) for i, n in enumerate(sizes)]
+    ids = list(chunk_ids(sizes, 100, legacy))
+    plan = plan_chunks(sizes, 100, legacy)
+    assert [c.index for c in plan] == list(range(len(plan)))
+    assert [i for c in plan for i in [c.index] * c.count] == ids
+    assert all(c.nbytes == sum(sizes[c.first : c.stop]) for c in plan)
+    assert all(c.broadcast == (c.nbytes > 0 or legacy) for c in plan)
+    assert all(c.alone == (not legacy and c.count == 1 and c.nbytes > 100) for c in plan)
+    assert sum(c.count for c in plan) == len(sizes) and plan[-1].stop == len(sizes)
+
+
+def test_iter_chunks_is_lazy():
+    def sizes():
+        yield from (6, 6)
+        raise Boom("read past what the first chunk needed")
+
+    chunks = iter_chunks(sizes(), 10)
+    assert next(chunks) == Chunk(0, 0, 1, 6, True, False)  # closed by the second size, before the third is read
+    with pytest.raises(Boom):
+        next(chunks)
+
+
+def test_planner_knows_alone_on_arrival():
+    planner = ChunkPlanner(10)
+    assert planner.add(4) is None and not planner.open_alone
+    closed = planner.add(12)
+    assert closed == Chunk(0, 0, 1, 4, True, False)
+    assert planner.open_index == 1 and planner.open_count == 1 and planner.open_alone  # before anything follows
+    assert planner.add(0) == Chunk(1, 1, 1, 12, True, True)
+    assert planner.finish() == Chunk(2, 2, 1, 0, False, False) and planner.finish() is None
+    with pytest.raises(ValueError, match="target_bytes=0"):
+        ChunkPlanner(0)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_both_sides_report_the_planned_chunks(legacy):
+    tensors = awkward_tensors()
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    sent_chunks, received_chunks, counts = [], [], []
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200, use_legacy_packing=legacy,
+                              on_chunk_done=sent_chunks.append, on_chunk=lambda n, k: counts.append((n, k)))
+    packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(sender.sent), 0, lambda batch: None,
+                              buffer_size_bytes=200, use_legacy_packing=legacy, on_chunk_done=received_chunks.append)
+    plan = plan_chunks(sizes, 200, legacy)
+    assert sent_chunks == received_chunks == plan
+    assert counts == [(c.nbytes, c.count) for c in plan]
+    assert sender.sizes == [c.nbytes for c in plan if c.broadcast]
+    assert any(not c.broadcast for c in plan) != legacy  # the trailing zero-byte chunk: skipped only when bounded
+
+
+def test_producer_streams_chunks_as_tensors_arrive():
+    group = RecordingGroup()
+    pulled = []
+
+    def source():
+        for i in range(6):
+            pulled.append(i)
+            yield f"w{i}", torch.full((25,), float(i))  # 100 bytes: 2 per chunk of 200
+
+    def post(item):
+        # When tensor 2 is requested, chunk 0 (tensors 0, 1) went out once tensor 2's size was known, not later.
+        if item[0] == "w3":
+            assert group.sizes == [200]
+        return item[1]
+
+    packed_broadcast_producer(source(), group, 0, post, buffer_size_bytes=200)
+    assert group.sizes == [200, 200, 200] and pulled == list(range(6))
+
+
 @pytest.mark.parametrize(
     "legacy, expected",
     [
@@ -270,7 +365,14 @@ def test_consumer_receive_buffers_are_reused():
                                                     num_buffers=2, buffer_size_bytes=200):
         ptrs.append(batch[0][1].data_ptr())  # aligned tensors are views of the receive buffer
         assert [t[0].item() for _, t in batch] == [float(n[1:]) for n, _ in batch]
+        del batch  # a buffer is refilled only once no tensor from it is referenced (issue 10)
     assert len(ptrs) == 6 and len(set(ptrs)) == 2
+    # A loop variable still bound to the previous batch while asking for the next costs exactly one more buffer.
+    ptrs = []
+    for batch in _packed_broadcast_consumer_batches(iter(metas(tensors)), ReplayGroup(sender.sent), 0,
+                                                    num_buffers=2, buffer_size_bytes=200):
+        ptrs.append(batch[0][1].data_ptr())
+    assert len(ptrs) == 6 and len(set(ptrs)) == 3
 
 
 def test_buffer_reused_only_after_its_broadcast_completed():
@@ -424,3 +526,87 @@ def test_signatures_keep_the_spec():
         assert extra[1] == KW and extra[2] is not empty, extra
     assert ("buffer_size_bytes", KW, None) in consumer and ("use_legacy_packing", KW, False) in consumer
     assert ("buffer_size_bytes", KW, None) in batches and ("use_legacy_packing", KW, False) in batches
+
+
+# ---------------------------------------------------------------------------------------------- plans kept across rounds
+
+
+def _rounds_with_plans(rounds, *, target, legacy=False, return_iterator=False):
+    from refit_app.packed_tensor import PackedPlan
+
+    send_plan, recv_plan = PackedPlan(), PackedPlan()
+    kept = []
+    for r in rounds:
+        sender = RecordingGroup()
+        packed_broadcast_producer(iter(r), sender, 0, IDENTITY, buffer_size_bytes=target, use_legacy_packing=legacy,
+                                  plan=send_plan)
+        kwargs = {"buffer_size_bytes": target, "use_legacy_packing": legacy, "plan": recv_plan}
+        if return_iterator:
+            got = list(packed_broadcast_consumer(iter(metas(r)), ReplayGroup(sender.sent), 0, None, True, **kwargs))
+        else:
+            got = []
+            packed_broadcast_consumer(iter(metas(r)), ReplayGroup(sender.sent), 0, got.extend, **kwargs)
+        kept.append((sender.sizes, got))
+    assert send_plan.ready and recv_plan.ready and send_plan.chunks == recv_plan.chunks
+    return kept
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("target", [64, 200, 1 << 20])
+@pytest.mark.parametrize("return_iterator", [False, True])
+def test_plan_rounds_are_exact_and_send_the_same_chunks(legacy, target, return_iterator):
+    """Rounds with other values but the same list: the followed plan sends exactly what a fresh plan sends, and
+    every round's tensors, all kept (no clone), stay exact."""
+    g = torch.Generator().manual_seed(9)
+    base = awkward_tensors()
+    rounds = [base] + [
+        [(n, (torch.randn(t.shape, generator=g) * 3).to(t.dtype) if t.is_floating_point() or t.is_complex()
+          else t.clone()) for n, t in base]
+        for _ in range(3)
+    ]
+    rounds = [[(n, t.resolve_conj().resolve_neg()) for n, t in r] for r in rounds]
+    results = _rounds_with_plans(rounds, target=target, legacy=legacy, return_iterator=return_iterator)
+    fresh_sender, _ = round_trip(rounds[0], target=target, legacy=legacy)
+    for r, (sizes, got) in zip(rounds, results):
+        assert sizes == fresh_sender.sizes
+        assert_exact(r, got)
+
+
+def test_plan_refuses_a_changed_tensor_list():
+    from refit_app.packed_tensor import PackedPlan
+
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(6)]
+    plan = PackedPlan()
+    packed_broadcast_producer(iter(tensors), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
+    changed = tensors[:3] + [("w3", torch.zeros(25, dtype=torch.float64))] + tensors[4:]
+    with pytest.raises(ValueError, match=r"tensor 3 .*float64.*w3"):
+        packed_broadcast_producer(iter(changed), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
+    with pytest.raises(ValueError, match=r"tensor 6 .*(one more|end)"):
+        packed_broadcast_producer(iter(tensors + tensors[:1]), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200,
+                                  plan=plan)
+    with pytest.raises(ValueError, match=r"tensor 5 .*missing"):
+        packed_broadcast_producer(iter(tensors[:5]), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
+    with pytest.raises(ValueError, match="use a new PackedPlan"):
+        packed_broadcast_producer(iter(tensors), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=400, plan=plan)
+    recv = PackedPlan()
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
+    packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(sender.sent), 0, print, buffer_size_bytes=200,
+                              plan=recv)
+    renamed = metas(tensors)
+    renamed[2] = ("other", renamed[2][1])
+    with pytest.raises(ValueError, match=r"tensor 2 .*other"):
+        packed_broadcast_consumer(iter(renamed), ReplayGroup(sender.sent), 0, print, buffer_size_bytes=200, plan=recv)
+
+
+def test_plan_producer_copies_into_its_own_buffers_every_round():
+    from refit_app.packed_tensor import PackedPlan
+
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(40)]
+    plan = PackedPlan()
+    ptrs = []
+    for _ in range(3):
+        sender = RecordingGroup()
+        packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200, num_buffers=2, plan=plan)
+        ptrs.append(sender.data_ptrs)
+    assert len(set(ptrs[1])) == 2 and ptrs[1] == ptrs[2]  # the plan's two buffers, the same every round
