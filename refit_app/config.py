@@ -95,6 +95,8 @@ class Refit:
     """How many buffers are in flight at once; each side chooses its own."""
     use_legacy_packing: Optional[bool] = False
     """true: vLLM-compatible chunks. null (a consumer's default): adopt the producer's mode."""
+    rounds: int = 1
+    """How many refits one run performs over one group (the RL loop); the source changes between rounds."""
     debug: RefitDebug = field(default_factory=RefitDebug)
     """Test-only fault hooks; not for users."""
 
@@ -151,6 +153,26 @@ class SafetensorsSource(Source):
 
 
 @dataclass
+class ModelSource(Source):
+    _target_: str = "refit_app.hf_model.ModelSource"
+    kind: str = "model"
+    path: str = MISSING
+    """A Hugging Face model directory (config.json + safetensors); the trainer's model is built from it."""
+    dtype: Optional[str] = None
+    """float32, bfloat16, float16 or float64; null: the checkpoint's own."""
+    device: Optional[str] = None
+    """Where the model lives (cpu, cuda:0); null: the CPU."""
+    train_steps: int = 1
+    """Optimizer steps (AdamW) before every round after the first."""
+    batch_tokens: int = 256
+    """Tokens per training batch (random token sequences of a fixed seed)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    seed: int = 0
+    """Seed of the training batches."""
+
+
+@dataclass
 class Sink:
     """What a consumer does with the tensors it receives (the ``sink`` config group). A sink of your own is a
     config file with ``_target_: your.module.YourSink`` and its keyword arguments."""
@@ -176,6 +198,19 @@ class SaveSink(Sink):
 
 
 @dataclass
+class ModelSink(Sink):
+    _target_: str = "refit_app.hf_model.ModelSink"
+    kind: str = "model"
+    probe_tokens: int = 16
+    """After every round, compare this many positions of the model's logits and greedy tokens with the producer's
+    model; 0: no check."""
+    verify: bool = True
+    """Also check every received tensor bit for bit against the producer's checksums, every round."""
+    device: Optional[str] = None
+    """Where the model lives (cpu, cuda:0); null: the CPU."""
+
+
+@dataclass
 class DiscardSink(Sink):
     _target_: str = "refit_app.sinks.DiscardSink"
     kind: str = "discard"
@@ -196,8 +231,8 @@ class Config:
 
 _GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole},
-    "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource},
-    "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink},
+    "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource, "model": ModelSource},
+    "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink},
 }
 
 
@@ -381,13 +416,17 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     legacy = c.get("refit.use_legacy_packing")
     if legacy not in (None, _ABSENT) and not isinstance(legacy, bool):
         c.fail("refit.use_legacy_packing", legacy, "must be true, false or null (a consumer: adopt the producer's)")
+    rounds = c.get("refit.rounds")
+    if rounds is not _ABSENT and not (is_int(rounds) and rounds >= 1):
+        c.fail("refit.rounds", rounds, "must be an integer >= 1")
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
         c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
     if c.errors:
         return None
     return RefitSpec(
-        buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, corrupt_chunk=corrupt_chunk
+        buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, rounds=rounds,
+        corrupt_chunk=corrupt_chunk,
     )
 
 
@@ -465,6 +504,8 @@ def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
         if path is not _ABSENT and not Path(path).exists():
             c.fail("source.path", path, "no such file or directory; give a .safetensors file or a model directory")
         params = {"path": path}
+    elif kind == "model":
+        params = _check_model_source(c)
     else:
         params = _user_params(node)
     return SourceSpec(target, params)
@@ -482,9 +523,39 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
         if path is not _ABSENT and not path.strip():
             c.fail("sink.path", path, "must name the directory to write the checkpoint into")
         return SinkSpec(target, {"path": path}), kind
+    if kind == "model":
+        probe_tokens = c.get("sink.probe_tokens")
+        if probe_tokens is not _ABSENT and not (is_int(probe_tokens) and probe_tokens >= 0):
+            c.fail("sink.probe_tokens", probe_tokens, "must be an integer >= 0 (0: no model check)")
+        params = {"probe_tokens": probe_tokens, "verify": c.get("sink.verify"), "device": c.get("sink.device")}
+        return SinkSpec(target, params), kind
     if kind == CUSTOM:
         return SinkSpec(target, _user_params(node)), target
     return SinkSpec(target, {}), kind
+
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check_model_source(c: _Checker) -> dict[str, Any]:
+    """A transformers model directory and the training settings of the trainer that sends it."""
+    path = c.get("source.path")
+    if path is not _ABSENT and not (Path(path) / "config.json").is_file():
+        c.fail("source.path", path, "must be a Hugging Face model directory with a config.json")
+    dtype = c.get("source.dtype")
+    if dtype not in (None, _ABSENT) and dtype not in MODEL_DTYPES:
+        c.fail("source.dtype", dtype, _one_of(MODEL_DTYPES) + " (or null: the checkpoint's)")
+    params: dict[str, Any] = {"path": path, "dtype": dtype, "device": c.get("source.device")}
+    for key, least in (("train_steps", 1), ("batch_tokens", 2), ("seed", 0)):
+        value = c.get(f"source.{key}")
+        if value is not _ABSENT and not (is_int(value) and value >= least):
+            c.fail(f"source.{key}", value, f"must be an integer >= {least}")
+        params[key] = value
+    lr = c.get("source.lr")
+    if lr is not _ABSENT and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
+        c.fail("source.lr", lr, "must be a number > 0")
+    params["lr"] = lr
+    return params
 
 
 def _user_params(node: DictConfig) -> dict[str, Any]:

@@ -434,7 +434,13 @@ class ModelSink:
     the producer's probe with this model's. Rounds after the first repeat ``consume``/``finish_round`` only.
     """
 
-    def __init__(self, *, device: torch.device | str | None = None):
+    def __init__(
+        self, *, probe_tokens: int = DEFAULT_PROBE_TOKENS, verify: bool = True, device: torch.device | str | None = None
+    ):
+        self.verifies = verify
+        """Whether the session also checks every tensor bit for bit against the producer's checksums."""
+        self.probe_tokens = probe_tokens
+        """Positions of the probe compared after every round (the app asks the producer for it); 0: no check."""
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.model: torch.nn.Module | None = None
         self._built_for: tuple[str, torch.dtype] | None = None
@@ -444,7 +450,15 @@ class ModelSink:
         self.builds = 0
         """How many times a model was built (a test and the metrics can see that rounds reuse it)."""
 
-    def begin(self, manifest: Manifest, config_json: str) -> None:
+    def begin(self, manifest: Manifest, config_json: str | None = None) -> None:
+        """Build (or keep) the model for ``config_json``, by default the ``config.json`` the manifest carries."""
+        if config_json is None:
+            config_json = manifest.files.get(CONFIG_FILE_NAME)
+            if config_json is None:
+                raise SinkError(
+                    f"the producer sent no {CONFIG_FILE_NAME} to build the model from ({manifest.source}); "
+                    "use source=model"
+                )
         try:
             config_dict = json.loads(config_json)
         except json.JSONDecodeError as e:
@@ -506,8 +520,12 @@ class ModelSink:
         return {"loaded_tensors": len(self._metas)}
 
     def finish(self, checksums: list[int] | None = None) -> dict:
-        """The ``Sink`` protocol's end of a refit: ``finish_round``; checksums are ``sink=verify``'s business."""
-        return {"verified": None, **self.finish_round()}
+        """The ``Sink`` protocol's end of a round: ``finish_round``; checksums are the session's business."""
+        return self.finish_round()
+
+    def close(self) -> dict:
+        """Nothing to publish: the model serves the last round's weights in place."""
+        return {}
 
     def abort(self) -> None:
         """Forget this round's arrivals. The model keeps what was copied: the next full round overwrites it all."""

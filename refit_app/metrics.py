@@ -8,6 +8,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -22,40 +23,91 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 
-METRICS_KEYS: dict[str, str] = {
-    "role": "producer, consumer or local (local: the producer's figures, each consumer's under `consumers`)",
-    "rank": "rank in the refit group; the producer is 0",
-    "status": '"ok" or "failed"',
-    "error": "null, or the failure as one line",
-    "bytes": "payload bytes moved (sum of tensor sizes, without padding)",
-    "num_tensors": "tensors moved",
-    "num_chunks": "packed chunks the tensors were split into",
-    "seconds": "wall time of the transfer, from the first chunk to the last, handshake excluded",
-    "gb_per_s": "bytes / 1e9 / seconds",
-    "buffer_size_bytes": "packed buffer size actually used",
-    "num_buffers": "buffers in flight",
-    "use_legacy_packing": "true: vLLM-compatible chunks; false: bounded packing",
-    "backend": "collective backend actually used: gloo, nccl or pynccl",
-    "world_size": "ranks in the group (1 producer + consumers)",
-    "peak_rss_bytes": "highest resident set size of this process during the transfer",
-    "peak_extra_bytes": "peak_rss_bytes minus the resident set size when the transfer started",
-    "cuda_peak_bytes": "torch.cuda.max_memory_allocated during the transfer; null without CUDA",
-    "cuda_peak_extra_bytes": "cuda_peak_bytes minus the memory allocated when the transfer started; null without CUDA",
-    "verified": "true: every tensor matched the producer's checksums; false: a mismatch; null: not checked",
-    "source": "where the weights came from (synthetic preset or safetensors path)",
-    "sink": "what the consumer did with them: verify, save or discard",
-    "consumers": "role=local only: a list of each consumer's metrics, with the keys above",
-}
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
 
-EXTRA_METRICS_KEYS: dict[str, str] = {
-    "num_broadcasts": "chunks actually broadcast (a chunk of only zero-byte tensors is skipped in bounded mode)",
-    "handshake_seconds": "rendezvous-to-accepted-manifest time on this rank (not part of seconds)",
-    "checksums": "producer: whether it sent per-tensor checksums (some consumer verifies)",
-    "verified_tensors": "sink=verify: tensors checked bit for bit",
-    "saved_to": "sink=save: the checkpoint directory",
-    "saved_files": "sink=save: the files written there",
-}
-"""Keys of a successful run that only some roles or sinks write."""
+
+@dataclass
+class RoundMetrics:
+    """One refit of a run (``rounds`` in metrics.json); the README's table is checked against these fields."""
+
+    round: int = field(metadata=_doc("1 for the first refit of the run"))
+    seconds: float = field(metadata=_doc("wall time of this round's transfer, checksums included"))
+    gb_per_s: float | None = field(metadata=_doc("bytes / 1e9 / seconds"))
+    bytes: int = field(metadata=_doc("payload bytes moved in this round"))
+    verified: bool | None = field(metadata=_doc("consumer: true when this round was checked bit for bit"))
+    manifest_sent: bool = field(metadata=_doc("whether this round carried a manifest (the first, or a changed list)"))
+    handshake_seconds: float = field(metadata=_doc("time to send and accept this round's manifest; 0 without one"))
+    peak_extra_bytes: int | None = field(metadata=_doc("resident memory above this round's start, at its peak"))
+    peak_rss_bytes: int | None = field(metadata=_doc("highest resident set size during this round"))
+    loss: float | None = field(default=None, metadata=_doc("source=model: mean training loss of the steps before "
+                                                          "this round"))
+    model_check: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc("sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
+                      "producer's after this round"),
+    )
+
+
+@dataclass
+class RunMetrics:
+    """What one rank of a run reports in metrics.json (failed runs too, with what was known)."""
+
+    role: str = field(metadata=_doc("producer, consumer or local (local: the producer's figures, each consumer's "
+                                    "under `consumers`)"))
+    rank: int | None = field(metadata=_doc("rank in the refit group; the producer is 0"))
+    status: str = field(default="ok", metadata=_doc('"ok" or "failed"'))
+    error: str | None = field(default=None, metadata=_doc("null, or the failure as one line"))
+    bytes: int | None = field(default=None, metadata=_doc("payload bytes moved, summed over rounds"))
+    num_tensors: int | None = field(default=None, metadata=_doc("tensors per round"))
+    num_chunks: int | None = field(default=None, metadata=_doc("packed chunks per round"))
+    num_broadcasts: int | None = field(
+        default=None, metadata=_doc("chunks broadcast per round (bounded mode skips chunks of only empty tensors)"))
+    seconds: float | None = field(default=None, metadata=_doc("transfer wall time summed over rounds, handshake "
+                                                              "excluded"))
+    gb_per_s: float | None = field(default=None, metadata=_doc("bytes / 1e9 / seconds"))
+    rounds_done: int | None = field(default=None, metadata=_doc("rounds completed"))
+    first_round_seconds: float | None = field(default=None, metadata=_doc("the first round's transfer time"))
+    steady_round_seconds: float | None = field(
+        default=None, metadata=_doc("median transfer time of the rounds after the first; null with one round"))
+    handshake_seconds: float | None = field(
+        default=None, metadata=_doc("rendezvous-to-accepted-manifest time of the first round (not part of seconds)"))
+    buffer_size_bytes: int | None = field(default=None, metadata=_doc("packed buffer size actually used"))
+    num_buffers: int | None = field(default=None, metadata=_doc("buffers in flight on this rank"))
+    use_legacy_packing: bool | None = field(
+        default=None, metadata=_doc("true: vLLM-compatible chunks; false: bounded packing"))
+    backend: str | None = field(default=None, metadata=_doc("collective backend actually used: gloo, nccl or pynccl"))
+    world_size: int | None = field(default=None, metadata=_doc("ranks in the group (1 producer + consumers)"))
+    peak_rss_bytes: int | None = field(default=None, metadata=_doc("highest resident set size during any round"))
+    peak_extra_bytes: int | None = field(
+        default=None, metadata=_doc("the largest per-round peak above that round's starting resident set size"))
+    cuda_peak_bytes: int | None = field(
+        default=None, metadata=_doc("torch.cuda.max_memory_allocated during the rounds; null without CUDA"))
+    cuda_peak_extra_bytes: int | None = field(
+        default=None, metadata=_doc("cuda_peak_bytes minus the memory allocated at the start; null without CUDA"))
+    verified: bool | None = field(
+        default=None, metadata=_doc("true: every round matched the producer's checksums; null: not checked"))
+    verified_tensors: int | None = field(default=None, metadata=_doc("sink=verify: tensors checked per round"))
+    checksums: bool | None = field(
+        default=None, metadata=_doc("producer: whether it sent per-tensor checksums (some consumer verifies)"))
+    source: str | None = field(default=None, metadata=_doc("where the weights came from"))
+    sink: str | None = field(default=None, metadata=_doc("what the consumer did with them (verify, save, discard, "
+                                                         "model, or your class)"))
+    saved_to: str | None = field(default=None, metadata=_doc("sink=save: the checkpoint directory"))
+    saved_files: list[str] | None = field(default=None, metadata=_doc("sink=save: the files written there"))
+    rounds: list[RoundMetrics] = field(default_factory=list, metadata=_doc("one entry per round (table below)"))
+    consumers: list[dict[str, Any]] | None = field(
+        default=None, metadata=_doc("role=local only: each consumer's metrics, with the keys above"))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+METRICS_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RunMetrics)}
+"""Every key of metrics.json and its meaning, from :class:`RunMetrics`."""
+ROUND_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RoundMetrics)}
+"""Every key of a ``rounds`` entry and its meaning, from :class:`RoundMetrics`."""
+
 
 # Enough digits to compare runs, few enough that a diff of two metrics.json files is readable.
 _SIGNIFICANT_DIGITS = 5
@@ -226,7 +278,7 @@ def _rounded(value: Any) -> Any:
 
 
 def write_metrics(path_dir: str | os.PathLike[str], metrics: Mapping[str, Any]) -> Path:
-    """Write ``metrics.json`` into ``path_dir`` (see METRICS_KEYS); returns its path."""
+    """Write ``metrics.json`` into ``path_dir`` (see :class:`RunMetrics`); returns its path."""
     path = Path(path_dir) / METRICS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     # default=str: a dtype, device or Path in the dict is recorded rather than failing the run at its end.
@@ -245,11 +297,16 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
 
     parts = [f"{who}: {format_decimal(metrics.get('bytes') or 0)}"]
     parts.append(f" in {metrics.get('num_tensors', '?')} tensors / {metrics.get('num_chunks', '?')} chunks")
+    rounds = metrics.get("rounds_done") or 0
+    if rounds > 1:
+        parts.append(f" x {rounds} rounds")
     seconds = metrics.get("seconds")
     if seconds is not None:
         parts.append(f" in {seconds:.2f} s")
     if metrics.get("gb_per_s") is not None:
         parts.append(f" = {metrics['gb_per_s']:.2f} GB/s")
+    if rounds > 1 and metrics.get("steady_round_seconds") is not None:
+        parts.append(f" (first round {metrics['first_round_seconds']:.3f} s, then {metrics['steady_round_seconds']:.3f} s)")
 
     settings = []
     if metrics.get("buffer_size_bytes") is not None:
@@ -272,4 +329,9 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         parts.append(", verified")
     elif verified is False:
         parts.append(", VERIFICATION FAILED")
+    checks = [r.get("model_check") for c in [metrics, *consumers] for r in c.get("rounds") or [] if r.get("model_check")]
+    if checks:
+        worst = max(c["max_abs_logit_diff"] for c in checks)
+        same = all(c["tokens_match"] for c in checks)
+        parts.append(f", models match (max logit diff {worst:.3g})" if same else ", MODEL TOKENS DIFFER")
     return "".join(parts)

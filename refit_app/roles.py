@@ -1,227 +1,227 @@
-"""What each rank does in a refit: the producer sends a source, a consumer feeds a sink, ``local`` runs both.
+"""What each rank does in a run: the producer sends its source round after round, a consumer feeds its sink.
 
-One refit, on every rank::
+One run, on every rank, over one group and one session (:mod:`refit_app.session`)::
 
-    connect (rendezvous, checks)  ->  needs (does any consumer verify?)  ->  manifest handshake
-    ->  packed broadcast of the data  ->  checksum trailer (if needed)  ->  finish (all ranks agree it worked)
+    connect (rendezvous, checks)  ->  session (who verifies? who wants a model probe?)
+    ->  round 1: manifest handshake, data, checksums, probe, all ranks agree it worked
+    ->  round 2..N: the source changes (a training step), data, checksums, probe, all agree
+    ->  end of session; the sink publishes (a checkpoint) and metrics are written
 
-Every failure on any rank ends every rank with that rank's reason, within ``group.timeout_s``.
+Every failure on any rank ends every rank with that rank's reason and the round, within ``group.timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
-import time
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from refit_app.checksum import tensor_checksum
 from refit_app.config import RunSettings
-from refit_app.errors import RefitError
+from refit_app.errors import ConfigError, RefitError
 from refit_app.groups import RefitGroup, connect
-from refit_app.handshake import (
-    accept_manifest,
-    finish,
-    recv_checksums,
-    send_checksums,
-    send_manifest,
-)
 from refit_app.manifest import Manifest
-from refit_app.metrics import PeakMemory, gb_per_s
-from refit_app.packed_tensor import (
-    chunk_ids,
-    get_target_packed_tensor_size,
-    packed_broadcast_consumer,
-    packed_broadcast_producer,
-)
+from refit_app.metrics import PeakMemory, RoundMetrics, RunMetrics, gb_per_s
+from refit_app.packed_tensor import get_target_packed_tensor_size, plan_chunks
 from refit_app.progress import Progress
-from refit_app.sinks import make_sink
-from refit_app.sources import make_source
+from refit_app.session import ConsumerSession, ProducerSession, Round
+from refit_app.sinks import Sink, make_sink
+from refit_app.sources import Source, make_source
 
 logger = logging.getLogger(__name__)
 
-def _count_chunks(manifest: Manifest) -> int:
-    ids = list(chunk_ids((t.nbytes for t in manifest.tensors), manifest.buffer_size_bytes, manifest.use_legacy_packing))
-    return ids[-1] + 1 if ids else 0
 
+class _RoundProgress:
+    """The progress display of the round in flight, started at its first chunk (when its manifest is known)."""
 
-class _Transfer:
-    """Counts what went over the wire and drives the progress display."""
-
-    def __init__(self, manifest: Manifest, label: str, show_progress: bool) -> None:
-        self.bytes = 0
-        self.chunks = 0
-        self.broadcasts = 0
-        self._sends_empty_chunks = manifest.use_legacy_packing  # legacy mode broadcasts them, as vLLM does
-        self._progress = (
-            Progress(manifest.total_bytes, _count_chunks(manifest), label, stream=sys.stderr) if show_progress else None
-        )
+    def __init__(self, label: str, enabled: bool, rounds: int | None) -> None:
+        self._label = label
+        self._enabled = enabled
+        self._rounds = rounds
+        self._current: Progress | None = None
+        self.session: ProducerSession | ConsumerSession | None = None
 
     def on_chunk(self, nbytes: int, ntensors: int) -> None:
-        self.bytes += nbytes
-        self.chunks += 1
-        self.broadcasts += nbytes > 0 or self._sends_empty_chunks
-        if self._progress is not None:
-            self._progress.update(nbytes)
+        if not self._enabled or self.session is None:
+            return
+        if self._current is None:
+            manifest, k = self.session.manifest, self.session.rounds + 1
+            of = f"/{self._rounds}" if self._rounds else ""
+            label = self._label if self._rounds == 1 else f"{self._label} round {k}{of}"
+            chunks = plan_chunks((t.nbytes for t in manifest.tensors), manifest.buffer_size_bytes,
+                                 manifest.use_legacy_packing)
+            self._current = Progress(manifest.total_bytes, len(chunks), label, stream=sys.stderr)
+        self._current.update(nbytes)
 
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-
-
-def _exchange_needs(rg: RefitGroup, wants_checksums: bool) -> bool:
-    """Whether any consumer verifies, so the producer computes checksums only when someone will use them.
-
-    One tiny broadcast per consumer, over the same group as the data, so it works with every backend.
-    """
-    anyone = False
-    for rank in range(1, rg.world_size):
-        flag = torch.tensor([int(wants_checksums and rg.rank == rank)], dtype=torch.int64, device=rg.group.device)
-        rg.group.broadcast(flag, rank)
-        anyone |= bool(flag.item())
-    return anyone
+    def stop(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
 
 
-def _metrics(
-    s: RunSettings,
-    rg: RefitGroup,
-    manifest: Manifest,
-    transfer: _Transfer,
-    seconds: float,
+def _round_metrics(r: Round, memory: PeakMemory) -> RoundMetrics:
+    return RoundMetrics(
+        round=r.round,
+        seconds=r.seconds,
+        gb_per_s=r.gb_per_s,
+        bytes=r.bytes,
+        verified=r.verified,
+        manifest_sent=r.manifest_sent,
+        handshake_seconds=r.handshake_seconds,
+        peak_extra_bytes=memory.peak_extra_bytes,
+        peak_rss_bytes=memory.peak_rss,
+        loss=r.facts.get("loss"),
+        model_check=r.facts.get("model_check"),
+    )
+
+
+def _run_metrics(
+    s: RunSettings, rg: RefitGroup, manifest: Manifest | None, rounds: list[Round], memories: list[PeakMemory],
     handshake_s: float,
-    memory: PeakMemory,
-) -> dict[str, Any]:
-    """The figures both sides report (metrics.py's METRICS_KEYS describes them)."""
-    return {
-        "role": "producer" if s.rank == 0 else "consumer",
-        "rank": s.rank,
-        "status": "ok",
-        "error": None,
-        "num_tensors": len(manifest.tensors),
-        "buffer_size_bytes": manifest.buffer_size_bytes,
-        "num_buffers": s.refit.num_buffers,
-        "use_legacy_packing": manifest.use_legacy_packing,
-        "backend": rg.backend,
-        "world_size": rg.world_size,
-        "source": manifest.source,
-        "bytes": transfer.bytes,
-        "num_chunks": transfer.chunks,
-        "num_broadcasts": transfer.broadcasts,
-        "seconds": seconds,
-        "gb_per_s": gb_per_s(transfer.bytes, seconds),
-        "handshake_seconds": handshake_s,
-        **memory.to_metrics(),
-    }
+) -> RunMetrics:
+    """The figures both sides report; the top level describes the whole run (see :class:`RunMetrics`)."""
+    total_bytes = sum(r.bytes for r in rounds)
+    seconds = sum(r.seconds for r in rounds)
+    cuda = [m.cuda_peak_bytes for m in memories if m.cuda_peak_bytes is not None]
+    cuda_extra = [m.cuda_peak_extra_bytes for m in memories if m.cuda_peak_extra_bytes is not None]
+    return RunMetrics(
+        role="producer" if rg.is_producer else "consumer",
+        rank=rg.rank,
+        bytes=total_bytes,
+        num_tensors=None if manifest is None else len(manifest.tensors),
+        num_chunks=rounds[-1].num_chunks if rounds else None,
+        num_broadcasts=rounds[-1].num_broadcasts if rounds else None,
+        seconds=seconds,
+        gb_per_s=gb_per_s(total_bytes, seconds),
+        rounds_done=len(rounds),
+        first_round_seconds=rounds[0].seconds if rounds else None,
+        steady_round_seconds=statistics.median(r.seconds for r in rounds[1:]) if len(rounds) > 1 else None,
+        handshake_seconds=handshake_s,
+        buffer_size_bytes=None if manifest is None else manifest.buffer_size_bytes,
+        num_buffers=s.refit.num_buffers,
+        use_legacy_packing=None if manifest is None else manifest.use_legacy_packing,
+        backend=rg.backend,
+        world_size=rg.world_size,
+        peak_rss_bytes=max((m.peak_rss for m in memories if m.peak_rss is not None), default=None),
+        peak_extra_bytes=max((m.peak_extra_bytes for m in memories if m.peak_extra_bytes is not None), default=None),
+        cuda_peak_bytes=max(cuda) if cuda else None,
+        cuda_peak_extra_bytes=max(cuda_extra) if cuda_extra else None,
+        source=None if manifest is None else manifest.source,
+        rounds=[_round_metrics(r, m) for r, m in zip(rounds, memories)],
+    )
+
+
+def _companion_files(source: Source) -> dict[str, str]:
+    config = getattr(source, "model_config", None)
+    return {} if config is None else {"config.json": config()}
 
 
 def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
-    """Send the configured source to every consumer; returns this rank's metrics."""
+    """Send the configured source to every consumer, ``refit.rounds`` times; returns this rank's metrics."""
     source = make_source(s.source.target, s.source.params)
     target = s.refit.buffer_size_bytes if s.refit.buffer_size_bytes is not None else get_target_packed_tensor_size()
+    progress = _RoundProgress("producer", show_progress, s.refit.rounds)
+    advance: Callable[[int], dict] | None = getattr(source, "advance", None)
+    probe: Callable[[int], dict] | None = getattr(source, "probe", None)
+    rounds: list[Round] = []
+    memories: list[PeakMemory] = []
     with connect(s.group) as rg:
-        started = time.perf_counter()
-        checksums_needed = _exchange_needs(rg, False)
-        manifest = Manifest(
-            source.manifest_tensors(),
-            target,
-            bool(s.refit.use_legacy_packing),
-            checksums=checksums_needed,
-            metadata=source.metadata(),
-            source=source.describe(),
+        session = ProducerSession(rg, buffer_size_bytes=target, num_buffers=s.refit.num_buffers,
+                                  use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk)
+        progress.session = session
+        extra_for = _probe_encoder(probe, session.probe_tokens, source)
+        for k in range(1, s.refit.rounds + 1):
+            facts = advance(k) if advance is not None and k > 1 else {}
+            metas = source.manifest_tensors()
+            extra = extra_for()
+            with PeakMemory() as memory:
+                try:
+                    r = session.send(source.tensors(), metas=metas, metadata=source.metadata(),
+                                     files=_companion_files(source), source=source.describe(), extra=extra)
+                finally:
+                    progress.stop()
+            r.facts.update(facts)
+            rounds.append(r)
+            memories.append(memory)
+            if s.refit.rounds > 1:
+                logger.info("round %d/%d: %.3f s%s", k, s.refit.rounds, r.seconds,
+                            f", loss {facts['loss']:.4f}" if "loss" in facts else "")
+        session.close()
+        metrics = _run_metrics(s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds)
+        metrics.checksums = session.checksums_needed
+        return metrics.to_json()
+
+
+def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, source: Source) -> Callable[[], bytes]:
+    """What the producer sends after each round's data: its model's probe, where a consumer asked for one."""
+    if probe_tokens <= 0:
+        return lambda: b""
+    if probe is None:
+        raise ConfigError(
+            f"a consumer checks its model against the producer's, but the producer's source ({source.describe()}) "
+            "has no model; use source=model"
         )
-        send_manifest(rg, manifest)
-        handshake_s = time.perf_counter() - started
+    from refit_app.hf_model import encode_probe
 
-        checksums: list[int] = []
-
-        def post(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-            if checksums_needed:
-                # Checksummed here, from the exact tensor that is packed: no second pass over the model.
-                checksums.append(tensor_checksum(item[1]))
-            return item[1]
-
-        transfer = _Transfer(manifest, "producer", show_progress)
-        with PeakMemory() as memory:
-            started = time.perf_counter()
-            try:
-                packed_broadcast_producer(
-                    source.tensors(),
-                    rg.group,
-                    0,
-                    post,
-                    buffer_size_bytes=target,
-                    num_buffers=s.refit.num_buffers,
-                    use_legacy_packing=manifest.use_legacy_packing,
-                    on_chunk=transfer.on_chunk,
-                )
-                if checksums_needed:
-                    send_checksums(rg, checksums)
-            finally:
-                transfer.close()
-            seconds = time.perf_counter() - started
-        finish(rg, None)
-        return {
-            **_metrics(s, rg, manifest, transfer, seconds, handshake_s, memory),
-            "checksums": checksums_needed,
-            "verified": None,
-            "sink": None,
-        }
+    return lambda: encode_probe(probe(probe_tokens))
 
 
 def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
-    """Receive the producer's weights into the configured sink; returns this rank's metrics."""
+    """Receive every round of the producer's weights into the configured sink; returns this rank's metrics."""
     sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk)
-    with connect(s.group) as rg:
-        started = time.perf_counter()
-        _exchange_needs(rg, s.verifies)
-        try:
-            manifest = accept_manifest(
-                rg,
-                buffer_size_bytes=s.refit.buffer_size_bytes,
-                use_legacy_packing=s.refit.use_legacy_packing,
-                prepare=sink.begin,
-            )
-        except RefitError:
-            sink.abort()
-            raise
-        handshake_s = time.perf_counter() - started
+    verify = bool(getattr(sink, "verifies", False))
+    probe_tokens = int(getattr(sink, "probe_tokens", 0))
+    progress = _RoundProgress(f"consumer {s.rank}", show_progress, None)
+    rounds: list[Round] = []
+    memories: list[PeakMemory] = []
+    try:
+        with connect(s.group) as rg:
+            session = ConsumerSession(rg, buffer_size_bytes=s.refit.buffer_size_bytes,
+                                      use_legacy_packing=s.refit.use_legacy_packing,
+                                      num_buffers=s.refit.num_buffers, verify=verify, probe_tokens=probe_tokens,
+                                      on_chunk=progress.on_chunk)
+            progress.session = session
+            on_round_end = _round_end(sink, probe_tokens)
+            while True:
+                with PeakMemory() as memory:
+                    try:
+                        r = session.receive(sink.consume, on_manifest=sink.begin, on_round_end=on_round_end)
+                    finally:
+                        progress.stop()
+                if r is None:
+                    break
+                rounds.append(r)
+                memories.append(memory)
+            published = sink.close()
+            metrics = _run_metrics(s, rg, session.manifest, rounds, memories,
+                                   rounds[0].handshake_seconds if rounds else 0.0)
+    except BaseException:
+        sink.abort()
+        raise
+    metrics.sink = s.sink_name
+    if verify:
+        metrics.verified = all(r.verified for r in rounds)
+        metrics.verified_tensors = rounds[-1].facts.get("verified_tensors") if rounds else None
+    metrics.saved_to = published.get("saved_to")
+    metrics.saved_files = published.get("saved_files")
+    return metrics.to_json()
 
-        transfer = _Transfer(manifest, f"consumer {s.rank}", show_progress)
-        try:
-            with PeakMemory() as memory:
-                started = time.perf_counter()
-                try:
-                    packed_broadcast_consumer(
-                        ((t.name, (t.shape, t.dtype)) for t in manifest.tensors),
-                        rg.group,
-                        0,
-                        sink.consume,
-                        num_buffers=s.refit.num_buffers,
-                        buffer_size_bytes=manifest.buffer_size_bytes,
-                        use_legacy_packing=manifest.use_legacy_packing,
-                        on_chunk=transfer.on_chunk,
-                    )
-                    checksums = recv_checksums(rg, len(manifest.tensors)) if manifest.checksums else None
-                finally:
-                    transfer.close()
-                seconds = time.perf_counter() - started
-            try:
-                outcome = sink.finish(checksums)
-            except RefitError as e:
-                # The data arrived but is wrong or cannot be kept: every rank must learn it, with this reason.
-                finish(rg, str(e))
-                raise
-        except BaseException:
-            sink.abort()
-            raise
-        finish(rg, None)
-        return {
-            **_metrics(s, rg, manifest, transfer, seconds, handshake_s, memory),
-            "sink": s.sink_name,
-            **outcome,
-        }
+
+def _round_end(sink: Sink, probe_tokens: int) -> Callable[[Round], dict[str, Any]]:
+    """The consumer's end of a round: the sink completes it, and a model sink compares itself to the producer's."""
+
+    def end(r: Round) -> dict[str, Any]:
+        facts = dict(sink.finish(r.checksums) or {})
+        if probe_tokens:
+            from refit_app.hf_model import decode_probe
+
+            if not r.extra:
+                raise RefitError("the producer sent no model probe for this round")
+            facts["model_check"] = sink.check(decode_probe(r.extra), probe_tokens)
+        return facts
+
+    return end
 
 
 def run_role(s: RunSettings) -> dict[str, Any]:

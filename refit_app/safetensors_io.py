@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from refit_app.checksum import tensor_bytes
+from refit_app.checksum import host_bytes as tensor_bytes
 from refit_app.errors import SinkError, SourceError
 from refit_app.files import create_temp, fsync_dir, write_atomic
 from refit_app.manifest import TensorMeta, dtype_itemsize
@@ -379,6 +379,7 @@ class SafetensorsWriter:
         self._header = struct.pack("<Q", len(encoded)) + encoded
         self.total_bytes = len(self._header) + offset
         self._written: set[str] = set()
+        self._round_complete = False
         self._tmp: Path | None = None
         self._fd: int | None = None
 
@@ -408,6 +409,10 @@ class SafetensorsWriter:
                 f"cannot write {name!r} to {self.path}: got {tensor.dtype} {list(tensor.shape)}, "
                 f"manifest says {meta.dtype} {list(meta.shape)}"
             )
+        if self._round_complete:
+            # The next round overwrites the previous one in place.
+            self._written.clear()
+            self._round_complete = False
         if name in self._written:
             raise SinkError(f"cannot write {name!r} to {self.path}: it arrived twice")
         try:
@@ -416,11 +421,16 @@ class SafetensorsWriter:
             raise SinkError(f"cannot write {self._tmp}: {e.strerror or e}") from e
         self._written.add(name)
 
-    def seal(self) -> None:
-        """Check completeness and flush to disk; after this only ``publish`` or ``abort`` remain."""
+    def end_round(self) -> None:
+        """Raise unless every tensor was written since the last round ended; the next write starts a new round."""
         missing = [n for n in self._slots if n not in self._written]
         if missing:
             raise SinkError(f"cannot finish {self.path}: {len(missing)} tensor(s) never arrived: {_summarize(missing)}")
+        self._round_complete = True
+
+    def seal(self) -> None:
+        """Check completeness and flush to disk; after this only ``publish`` or ``abort`` remain."""
+        self.end_round()
         if self._fd is None:
             raise RuntimeError("SafetensorsWriter.seal() before open()")
         try:
@@ -515,6 +525,11 @@ class CheckpointWriter:
         if shard is None:
             raise SinkError(f"cannot write {name!r} to {self.directory}: it is not in the manifest")
         self._writers[shard].write(name, tensor)
+
+    def end_round(self) -> None:
+        """Raise unless every tensor of the checkpoint was written since the last round ended."""
+        for w in self._writers.values():
+            w.end_round()
 
     def commit(self) -> list[Path]:
         """Seal every file, rename them into place, write the index last; returns the final paths."""

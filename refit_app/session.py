@@ -431,8 +431,8 @@ class ConsumerSession(_Session):
             return verifier.consume
 
         def both(batch: list[tuple[str, torch.Tensor]]) -> None:
-            verifier.consume(batch)
             post_unpack_func(batch)
+            verifier.consume(batch)
 
         return both
 

@@ -100,6 +100,8 @@ class RefitSpec:
     num_buffers: int = 2
     use_legacy_packing: bool | None = False
     """None (a consumer's default): adopt the producer's mode."""
+    rounds: int = 1
+    """Refits one run performs over one group."""
     corrupt_chunk: int | None = None
     """Test-only fault hook: a consumer flips one byte of this received chunk."""
 

@@ -10,33 +10,39 @@ from typing import Any, Protocol
 
 import torch
 
-from refit_app.errors import HandshakeError, SinkError
+from refit_app.errors import SinkError
 from refit_app.manifest import Manifest
-from refit_app.packed_tensor import (
-    _flat_bytes as tensor_bytes,  # TODO(lead): public name
-)
+from refit_app.packed_tensor import tensor_bytes
 from refit_app.plugins import instantiate
 from refit_app.safetensors_io import CheckpointWriter
 from refit_app.sizes import format_size
-from refit_app.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
 class Sink(Protocol):
+    """A consumer's destination for the weights, round after round (``sink=``, or your own class by ``_target_``).
+
+    Optional attributes the application reads: ``verifies`` (True: check every round bit for bit against the
+    producer's checksums) and ``probe_tokens`` (> 0: after every round, compare the sink's model with the producer's
+    through ``check(probe, probe_tokens) -> dict``).
+    """
+
     def begin(self, manifest: Manifest) -> None:
-        """Called after the handshake, before any tensor moves: everything that can fail early fails here."""
+        """A fresh manifest (the first round, or the tensor list changed), before any of its tensors move: whatever
+        can fail early fails here, and every rank stops with it."""
         ...
 
     def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """Take received tensors. They are views into a receive buffer, valid only during this call."""
+        """Take received tensors. They are views into receive buffers: copy or load what you keep."""
         ...
 
     def finish(self, checksums: list[int] | None) -> dict:
-        """Complete the refit given the producer's per-tensor checksums (manifest order), if it sent them.
+        """The round's data has arrived (with the producer's per-tensor checksums where it sent them). Returns figures
+        for the round's metrics; raising fails the round on every rank."""
+        ...
 
-        Returns figures for the metrics; raises VerificationError or SinkError when the refit did not
-        fully happen.
-        """
+    def close(self) -> dict:
+        """The session is over: publish what the last round left (a checkpoint). Returns figures for the metrics."""
         ...
 
     def abort(self) -> None:
@@ -45,35 +51,24 @@ class Sink(Protocol):
 
 
 class VerifySink:
-    """Checks every received tensor bit for bit against the producer's checksums, every round, keeping nothing."""
+    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums."""
 
-    def __init__(self) -> None:
-        self._verifier: Verifier | None = None
+    verifies = True
 
     def begin(self, manifest: Manifest) -> None:
-        if not manifest.checksums:
-            raise HandshakeError(
-                "sink=verify needs per-tensor checksums but the producer's manifest says it sends none; "
-                "run a producer of the same refit_app version"
-            )
-        self._verifier = Verifier(manifest.tensors)
+        """The session refuses a manifest without checksums itself."""
 
     def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        if self._verifier is None:
-            raise RuntimeError("VerifySink.consume() before begin()")
-        self._verifier.consume(batch)
+        """The session's verifier has checksummed the batch; nothing to keep."""
 
     def finish(self, checksums: list[int] | None) -> dict:
-        if self._verifier is None:
-            raise RuntimeError("VerifySink.finish() before begin()")
-        return self._verifier.verdict(checksums)
+        return {}
 
     def close(self) -> dict:
-        """Nothing to publish: every round was verified as it ended."""
         return {}
 
     def abort(self) -> None:
-        """Nothing to undo: verification keeps no state outside memory."""
+        """Nothing to undo."""
 
 
 class SaveSink:
@@ -88,6 +83,7 @@ class SaveSink:
         self._writer: CheckpointWriter | None = None
 
     def begin(self, manifest: Manifest) -> None:
+        self.abort()  # a fresh manifest mid-session: the previous layout's temporary files go
         writer = CheckpointWriter(self.path, manifest.tensors, manifest.metadata)
         if self.path.exists() and not self.path.is_dir():
             raise SinkError(f"sink.path {self.path} is a file; give a directory to save the checkpoint in")
@@ -109,11 +105,18 @@ class SaveSink:
             self._writer.write(name, t)
 
     def finish(self, checksums: list[int] | None) -> dict:
+        """The round is in the temporary files; the next round overwrites it there, :meth:`close` publishes it."""
         if self._writer is None:
             raise RuntimeError("SaveSink.finish() before begin()")
+        self._writer.end_round()
+        return {}
+
+    def close(self) -> dict:
+        if self._writer is None:
+            return {}
         files = self._writer.commit()
         self._writer = None
-        return {"verified": None, "saved_to": str(self.path), "saved_files": [p.name for p in files]}
+        return {"saved_to": str(self.path), "saved_files": [p.name for p in files]}
 
     def abort(self) -> None:
         if self._writer is not None:
@@ -131,7 +134,10 @@ class DiscardSink:
         """Drop the batch; the views die with the call."""
 
     def finish(self, checksums: list[int] | None) -> dict:
-        return {"verified": None}
+        return {}
+
+    def close(self) -> dict:
+        return {}
 
     def abort(self) -> None:
         """Nothing to undo."""
@@ -162,8 +168,15 @@ class CorruptingSink:
     def finish(self, checksums: list[int] | None) -> dict:
         return self._inner.finish(checksums)
 
+    def close(self) -> dict:
+        return self._inner.close()
+
     def abort(self) -> None:
         self._inner.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        # verifies, probe_tokens, check: whatever the wrapped sink offers.
+        return getattr(self._inner, name)
 
 
 def make_sink(target: str, params: Mapping[str, Any], *, corrupt_chunk: int | None = None) -> Sink:

@@ -39,6 +39,12 @@ class Source(Protocol):
         """The tensors, lazily. They may alias files or each other: callers read them, never write them."""
         ...
 
+    # Optional, for runs of several rounds and model checks (see README, "Plug in your own source or sink"):
+    # advance(round_index) -> dict: change the weights before round round_index (2, 3, ...), as a training step
+    #     does; the dict (a "loss", say) goes into that round's metrics. Without it every round sends the same.
+    # model_config() -> str: a config.json that travels with the manifest (sink=model builds its model from it).
+    # probe(probe_tokens) -> dict: this model's answer to the probe a model sink compares itself with.
+
 
 class SafetensorsSource:
     """A ``.safetensors`` file or a Hugging Face model directory, streamed from mmap'd files."""
@@ -105,6 +111,7 @@ class SyntheticSource:
     ):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.preset, self.seed, self.dtype = preset, seed, dtype
+        self._round = 1
         itemsize = dtype_itemsize(dtype)
         natural = PRESETS[preset]
         self._arch = natural if size_bytes is None else fit_arch(natural, size_bytes, itemsize)
@@ -136,10 +143,17 @@ class SyntheticSource:
     def metadata(self) -> dict[str, str]:
         return {"format": "pt", "synthetic_preset": self.preset, "synthetic_seed": str(self.seed)}
 
+    def advance(self, round_index: int) -> dict:
+        """New values for round ``round_index``, as after a training step: deterministic, so a consumer can verify
+        every round, and free (the tensors move to other offsets of the same pools)."""
+        self._round = round_index
+        return {}
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        salt = f"{self.seed}" if self._round <= 1 else f"{self.seed}/round{self._round}"
         for meta in self._metas:
             pool = self._pools[meta.dtype]
-            digest = hashlib.blake2b(f"{self.seed}/{meta.name}".encode(), digest_size=8).digest()
+            digest = hashlib.blake2b(f"{salt}/{meta.name}".encode(), digest_size=8).digest()
             start = int.from_bytes(digest, "little") % (pool.numel() - meta.numel + 1)
             yield meta.name, pool[start : start + meta.numel].view(meta.shape)
 

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-import refit_app.packed_tensor as pt
 from fakes import RecordingGroup, ReplayGroup, raw_bytes
 from mp_utils import run_ranks
+from refit_app.core.buffers import get_streams
 from refit_app.groups import GroupSpec, connect
 from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
 from refit_app.sources import SyntheticSource
@@ -98,7 +98,7 @@ def test_streams_cached_per_device_and_count():
 
     first = StreamRecordingGroup()
     packed_broadcast_producer(iter(tensors), first, 0, IDENTITY, buffer_size_bytes=200, num_buffers=2)
-    cached = [s.cuda_stream for s in pt._get_streams(dev, 2)]
+    cached = [s.cuda_stream for s in get_streams(dev, 2)]
     # Buffers alternate, each on its own stream, never the default one.
     assert first.streams == [cached[i % 2] for i in range(6)]
     assert torch.cuda.default_stream(dev).cuda_stream not in cached
@@ -106,9 +106,9 @@ def test_streams_cached_per_device_and_count():
     second = StreamRecordingGroup()
     packed_broadcast_producer(iter(tensors), second, 0, IDENTITY, buffer_size_bytes=200, num_buffers=2)
     assert second.streams == first.streams  # reused across calls, not created anew
-    assert pt._get_streams(dev, 2) is pt._get_streams(dev, 2)
+    assert get_streams(dev, 2) is get_streams(dev, 2)
 
-    three = [s.cuda_stream for s in pt._get_streams(dev, 3)]
+    three = [s.cuda_stream for s in get_streams(dev, 3)]
     assert len(set(three)) == 3 and not set(three) & set(cached)
 
 

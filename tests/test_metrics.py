@@ -12,6 +12,7 @@ import torch
 
 from refit_app import metrics as metrics_mod
 from refit_app.metrics import (
+    RunMetrics,
     METRICS_KEYS,
     PeakMemory,
     gb_per_s,
@@ -77,29 +78,24 @@ def test_peak_memory_measures_the_cuda_allocator() -> None:
 
 
 def _producer_metrics(**changes: object) -> dict[str, object]:
-    m: dict[str, object] = {
-        "role": "producer",
-        "rank": 0,
-        "status": "ok",
-        "error": None,
-        "bytes": 1_070_000_000,
-        "num_tensors": 412,
-        "num_chunks": 5,
-        "seconds": 0.6114285714285714,
-        "gb_per_s": gb_per_s(1_070_000_000, 0.6114285714285714),
-        "buffer_size_bytes": 256 * MiB,
-        "num_buffers": 2,
-        "use_legacy_packing": False,
-        "backend": "gloo",
-        "world_size": 2,
-        "peak_rss_bytes": 2_000 * MiB,
-        "peak_extra_bytes": 520 * MiB,
-        "cuda_peak_bytes": None,
-        "cuda_peak_extra_bytes": None,
-        "verified": True,
-        "source": "synthetic",
-        "sink": None,
-    }
+    m = RunMetrics(
+        role="producer",
+        rank=0,
+        bytes=1_070_000_000,
+        num_tensors=412,
+        num_chunks=5,
+        seconds=0.6114285714285714,
+        gb_per_s=gb_per_s(1_070_000_000, 0.6114285714285714),
+        buffer_size_bytes=256 * MiB,
+        num_buffers=2,
+        use_legacy_packing=False,
+        backend="gloo",
+        world_size=2,
+        peak_rss_bytes=2_000 * MiB,
+        peak_extra_bytes=520 * MiB,
+        verified=True,
+        source="synthetic",
+    ).to_json()
     m.update(changes)
     return m
 

@@ -455,7 +455,7 @@ def test_consumer_callback_error_propagates_after_draining():
 
 def test_host_buffers_are_kept_for_the_next_call_and_bounded():
     """Repeated refits reuse resident host buffers instead of faulting in new ones, and memory does not grow."""
-    from refit_app.packed_tensor import _HOST_POOL, release_buffers
+    from refit_app.core.buffers import HOST_POOL, release_buffers
 
     tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(12)]
     release_buffers()
@@ -465,16 +465,16 @@ def test_host_buffers_are_kept_for_the_next_call_and_bounded():
         again = RecordingGroup()
         packed_broadcast_producer(iter(tensors), again, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
         assert set(again.data_ptrs) == set(first.data_ptrs)
-        assert len(_HOST_POOL._free) == 3
+        assert len(HOST_POOL) == 3
     # A call with fewer buffers shrinks what is kept.
     packed_broadcast_producer(iter(tensors), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, num_buffers=1)
-    assert len(_HOST_POOL._free) == 1
+    assert len(HOST_POOL) == 1
     release_buffers()
-    assert _HOST_POOL._free == []
+    assert len(HOST_POOL) == 0
 
 
 def test_failed_call_keeps_no_buffers():
-    from refit_app.packed_tensor import _HOST_POOL, release_buffers
+    from refit_app.core.buffers import HOST_POOL, release_buffers
 
     release_buffers()
 
@@ -486,7 +486,7 @@ def test_failed_call_keeps_no_buffers():
     tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(8)]
     with pytest.raises(Boom):
         packed_broadcast_producer(iter(tensors), AsyncRecordingGroup(), 0, post, buffer_size_bytes=200)
-    assert _HOST_POOL._free == []  # a buffer a failed broadcast may still touch is never handed out again
+    assert len(HOST_POOL) == 0  # a buffer a failed broadcast may still touch is never handed out again
 
 
 def test_parameters_and_lazy_views_travel_as_their_values():

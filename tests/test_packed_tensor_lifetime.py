@@ -15,13 +15,11 @@ from fakes import RecordingGroup, ReplayGroup
 from mp_utils import run_ranks
 from test_packed_tensor import IDENTITY, assert_exact, awkward_tensors, metas
 
+from refit_app.core.buffers import HOST_POOL, is_shared, release_buffers
 from refit_app.packed_tensor import (
-    _HOST_POOL,
     _packed_broadcast_consumer_batches,
-    _shared,
     packed_broadcast_consumer,
     packed_broadcast_producer,
-    release_buffers,
 )
 
 
@@ -124,18 +122,18 @@ def test_tensors_kept_from_one_call_survive_the_next_call():
 # ------------------------------------------------------------------------------------------------ reuse still happens
 
 
-def test_shared_sees_every_other_user_of_a_buffer():
+def test_is_shared_sees_every_other_user_of_a_buffer():
     """The check rests on torch's storage use count: pin what it counts in this torch."""
     buffer = torch.empty(64, dtype=torch.uint8)
-    assert not _shared(buffer)
+    assert not is_shared(buffer)
     for other in (lambda: buffer[8:16].view(torch.float32), lambda: buffer.numpy(), lambda: buffer[:0],
                   lambda: torch.nn.Parameter(buffer[:8].view(torch.int64), requires_grad=False)):
         user = other()
-        assert _shared(buffer)
+        assert is_shared(buffer)
         del user
-        assert not _shared(buffer)
+        assert not is_shared(buffer)
     storage = buffer.untyped_storage()  # a Python storage object is not another tensor
-    assert not _shared(buffer)
+    assert not is_shared(buffer)
     del storage
 
 
@@ -184,7 +182,7 @@ def test_pool_keeps_held_buffers_out_of_the_next_call():
     kept = list(packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, None, True,
                                           buffer_size_bytes=1024))
     held = {t.untyped_storage().data_ptr() for _, t in kept}
-    taken = _HOST_POOL.take()
+    taken = HOST_POOL.take()
     assert taken is None or taken.untyped_storage().data_ptr() not in held
     del kept
     gc.collect()

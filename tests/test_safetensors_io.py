@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from refit_app.checksum import tensor_bytes
+from refit_app.checksum import host_bytes as tensor_bytes
 from refit_app.errors import SinkError, SourceError
 from refit_app.manifest import TensorMeta
 from refit_app.safetensors_io import (

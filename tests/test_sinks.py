@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_app.checksum import tensor_bytes, tensor_checksum
-from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
+from refit_app.checksum import host_bytes as tensor_bytes
+from refit_app.checksum import tensor_checksum
+from refit_app.errors import ConfigError, SinkError, VerificationError
 from refit_app.manifest import Manifest, TensorMeta
 from refit_app.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME, Checkpoint, CheckpointWriter, save_tensors
 from refit_app.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
+from refit_app.verify import Verifier
 from refit_app.sources import SafetensorsSource, SyntheticSource
 
 ALIGN = 16
@@ -71,6 +73,11 @@ def files_in(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
+def published(directory: Path) -> list[str]:
+    """Files under final names (the temporary ones are hidden)."""
+    return [name for name in files_in(directory) if not name.startswith(".")]
+
+
 def read_back(directory: Path) -> dict[str, bytes]:
     return {n: bytes(tensor_bytes(t)) for n, t in Checkpoint(directory).iter_tensors()}
 
@@ -100,19 +107,17 @@ def test_checksum_sees_values_not_lazy_views():
 
 def test_verify_accepts_exact_bytes():
     items = mixed_tensors()
-    sink = VerifySink()
-    sink.begin(manifest_for(metas_of(items)))
+    sink = Verifier(metas_of(items))
     deliver(sink, items)
-    assert sink.finish([tensor_checksum(t) for _, t in items]) == {"verified": True, "verified_tensors": len(items)}
+    assert sink.verdict([tensor_checksum(t) for _, t in items]) == {"verified": True, "verified_tensors": len(items)}
 
 
 def test_verify_names_the_tensor_with_a_flipped_byte():
     items = mixed_tensors()
-    sink = VerifySink()
-    sink.begin(manifest_for(metas_of(items)))
+    sink = Verifier(metas_of(items))
     deliver(sink, items, corrupt="c.complex")
     with pytest.raises(VerificationError) as excinfo:
-        sink.finish([tensor_checksum(t) for _, t in items])
+        sink.verdict([tensor_checksum(t) for _, t in items])
     message = str(excinfo.value)
     assert f"1 of {len(items)} tensor(s) differ" in message and "'c.complex'" in message
     assert "w.bf16" not in message
@@ -121,11 +126,10 @@ def test_verify_names_the_tensor_with_a_flipped_byte():
 def test_verify_lists_first_few_and_counts_the_rest():
     source = SyntheticSource("lora", 1 << 20, 0, torch.bfloat16)
     items = list(source.tensors())
-    sink = VerifySink()
-    sink.begin(manifest_for(source.manifest_tensors()))
+    sink = Verifier(source.manifest_tensors())
     deliver(sink, items, per_batch=16)
     with pytest.raises(VerificationError) as excinfo:
-        sink.finish([tensor_checksum(t) ^ 1 for _, t in items])
+        sink.verdict([tensor_checksum(t) ^ 1 for _, t in items])
     message = str(excinfo.value)
     assert "\n" not in message
     assert f"{len(items)} of {len(items)} tensor(s) differ" in message
@@ -135,12 +139,11 @@ def test_verify_lists_first_few_and_counts_the_rest():
 
 def test_verify_reports_missing_repeated_unknown_and_misshapen():
     items = mixed_tensors()
-    sink = VerifySink()
-    sink.begin(manifest_for(metas_of(items)))
+    sink = Verifier(metas_of(items))
     sent = [("w.bf16", items[0][1]), ("w.bf16", items[0][1]), ("ghost", torch.zeros(1)), ("s.scalar", torch.zeros(2))]
     deliver(sink, sent)
     with pytest.raises(VerificationError) as excinfo:
-        sink.finish([tensor_checksum(t) for _, t in items])
+        sink.verdict([tensor_checksum(t) for _, t in items])
     message = str(excinfo.value)
     assert "6 tensor(s) never arrived: 'e.empty'" in message
     assert "arrived more than once: 'w.bf16'" in message
@@ -148,19 +151,24 @@ def test_verify_reports_missing_repeated_unknown_and_misshapen():
     assert "wrong shape or dtype: 's.scalar (torch.float32 [2], expected torch.float32 [])'" in message
 
 
-def test_verify_needs_checksums():
+def test_verify_needs_checksums_and_starts_each_round_afresh():
     items = mixed_tensors()
-    manifest = manifest_for(metas_of(items))
-    manifest.checksums = False
-    with pytest.raises(HandshakeError, match="sink=verify needs per-tensor checksums"):
-        VerifySink().begin(manifest)
-    sink = VerifySink()
-    sink.begin(manifest_for(metas_of(items)))
+    sink = Verifier(metas_of(items))
     deliver(sink, items)
     with pytest.raises(VerificationError, match="sent 2 checksums for a manifest of 8 tensors"):
-        sink.finish([0, 0])
+        sink.verdict([0, 0])
     with pytest.raises(VerificationError, match="sent no checksums"):
-        sink.finish(None)
+        sink.verdict(None)
+    deliver(sink, items)  # the next round is judged on its own arrivals
+    assert sink.verdict([tensor_checksum(t) for _, t in items])["verified"] is True
+
+
+def test_verify_sink_asks_the_session_to_verify_and_keeps_nothing():
+    sink = VerifySink()
+    assert sink.verifies is True
+    sink.begin(manifest_for(metas_of(mixed_tensors())))
+    deliver(sink, mixed_tensors())
+    assert sink.finish(None) == {} and sink.close() == {}
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -171,8 +179,10 @@ def test_save_single_file_round_trip(tmp_path):
     sink = SaveSink(str(tmp_path / "out"))
     sink.begin(manifest_for(metas_of(items), {"format": "pt", "origin": "test"}))
     deliver(sink, items)
-    figures = sink.finish(None)
-    assert figures == {"verified": None, "saved_to": str(tmp_path / "out"), "saved_files": [SINGLE_FILE_NAME]}
+    assert sink.finish(None) == {}
+    assert published(tmp_path / "out") == []  # a round is published only when the session ends
+    figures = sink.close()
+    assert figures == {"saved_to": str(tmp_path / "out"), "saved_files": [SINGLE_FILE_NAME]}
     assert files_in(tmp_path / "out") == [SINGLE_FILE_NAME]
     assert Checkpoint(tmp_path / "out").metadata() == {"format": "pt", "origin": "test"}
     assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in items}
@@ -185,6 +195,7 @@ def test_save_minilm_is_bit_identical(tmp_path, minilm_dir):
     for name, t in source.tensors():
         sink.consume([(name, t)])
     sink.finish(None)
+    sink.close()
     assert files_in(tmp_path) == [SINGLE_FILE_NAME]
     saved = read_back(tmp_path)
     original = {n: bytes(tensor_bytes(t)) for n, t in source.tensors()}
@@ -212,7 +223,8 @@ def test_save_sharded_round_trip_matches_source_files(tmp_path):
     sink = SaveSink(str(tmp_path / "dst"))
     sink.begin(manifest_for(source.manifest_tensors(), source.metadata()))
     deliver(sink, list(source.tensors()), per_batch=2)
-    figures = sink.finish(None)
+    sink.finish(None)
+    figures = sink.close()
     expected_files = files_in(tmp_path / "src")
     assert sorted(figures["saved_files"]) == expected_files == files_in(tmp_path / "dst")
     assert INDEX_FILE_NAME in expected_files and len(expected_files) == 4
@@ -297,7 +309,7 @@ def test_discard_keeps_nothing():
     sink = DiscardSink()
     sink.begin(manifest_for(metas_of(items)))
     deliver(sink, items)
-    assert sink.finish(None) == {"verified": None}
+    assert sink.finish(None) == {} and sink.close() == {}
     sink.abort()
 
 
@@ -325,3 +337,16 @@ def test_corrupting_sink_flips_one_byte_of_the_chosen_chunk():
         sink.consume(batch)
     assert seen[0][0].tolist() == [0, 0, 0, 0]
     assert seen[1][1].tolist() == [1, 0, 0, 0]
+
+
+def test_save_publishes_the_last_round_only(tmp_path):
+    items = mixed_tensors()
+    later = [(n, torch.zeros_like(t)) for n, t in items]
+    sink = SaveSink(str(tmp_path / "out"))
+    sink.begin(manifest_for(metas_of(items)))
+    for round_items in (items, later):
+        deliver(sink, round_items)
+        assert sink.finish(None) == {}
+        assert published(tmp_path / "out") == []
+    sink.close()
+    assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in later}

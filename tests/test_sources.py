@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_app.checksum import tensor_bytes, tensor_checksum
+from refit_app.checksum import host_bytes as tensor_bytes
+from refit_app.checksum import tensor_checksum
 from refit_app.errors import ConfigError
 from refit_app.manifest import TensorMeta
 from refit_app.safetensors_io import SINGLE_FILE_NAME, CheckpointWriter, save_tensors

@@ -1,0 +1,189 @@
+"""Buffer lifetimes: the byte buffers a broadcast reads or writes, and when each may be reused.
+
+A :class:`Slot` is one buffer plus the broadcast currently using it (and, on CUDA, its own stream); ``num_buffers``
+slots rotate so that packing or unpacking one chunk overlaps the broadcast of another. The rules this module
+keeps:
+
+- a slot's buffer is refilled only after :meth:`Slot.wait` (the broadcast reading or writing it has finished);
+- a buffer that still backs a tensor handed to a consumer (:func:`is_shared`) is never refilled or handed out;
+- host buffers are kept for the next call (:data:`HOST_POOL`), CUDA streams are cached per device
+  (:func:`get_streams`), and everything in flight is drained (:func:`drain`) before a call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from refit_app.core.group import BroadcastGroup, Work
+
+_STREAMS: dict[tuple[torch.device, int], list[torch.cuda.Stream]] = {}
+
+
+def get_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """One stream per buffer, created once per (device, count) and reused: fresh streams per call strand memory
+    in the caching allocator, which keys free blocks by stream."""
+    key = (device, count)
+    if key not in _STREAMS:
+        _STREAMS[key] = [torch.cuda.Stream(device=device) for _ in range(count)]
+    return _STREAMS[key]
+
+
+def _storage_use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_UNSHARED_USE_COUNT = _storage_use_count(torch.empty(1, dtype=torch.uint8))
+"""The storage use count of a buffer that no other tensor uses: the buffer tensor plus the Python storage object
+that asking creates (torch keeps one per storage). Measured once here rather than assumed, so a torch that counts
+differently shifts the baseline instead of breaking the check."""
+
+
+def is_shared(buffer: torch.Tensor) -> bool:
+    """Whether a tensor other than ``buffer`` (a view handed to a consumer, a numpy array over it, a tensor that
+    vLLM's layerwise reload still holds) uses its memory: refilling it then would change that tensor's values."""
+    return _storage_use_count(buffer) > _UNSHARED_USE_COUNT
+
+
+class HostBufferPool:
+    """Host byte buffers kept from one call to the next.
+
+    A refit repeats every training step with the same sizes. Fresh host memory is faulted in page by page on first
+    write, which on VMs that hand freed pages back to their host runs at 0.5-1 GB/s, slower than the transport
+    itself (see the benchmark in README); reused buffers are already resident. Memory stays bounded: the pool keeps
+    at most as many buffers as the last call used, the largest ones. A consumer's buffer may still back tensors
+    the caller holds; the pool keeps it (that costs nothing while the caller holds it) but never hands it out until
+    nothing else uses it. CUDA buffers are not pooled here: torch's caching allocator keeps them already, and an
+    inference engine wants free GPU memory back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        """Number of buffers kept, free or still backing a caller's tensors."""
+        with self._lock:
+            return len(self._free)
+
+    def take(self) -> torch.Tensor | None:
+        """The largest kept buffer that no other tensor uses, now owned by the caller, or None."""
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):  # sorted by size, largest last
+                if not is_shared(self._free[i]):
+                    return self._free.pop(i)
+            return None
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        """Keep these buffers (a finished call's) for the next call, and drop any kept before beyond their count."""
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)[-len(buffers) :] if buffers else []
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = []
+
+
+HOST_POOL = HostBufferPool()
+"""The process's one pool: every producer and consumer call on the host takes from it and gives back to it."""
+
+
+def release_buffers() -> None:
+    """Free the host buffers that refit calls keep for the next call (at most ``num_buffers`` of them)."""
+    HOST_POOL.clear()
+
+
+class Slot:
+    """A reusable byte buffer and the broadcast currently using it."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+        self.device = device
+        self.stream = stream
+        self.buffer: torch.Tensor | None = None
+        self._work: Work | None = None
+        self._keepalive: Any = None
+
+    def hold(self, objects: Any) -> None:
+        """Keep ``objects`` (a chunk's source tensors) alive until :meth:`wait`: a copy on the slot's stream may
+        still read them."""
+        self._keepalive = objects
+
+    def reserve(self, nbytes: int, *, keep: int = 0, min_capacity: int = 0) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; grows (keeping the first ``keep`` bytes) only when too small."""
+        if self.buffer is None and self.device.type == "cpu":
+            self.buffer = HOST_POOL.take()
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            grown = torch.empty(max(nbytes, min_capacity), dtype=torch.uint8, device=self.device)
+            if keep:
+                grown[:keep].copy_(self.buffer[:keep])
+            self.buffer = grown
+        return self.buffer
+
+    def broadcast(self, group: BroadcastGroup, data: torch.Tensor, src: int) -> None:
+        """Start broadcasting ``data``; the slot stays busy until :meth:`wait`."""
+        async_broadcast = getattr(group, "broadcast_async", None)
+        if async_broadcast is not None:
+            self._work = async_broadcast(data, src)
+        else:
+            group.broadcast(data, src)
+        self._keepalive = (data, self._keepalive)
+
+    def wait(self) -> None:
+        """Block until the slot's broadcast has finished, so its buffer may be read or refilled."""
+        work, self._work = self._work, None
+        try:
+            if work is not None:
+                # On CUDA, a work's wait() orders the *current* stream after the collective (NCCL) rather than
+                # blocking the host: make that the slot's stream, which the synchronize below then waits for.
+                with on_stream(self):
+                    work.wait()
+        finally:
+            if self.stream is not None:
+                self.stream.synchronize()
+            self._keepalive = None
+
+
+def make_slots(device: torch.device, count: int) -> list[Slot]:
+    """``count`` slots on ``device``, each with its own cached stream on CUDA."""
+    streams: list[Any] = get_streams(device, count) if device.type == "cuda" else [None] * count
+    return [Slot(device, s) for s in streams]
+
+
+def keep_buffers(slots: Iterable[Slot], spares: Iterable[torch.Tensor] = ()) -> None:
+    """Hand the slots' host buffers (and a consumer's spares) to the next call; only once nothing in flight can
+    still touch them. Buffers that back tensors the caller still holds go too: the pool skips them until free."""
+    buffers = [slot.buffer for slot in slots if slot.buffer is not None and slot.device.type == "cpu"]
+    HOST_POOL.give(buffers + [b for b in spares if b.device.type == "cpu"])
+
+
+def drain(slots: Iterable[Slot]) -> None:
+    """Wait for every slot; the first failure is raised after all were waited on."""
+    error: BaseException | None = None
+    for slot in slots:
+        try:
+            slot.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised below once nothing is in flight
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def on_stream(slot: Slot) -> contextlib.AbstractContextManager[Any]:
+    """Run the enclosed CUDA work on the slot's stream (a no-op context for a host slot)."""
+    return torch.cuda.stream(slot.stream) if slot.stream is not None else contextlib.nullcontext()
+
+
+def resolve_device(group: Any, device: torch.device | str | None) -> torch.device:
+    """Where the buffers live: ``device``, else the group's ``device``, else the current CUDA device, else CPU."""
+    if device is None:
+        device = getattr(group, "device", None)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,133 @@
+"""The producer's side: pack each tensor as it arrives into a slot's buffer, and broadcast every chunk.
+
+:class:`Sender` handles one chunk at a time (the slot it uses, what it was packed into, the broadcast);
+:func:`produce_streaming` drives it from a :class:`~refit_app.core.chunks.ChunkPlanner`, never needing the whole
+plan up front. The orchestration around it (settings, draining, keeping buffers) is
+:func:`refit_app.packed_tensor.packed_broadcast_producer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from refit_app.core.buffers import Slot, on_stream
+from refit_app.core.chunks import Chunk, ChunkCallback, ChunkDoneCallback, ChunkPlanner
+from refit_app.core.group import BroadcastGroup
+from refit_app.core.wire import (
+    ChunkLayout,
+    TensorMeta,
+    pack_into,
+    tensor_bytes,
+    tensor_nbytes,
+)
+
+
+class Sender:
+    """The producer's side of one chunk at a time: packs tensors into a slot's buffer, then broadcasts it."""
+
+    def __init__(
+        self,
+        group: BroadcastGroup,
+        src: int,
+        slots: list[Slot],
+        target: int,
+        on_chunk: ChunkCallback | None,
+        on_chunk_done: ChunkDoneCallback | None,
+    ) -> None:
+        self._group = group
+        self._src = src
+        self._slots = slots
+        self._target = target
+        self._on_chunk = on_chunk
+        self._on_chunk_done = on_chunk_done
+        self._slot = slots[0]
+        self._offset = 0
+        self._buffer: torch.Tensor | None = None  # what the open chunk was packed into
+        self._whole: torch.Tensor | None = None  # the bytes of an `alone` tensor, sent in place
+
+    @property
+    def slot(self) -> Slot:
+        """The slot of the open chunk."""
+        return self._slot
+
+    def use_buffer(self, buffer: torch.Tensor) -> None:
+        """The open chunk was packed into ``buffer`` (a :class:`PackedPlan`'s) rather than the slot's own."""
+        self._buffer = buffer
+
+    def open(self, index: int) -> None:
+        """Start chunk ``index``: its slot's previous broadcast must have finished before the buffer is refilled."""
+        self._slot = self._slots[index % len(self._slots)]
+        self._slot.wait()
+        self._offset = 0
+        self._buffer = None
+        self._whole = None
+
+    def pack(self, t: torch.Tensor, *, alone: bool) -> None:
+        """Append ``t`` to the open chunk; ``alone`` (the planner's word that nothing joins it) sends it in place."""
+        slot = self._slot
+        if slot.stream is not None and t.device.type == "cuda":
+            # The copy runs on the slot's stream: make it see the producer's writes, and keep the allocator from
+            # handing t's memory to someone else before the copy has read it.
+            slot.stream.wait_stream(torch.cuda.current_stream(t.device))
+            t.record_stream(slot.stream)
+        if alone and t.device == slot.device and t.is_contiguous():
+            # The planner guarantees nothing joins this tensor's chunk: broadcast its own memory, no copy.
+            self._whole = tensor_bytes(t)
+            return
+        with on_stream(slot):
+            buffer = self._buffer = slot.reserve(self._offset + tensor_nbytes(t), keep=self._offset,
+                                                 min_capacity=self._target)
+            self._offset = pack_into(buffer, self._offset, t)
+
+    def send(self, chunk: Chunk) -> None:
+        """Broadcast the packed chunk if the plan says it travels; report it either way."""
+        slot = self._slot
+        if chunk.broadcast:
+            if self._whole is not None:
+                data = self._whole
+            elif chunk.nbytes:
+                data = self._buffer[: chunk.nbytes]
+            else:
+                data = torch.empty(0, dtype=torch.uint8, device=slot.device)
+            with on_stream(slot):
+                slot.broadcast(self._group, data, self._src)
+        self._whole = self._buffer = None
+        if self._on_chunk is not None:
+            self._on_chunk(chunk.nbytes, chunk.count)
+        if self._on_chunk_done is not None:
+            self._on_chunk_done(chunk)
+
+
+def produce_streaming(
+    iterator: Iterator[tuple[str, torch.Tensor]],
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+    planner: ChunkPlanner,
+    sender: Sender,
+    *,
+    record: bool,
+) -> list[ChunkLayout] | None:
+    """Pack and send every tensor, chunk by chunk as the planner closes them. With ``record``, returns each
+    chunk's layout (for a :class:`PackedPlan`'s later rounds), else None. Broadcasts may still be in flight."""
+    recorded: list[ChunkLayout] | None = [] if record else None
+    metas: list[TensorMeta] = []
+    for item in iterator:
+        t = post_iter_func(item)
+        closed = planner.add(tensor_nbytes(t))
+        if closed is not None:
+            sender.send(closed)
+            if recorded is not None:
+                recorded.append(ChunkLayout(closed, metas))
+                metas = []
+        if planner.open_count == 1:
+            sender.open(planner.open_index)
+        sender.pack(t, alone=planner.open_alone)
+        if recorded is not None:
+            metas.append((item[0], tuple(t.shape), t.dtype))
+    last = planner.finish()
+    if last is not None:
+        sender.send(last)
+        if recorded is not None:
+            recorded.append(ChunkLayout(last, metas))
+    return recorded

@@ -1,0 +1,87 @@
+"""The RL loop as a user runs it: ``refit.rounds`` over one group, a trainer (``source=model``) taking real optimizer
+steps into a model on the consumer side (``sink=model``), the last round saved, and memory flat over 50 rounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from refit_app.safetensors_io import Checkpoint
+from refit_app.sources import SyntheticSource
+
+pytest.importorskip("transformers")
+
+from refit_app.hf_model import write_tiny_llama  # noqa: E402
+
+COVER_STARTUP = "group.timeout_s=180"
+"""role=local starts its ranks ungated; on a loaded machine their start-ups can differ by tens of seconds, inside
+the rendezvous deadline. No test here is about that deadline."""
+MiB = 2**20
+FLAT_MEMORY_SLACK = 4 * MiB
+"""How much more resident memory the 50th round may peak at than the 2nd: page-cache and allocator noise. A buffer
+leaked per round (16 MiB here) or a growing per-round list would exceed it within a few rounds."""
+
+
+def _metrics(root: Path) -> dict:
+    found = sorted((root / "outputs").glob("*/*_local/metrics.json"))
+    assert len(found) == 1, found
+    return json.loads(found[0].read_text())
+
+
+def test_trainer_to_model_loop_matches_every_round(cli, tmp_path: Path) -> None:
+    model_dir = write_tiny_llama(tmp_path / "tiny-llama")
+    result = cli("source=model", f"source.path={model_dir}", "sink=model", "refit.rounds=5", COVER_STARTUP)
+    assert result.returncode == 0, result.describe()
+    m = _metrics(cli.cwd)
+    assert m["status"] == "ok" and m["rounds_done"] == 5
+    producer_rounds = m["rounds"]
+    losses = [r["loss"] for r in producer_rounds]
+    assert losses[0] is None and all(isinstance(x, float) for x in losses[1:])
+    assert len(set(losses[1:])) == 4, losses  # real optimizer steps: the loss moves every round
+    assert [r["manifest_sent"] for r in producer_rounds] == [True, False, False, False, False]
+    consumer = m["consumers"][0]
+    assert consumer["verified"] is True
+    for r in consumer["rounds"]:
+        assert r["verified"] is True
+        assert r["model_check"] == {"max_abs_logit_diff": 0.0, "tokens_match": True}, r
+    assert m["handshake_seconds"] > 0 and all(r["handshake_seconds"] == 0 for r in producer_rounds[1:])
+    assert "x 5 rounds" in result.stdout + result.stderr and "models match" in result.stdout + result.stderr
+
+
+def test_model_sink_needs_a_model_source(cli) -> None:
+    result = cli("sink=model", COVER_STARTUP)
+    assert result.returncode == 1
+    assert result.stderr_lines() == [
+        "refit_app: error: a consumer checks its model against the producer's, but the producer's source (synthetic "
+        "tiny (4 layers, 47 tensors, 7.63 MiB bfloat16, seed 0)) has no model; use source=model"
+    ], result.describe()
+
+
+def test_save_writes_the_last_rounds_weights(cli, tmp_path: Path) -> None:
+    out = tmp_path / "saved"
+    result = cli("refit.rounds=3", "sink=save", f"sink.path={out}", COVER_STARTUP)
+    assert result.returncode == 0, result.describe()
+    source = SyntheticSource("tiny", None, 0, "bfloat16")
+    source.advance(3)
+    expected = dict(source.tensors())
+    saved = dict(Checkpoint(out).iter_tensors())
+    assert list(saved) == list(expected)
+    first = dict(SyntheticSource("tiny", None, 0, "bfloat16").tensors())
+    changed = 0
+    for name, t in expected.items():
+        assert torch.equal(saved[name].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+        changed += not torch.equal(first[name], t)
+    assert changed > len(expected) // 2  # the rounds really sent different weights
+
+
+def test_memory_is_flat_over_50_rounds(cli) -> None:
+    result = cli("refit.rounds=50", "source.size=64MiB", "refit.buffer_size_bytes=16MiB", COVER_STARTUP)
+    assert result.returncode == 0, result.describe()
+    m = _metrics(cli.cwd)
+    for side in (m, m["consumers"][0]):
+        peaks = [r["peak_rss_bytes"] for r in side["rounds"]]
+        assert len(peaks) == 50
+        assert max(peaks[1:]) - peaks[1] <= FLAT_MEMORY_SLACK, (side["role"], [p // MiB for p in peaks])
