@@ -40,6 +40,7 @@ from refit_app.handshake import accept_manifest, finish, recv_checksums, send_ch
 from refit_app.manifest import Manifest, TensorMeta, tensor_list_changes
 from refit_app.packed_tensor import (
     ChunkCallback,
+    PackedPlan,
     get_target_packed_tensor_size,
     iter_chunks,
     packed_broadcast_consumer,
@@ -131,6 +132,13 @@ class _Session:
         self.manifest: Manifest | None = None
         """The manifest in force (the last one sent or accepted)."""
         self.closed = False
+        self._plan = PackedPlan()
+        """The chunk plan of the manifest in force: the first round records it, later rounds follow it (one fused
+        copy per chunk on the producer, precomputed views on the consumer)."""
+
+    def _new_plan(self) -> None:
+        self._plan.release()
+        self._plan = PackedPlan()
 
     def _broadcast_header(self, header: torch.Tensor) -> None:
         self.group.group.broadcast(header, PRODUCER_RANK)
@@ -255,6 +263,7 @@ class ProducerSession(_Session):
                 send_manifest(self.group, manifest)
                 result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
                 self.manifest = manifest
+                self._new_plan()
             checksums: list[int] = []
 
             def post(item: tuple[str, torch.Tensor]) -> torch.Tensor:
@@ -274,6 +283,7 @@ class ProducerSession(_Session):
                 num_buffers=self.num_buffers,
                 use_legacy_packing=manifest.use_legacy_packing,
                 on_chunk=_Counter(result, self.on_chunk),
+                plan=self._plan,
             )
             if manifest.checksums:
                 send_checksums(self.group, checksums)
@@ -292,6 +302,7 @@ class ProducerSession(_Session):
         if self.closed:
             return
         self.closed = True
+        self._plan.release()
         self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, _END, 0], dtype=torch.int64,
                                             device=self.device))
 
@@ -414,6 +425,7 @@ class ConsumerSession(_Session):
                 buffer_size_bytes=manifest.buffer_size_bytes,
                 use_legacy_packing=manifest.use_legacy_packing,
                 on_chunk=_Counter(result, self.on_chunk),
+                plan=self._plan,
             )
         except BaseException as e:
             self._fail(k, e)
@@ -460,6 +472,7 @@ class ConsumerSession(_Session):
             prepare=prepare,
         )
         self._verifier = Verifier(self.manifest.tensors) if self.verify else None
+        self._new_plan()
 
     def _iterate(
         self,
