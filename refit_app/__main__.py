@@ -11,7 +11,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from refit_app.app import run  # noqa: E402
 from refit_app.cli import run_with_one_line_errors  # noqa: E402
-from refit_app.config import CONF_DIR, CONFIG_NAME  # noqa: E402
+from refit_app.schema import CONF_DIR, CONFIG_NAME  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=CONFIG_NAME)

@@ -162,7 +162,7 @@ def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, sourc
             f"a consumer checks its model against the producer's, but the producer's source ({source.describe()}) "
             "has no model; use source=model"
         )
-    from refit_app.hf_model import encode_probe
+    from refit_app.probe import encode_probe
 
     return lambda: encode_probe(probe(probe_tokens))
 
@@ -214,7 +214,7 @@ def _round_end(sink: Sink, probe_tokens: int) -> Callable[[Round], dict[str, Any
     def end(r: Round) -> dict[str, Any]:
         facts = dict(sink.finish(r.checksums) or {})
         if probe_tokens:
-            from refit_app.hf_model import decode_probe
+            from refit_app.probe import decode_probe
 
             if not r.extra:
                 raise RefitError("the producer sent no model probe for this round")

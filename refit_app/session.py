@@ -318,7 +318,8 @@ def _checked(named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[Tens
                 "list, to have it taken from the tensors)"
             )
         count += 1
-        yield name, t
+        # Parameters require grad; packing only reads their values, which must not join an autograd graph.
+        yield name, t.detach()
     if count != len(metas):
         raise SourceError(f"{count} tensors were sent, but the tensor list has {len(metas)}")
 

@@ -14,8 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from refit_app.config import CONF_DIR, CONFIG_NAME, RunSettings, resolved_yaml, validate
+from refit_app.config import RunSettings, resolved_yaml, validate
 from refit_app.errors import ConfigError
+from refit_app.schema import CONF_DIR, CONFIG_NAME
 from refit_app.settings import DEFAULT_PORT, GroupSpec, SinkSpec, SourceSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
     assert s.source == SourceSpec(
         "refit_app.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"}
     )
-    assert (s.sink, s.sink_name, s.verifies) == (SinkSpec("refit_app.sinks.VerifySink", {}), "verify", True)
+    assert (s.sink, s.sink_name) == (SinkSpec("refit_app.sinks.VerifySink", {}), "verify")
 
 
 @pytest.mark.parametrize(
@@ -269,7 +270,8 @@ APP = textwrap.dedent(
     import hydra
 
     from refit_app.cli import run_with_one_line_errors
-    from refit_app.config import CONF_DIR, validate
+    from refit_app.config import validate
+    from refit_app.schema import CONF_DIR
     from refit_app.errors import SinkError
 
 

@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from refit_app import run
-from refit_app.config import CONF_DIR
 from refit_app.errors import ConfigError
+from refit_app.schema import CONF_DIR
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compose_run.py"
 MiB = 2**20
@@ -58,3 +58,57 @@ def test_example_script_reports_a_failed_refit(cli):
     assert result.returncode == 1, result.describe()
     assert "refit.num_buffers=0 is invalid" in result.stderr, result.describe()
     assert "Traceback" not in result.stderr, result.describe()
+
+
+CUSTOM_SINK_EXAMPLE = EXAMPLE.parent / "custom_sink.py"
+
+
+def test_custom_sink_example_loads_into_the_scripts_own_module(cli):
+    result = cli.script(CUSTOM_SINK_EXAMPLE)
+    assert result.returncode == 0, result.describe()
+    assert "loaded 4 tensors into the network; outputs match the trainer's: True" in result.stdout, result.describe()
+
+
+def test_a_custom_sink_that_cannot_be_imported_is_one_line(cli):
+    result = cli("sink=custom", "sink._target_=no_such_module.Sink", "group.timeout_s=180")
+    assert result.returncode == 1, result.describe()
+    assert result.stderr_lines() == [
+        "refit_app: error: _target_='no_such_module.Sink': cannot import no_such_module (No module named "
+        "'no_such_module')"
+    ], result.describe()
+
+
+def test_a_custom_source_of_the_users_own(cli, tmp_path):
+    (tmp_path / "my_source.py").write_text(
+        "import torch\n"
+        "from refit_app.manifest import TensorMeta\n"
+        "class Ones:\n"
+        "    def __init__(self, n):\n"
+        "        self.n = n\n"
+        "    def describe(self):\n"
+        "        return f'{self.n} ones'\n"
+        "    def manifest_tensors(self):\n"
+        "        return [TensorMeta('ones', (self.n,), torch.float32)]\n"
+        "    def metadata(self):\n"
+        "        return {}\n"
+        "    def tensors(self):\n"
+        "        yield 'ones', torch.ones(self.n)\n"
+    )
+    result = cli("source=custom", "source._target_=my_source.Ones", "+source.n=1000", "group.timeout_s=180",
+                 env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.describe()
+    metrics = json.loads(next((tmp_path / "outputs").glob("*/*_local/metrics.json")).read_text())
+    assert (metrics["source"], metrics["bytes"], metrics["verified"]) == ("1000 ones", 4000, True)
+
+
+SESSION_EXAMPLE = EXAMPLE.parent / "session_loop.py"
+README = EXAMPLE.parent.parent / "README.md"
+
+
+def test_session_example_runs_and_the_readme_shows_it_as_it_is(cli):
+    readme = README.read_text()
+    assert SESSION_EXAMPLE.read_text().rstrip() in readme, "README's copy of examples/session_loop.py is stale"
+    result = cli.script(SESSION_EXAMPLE)
+    assert result.returncode == 0, result.describe()
+    assert "the engine serves the trainer's last weights: True" in result.stdout, result.describe()
+    assert result.stdout.count("verified: True") == 3, result.describe()

@@ -16,15 +16,9 @@ import torch
 pytest.importorskip("transformers", reason="source=model / sink=model need transformers (pip install transformers)")
 
 from refit_app.errors import SinkError, SourceError, VerificationError
-from refit_app.hf_model import (
-    ModelSink,
-    ModelSource,
-    decode_probe,
-    encode_probe,
-    logit_tolerance,
-    write_tiny_llama,
-)
+from refit_app.hf_model import ModelSink, ModelSource, write_tiny_llama
 from refit_app.manifest import Manifest, TensorMeta
+from refit_app.probe import decode_probe, encode_probe, logit_tolerance
 from refit_app.safetensors_io import SINGLE_FILE_NAME, Checkpoint
 
 PROBE_TOKENS = 12
