@@ -247,3 +247,35 @@ def test_errors_keep_their_type_and_gain_the_round():
     peer = PeerError("rank 2 failed: round 3: x")
     assert _with_round(3, peer) is peer
     assert isinstance(_with_round(1, RefitError("round 1: y")), RefitError)
+
+
+def _over_a_subgroup(rank: int, world_size: int, port: int) -> list:
+    """Ranks 0, 2 and 3 of a world of 4 refit over a subgroup of theirs; rank 1 is busy with something else."""
+    import torch.distributed as dist
+
+    from refit_app.process_group import from_process_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        sub = dist.new_group([0, 2, 3])  # every rank takes part in creating it
+        if rank == 1:
+            return []
+        with from_process_group(sub, timeout_s=TIMEOUT_S) as rg:
+            if dist.get_rank(sub) == 0:
+                with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
+                    session.send(_weights(1))
+                    session.send(_weights(2))
+                return [rg.rank]
+            session = ConsumerSession(rg, verify=True)
+            received: dict[str, tuple] = {}
+            rounds = []
+            while (r := session.receive(_keep(received))) is not None:
+                rounds.append(r.round)
+            _expect_same(received, _weights(2))
+            return [rg.rank, *rounds]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_session_runs_over_a_subgroup_with_group_ranks():
+    assert run_ranks(_over_a_subgroup, 4, timeout=120) == [[0], [], [1, 1, 2], [2, 1, 2]]
