@@ -3,8 +3,12 @@
 ``python -m refit_app.bench`` starts one producer and N consumers as spawned processes on this machine, joined in
 one gloo group over loopback, and times three ways of moving the same synthetic model over that same group:
 
-- ``refit``: :func:`packed_broadcast_producer` / :func:`packed_broadcast_consumer` as the application runs them
-  (the consumer drops each batch, like ``sink=discard``);
+- ``refit``: one call of :func:`packed_broadcast_producer` / :func:`packed_broadcast_consumer`, the one-shot
+  library path (the consumer drops each batch, like ``sink=discard``);
+- ``session``: one steady-state round of :class:`~refit_app.session.ProducerSession` /
+  :class:`~refit_app.session.ConsumerSession`, as ``python -m refit_app refit.rounds=N`` and an RL loop run
+  them (the manifest went in an untimed first round; each timed round is the whole ``send()`` / ``receive()``:
+  round header, data and the all-ranks "done");
 - ``limit``: the same chunks, packed before the clock starts into buffers both sides hold already, all broadcast
   asynchronously back to back and then waited for. No packing strategy can beat it on the same group;
 - ``per_tensor``: one synchronous broadcast per tensor into a freshly allocated tensor, as several RL frameworks do.
@@ -12,6 +16,10 @@ one gloo group over loopback, and times three ways of moving the same synthetic 
 Modes alternate within a repetition (A B C A B C ...) so that machine noise hits all of them alike; one untimed
 repetition warms every path first. Each list-valued flag is a sweep axis; every combination is one case. Results go
 to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) and ``<out>/table.md``.
+
+Memory: after the timed repetitions, ``--flat-refits`` consecutive refits (and as many session rounds) each
+measure this rank's peak RSS above the RSS with the model alone, against ``num_buffers x max(target, largest
+tensor)``.
 """
 
 from __future__ import annotations
@@ -50,17 +58,19 @@ from refit_app.packed_tensor import (
     release_buffers,
 )
 from refit_app.presets import PRESETS
+from refit_app.session import ConsumerSession, ProducerSession
 from refit_app.sizes import format_decimal, format_size, parse_size
 from refit_app.sources import SyntheticSource
 
 logger = logging.getLogger(__name__)
 
-MODES = ("refit", "limit", "per_tensor")
+MODES = ("refit", "session", "limit", "per_tensor")
 POSTS = ("none", "cast")
 """``post_iter_func`` on the producer: identity, or an fp32 model cast to bf16 as it is sent (real work per tensor)."""
 
 DEFAULT_PRESETS = ("llama-1b", "lora")
-DEFAULT_SIZES = {"llama-1b": "1GB", "lora": "natural"}
+DEFAULT_SIZES = {"llama-1b": ("1GB",), "lora": ("natural", "1GiB")}
+"""Per preset without ``--size``: lora at its natural size (2240 matrices, 93 MB) and at 1 GiB (25,844 of them)."""
 DEFAULT_REPS = 5
 DEFAULT_FLAT_REFITS = 20
 DEFAULT_TIMEOUT_S = 3600.0
@@ -72,6 +82,8 @@ SEED = 0
 BUSY_LOAD_PER_CORE = 0.5
 """Above this 1-minute load average per core at the start, the run warns that other work skews its timings."""
 _CHILD_EXIT_S = 10.0
+RANK_MODULES = ("refit_app.groups", "refit_app.session", "refit_app.sources")
+"""What the ranks import, once in the fork server (this module itself may be ``__main__``, which is not preloaded)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,33 @@ def _refit(rg: RefitGroup, source: SyntheticSource, metas: list[TensorMeta], cas
     return moved
 
 
+class _Session:
+    """One session per rank for the whole case: an untimed first round carries the manifest and records the plan,
+    so every timed round is a steady-state one."""
+
+    def __init__(self, rg: RefitGroup, source: SyntheticSource, metas: list[TensorMeta], case: Case) -> None:
+        self._source, self._metas, self._post = source, metas, _post_func(case.post)
+        if rg.rank == 0:
+            self._side: ProducerSession | ConsumerSession = ProducerSession(
+                rg, buffer_size_bytes=case.buffer_size_bytes, num_buffers=case.num_buffers)
+        else:
+            self._side = ConsumerSession(rg, num_buffers=case.num_buffers)
+        self.run()
+
+    def run(self) -> int:
+        if isinstance(self._side, ProducerSession):
+            named = ((name, self._post((name, t))) for name, t in self._source.tensors())
+            return self._side.send(named, metas=self._metas).bytes
+        return self._side.receive(_discard).bytes
+
+    def close(self) -> None:
+        """End the session on every rank (the consumers' last receive() sees the producer's end)."""
+        if isinstance(self._side, ProducerSession):
+            self._side.close()
+        elif self._side.receive(_discard) is not None:
+            raise RuntimeError("the producer's session did not end when expected")
+
+
 def _discard(batch: list[tuple[str, torch.Tensor]]) -> None:
     """What ``sink=discard`` does: nothing, so the transfer alone is timed."""
 
@@ -218,14 +257,34 @@ def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) ->
     return seconds, cpu, memory
 
 
+class _Listed:
+    """The producer's model as a trainer holds it: ``(name, tensor)`` pairs in memory, listed once (views of the
+    synthetic pools, no copies), so every mode times the library and the transport, not the synthetic generator
+    (about 6 us a tensor, which would cap the 25k-tensor adapter at a fraction of the limit)."""
+
+    def __init__(self, source: SyntheticSource) -> None:
+        self._named = list(source.tensors())
+        self.describe = source.describe
+        self.manifest_tensors = source.manifest_tensors
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._named)
+
+
 def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     source = _source(case)
+    if rg.rank == 0:
+        source = _Listed(source)
     metas = _wire_metas(source, case.post)
     total = sum(m.nbytes for m in metas)
     runners: dict[str, Callable[[], int]] = {
         "refit": functools.partial(_refit, rg, source, metas, case),
         "per_tensor": functools.partial(_per_tensor, rg, source, metas, case),
     }
+    # Every rank constructs the session at the same point (they exchange their needs there).
+    session = _Session(rg, source, metas, case) if "session" in case.modes or case.flat_refits else None
+    if session is not None:
+        runners["session"] = session.run
     if "limit" in case.modes:
         runners["limit"] = functools.partial(_Limit(rg.rank, source, metas, case).run, rg)
 
@@ -240,20 +299,26 @@ def _run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     del runners  # frees the limit's packed copy of the model before the memory is measured
     gc.collect()
 
-    # Memory above the model, and its flatness: consecutive refits in one process, nothing else in between. The
-    # refit keeps its host buffers for the next call, so memory is measured against the RSS with the model alone
-    # (buffers released), not against the RSS just before each refit.
+    # Memory above the model, and its flatness: consecutive refits (then session rounds) in one process, nothing
+    # else in between. Both keep their host buffers for the next call, so memory is measured against the RSS with
+    # the model alone (buffers released), not against the RSS just before each call.
     release_buffers()
     _return_free_memory_to_os()
     probe = PeakMemory()
     probe.start()
     model_rss = probe.baseline_rss
     probe.stop()
-    flat: list[dict[str, int | None]] = []
-    for _ in range(case.flat_refits):
-        _, _, memory = _timed(rg, functools.partial(_refit, rg, source, metas, case), total, "refit")
-        above = None if memory.peak_rss is None or model_rss is None else memory.peak_rss - model_rss
-        flat.append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": above})
+    flat: dict[str, list[dict[str, int | None]]] = {"refit": [], "session": []}
+    flat_runners = {"refit": functools.partial(_refit, rg, source, metas, case)}
+    if session is not None:
+        flat_runners["session"] = session.run
+    for mode, run in flat_runners.items():
+        for _ in range(case.flat_refits):
+            _, _, memory = _timed(rg, run, total, mode)
+            above = None if memory.peak_rss is None or model_rss is None else memory.peak_rss - model_rss
+            flat[mode].append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": above})
+    if session is not None:
+        session.close()
     return {
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
@@ -279,7 +344,7 @@ def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]
     world_size = cases[0].consumers + 1
     # A failed rank breaks the others' collectives at once: no point waiting for them.
     outcomes = run_ranks(_rank_main, world_size, (world_size, free_port(), cases), timeout_s=timeout_s,
-                         grace_s=_CHILD_EXIT_S, name="bench-rank")
+                         grace_s=_CHILD_EXIT_S, name="bench-rank", preload=RANK_MODULES)
     failed = next((o for o in outcomes if not o.ok), None)
     if failed is not None:
         if failed.exc_type == "Timeout":
@@ -316,39 +381,50 @@ def _summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             ],
         }
     ratios = {}
-    if "refit" in modes and "limit" in modes:
-        ratios["refit_over_limit"] = modes["limit"]["seconds"]["median"] / modes["refit"]["seconds"]["median"]
-    if "refit" in modes and "per_tensor" in modes:
-        ratios["refit_speedup_over_per_tensor"] = (
-            modes["per_tensor"]["seconds"]["median"] / modes["refit"]["seconds"]["median"]
-        )
-    bound = int(case.num_buffers * max(case.buffer_size_bytes, largest) * (1 + MEMORY_SLACK))
+    for mode in ("refit", "session"):
+        if mode in modes and "limit" in modes:
+            ratios[f"{mode}_over_limit"] = modes["limit"]["seconds"]["median"] / modes[mode]["seconds"]["median"]
+        if mode in modes and "per_tensor" in modes:
+            ratios[f"{mode}_speedup_over_per_tensor"] = (
+                modes["per_tensor"]["seconds"]["median"] / modes[mode]["seconds"]["median"]
+            )
+    buffers_bytes = case.num_buffers * max(case.buffer_size_bytes, largest)
+    bound = int(buffers_bytes * (1 + MEMORY_SLACK))
     memory = []
     for rank, result in enumerate(per_rank):
-        flat = result["flat"]
-        peaks = [f["peak_extra_bytes"] for f in flat if f["peak_extra_bytes"] is not None]
-        entry: dict[str, Any] = {"rank": rank, "refit_peak_extra_bytes_max": max(peaks) if peaks else None}
-        if flat:
-            entry.update(
-                flat_refits=len(flat),
-                first_peak_extra_bytes=flat[0]["peak_extra_bytes"],
-                last_peak_extra_bytes=flat[-1]["peak_extra_bytes"],
-                max_peak_extra_bytes=max((f["peak_extra_bytes"] or 0) for f in flat),
-                # Refit 1 allocates the buffers that later refits reuse: flatness is judged from refit 2 on.
-                second_baseline_rss_bytes=flat[min(1, len(flat) - 1)]["baseline_rss_bytes"],
-                last_baseline_rss_bytes=flat[-1]["baseline_rss_bytes"],
-            )
-        worst = max(peaks, default=None)
-        entry["within_bound"] = None if worst is None else worst <= bound
+        entry: dict[str, Any] = {"rank": rank, **_flat_summary(result["flat"]["refit"], bound)}
+        entry["refit_peak_extra_bytes_max"] = entry.pop("peak_extra_bytes_max")
+        session = _flat_summary(result["flat"]["session"], bound)
+        entry["session"] = session if "flat_refits" in session else None
         memory.append(entry)
     return {
         "case": asdict(case),
         **{key: model[key] for key in ("model", "bytes", "num_tensors", "num_chunks", "largest_tensor_bytes")},
         "modes": modes,
         "ratios": ratios,
+        "memory_buffers_bytes": buffers_bytes,
         "memory_bound_bytes": bound,
         "memory": memory,
     }
+
+
+def _flat_summary(flat: list[dict[str, int | None]], bound: int) -> dict[str, Any]:
+    """Peak memory above the model over consecutive calls of one mode, and whether it stayed flat and bounded."""
+    peaks = [f["peak_extra_bytes"] for f in flat if f["peak_extra_bytes"] is not None]
+    entry: dict[str, Any] = {"peak_extra_bytes_max": max(peaks) if peaks else None}
+    if flat:
+        entry.update(
+            flat_refits=len(flat),
+            first_peak_extra_bytes=flat[0]["peak_extra_bytes"],
+            last_peak_extra_bytes=flat[-1]["peak_extra_bytes"],
+            max_peak_extra_bytes=max((f["peak_extra_bytes"] or 0) for f in flat),
+            # Call 1 allocates the buffers that later calls reuse: flatness is judged from call 2 on.
+            second_baseline_rss_bytes=flat[min(1, len(flat) - 1)]["baseline_rss_bytes"],
+            last_baseline_rss_bytes=flat[-1]["baseline_rss_bytes"],
+        )
+    worst = max(peaks, default=None)
+    entry["within_bound"] = None if worst is None else worst <= bound
+    return entry
 
 
 def machine_info() -> dict[str, Any]:
@@ -377,10 +453,11 @@ def _size_label(summary: dict[str, Any]) -> str:
 def format_table(summaries: list[dict[str, Any]]) -> str:
     """The results as a markdown table: one row per case, throughput medians with min-max, and the ratios."""
     head = (
-        "| model | size | tensors | chunks | buffer x n | consumers | post | refit GB/s | limit GB/s | per-tensor GB/s "
-        "| refit/limit | refit vs per-tensor | peak RSS above model (P / C max) |\n"
+        "| model | size | tensors | chunks | buffer x n | consumers | post | refit GB/s | session GB/s | limit GB/s "
+        "| per-tensor GB/s | refit/limit | session/limit | refit vs per-tensor | session vs per-tensor "
+        "| peak RSS above model, refit (P / C max) | session (P / C max) | bound n x max(buffer, largest) |\n"
     )
-    rule = "|" + "---|" * 13 + "\n"
+    rule = "|" + "---|" * 18 + "\n"
     rows = []
     for s in summaries:
         case = s["case"]
@@ -392,19 +469,25 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             # min time is max throughput: the range is written low-high.
             return f"{g['median']:.2f} ({g['max']:.2f}-{g['min']:.2f})"
 
-        ratios = {key: f"{value:.2f}x" for key, value in s["ratios"].items()}
-        mem = s["memory"]
-        consumers = [m["refit_peak_extra_bytes_max"] for m in mem[1:] if m["refit_peak_extra_bytes_max"] is not None]
-        producer = mem[0]["refit_peak_extra_bytes_max"]
-        consumer = max(consumers) if consumers else None
+        def ratio(key: str) -> str:
+            return f"{s['ratios'][key]:.2f}x" if key in s["ratios"] else "-"
+
+        def peaks(mode: str) -> str:
+            # Measured by the --flat-refits runs; without them there is no figure.
+            mem = s["memory"]
+            values = [m["refit_peak_extra_bytes_max"] if mode == "refit" else (m["session"] or {}).get(
+                "peak_extra_bytes_max") for m in mem]
+            producer, consumers = values[0], [v for v in values[1:] if v is not None]
+            return (f"{'-' if producer is None else format_size(producer)} / "
+                    f"{format_size(max(consumers)) if consumers else '-'}")
+
         rows.append(
             f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
             f"| {format_size(case['buffer_size_bytes'])} x {case['num_buffers']} | {case['consumers']} "
-            f"| {case['post']} | {cell('refit')} | {cell('limit')} | {cell('per_tensor')} "
-            f"| {ratios.get('refit_over_limit', '-')} | {ratios.get('refit_speedup_over_per_tensor', '-')} "
-            # Memory is measured by the --flat-refits runs; without them there is no figure.
-            f"| {'-' if producer is None else format_size(producer)} / "
-            f"{'-' if consumer is None else format_size(consumer)} |"
+            f"| {case['post']} | {cell('refit')} | {cell('session')} | {cell('limit')} | {cell('per_tensor')} "
+            f"| {ratio('refit_over_limit')} | {ratio('session_over_limit')} "
+            f"| {ratio('refit_speedup_over_per_tensor')} | {ratio('session_speedup_over_per_tensor')} "
+            f"| {peaks('refit')} | {peaks('session')} | {format_size(s['memory_buffers_bytes'])} |"
         )
     return head + rule + "\n".join(rows) + "\n"
 
@@ -426,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic model shapes (default: %(default)s)")
     p.add_argument("--size", nargs="+", default=None,
                    help="bytes on the wire, e.g. 256MB 1GB 4GB, or 'natural' for the preset's own size "
-                        "(default: 1GB for llama presets, natural for lora)")
+                        "(default: 1GB for llama presets, natural and 1GiB for lora)")
     p.add_argument("--buffer-size", nargs="+", default=None,
                    help="packed buffer target, e.g. 64MiB (default: get_target_packed_tensor_size(), "
                         f"{format_size(get_target_packed_tensor_size())} here)")
@@ -463,7 +546,7 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
         raise SystemExit("refit_app.bench: " + "; ".join(problems))
     cases = []
     for preset in args.preset:
-        sizes = _parse_sizes(args.size) if args.size is not None else _parse_sizes([DEFAULT_SIZES.get(preset, "1GB")])
+        sizes = _parse_sizes(args.size if args.size is not None else DEFAULT_SIZES.get(preset, ("1GB",)))
         for size, buf, nb, consumers, post in itertools.product(sizes, buffer_sizes, num_buffers, args.consumers,
                                                                 args.post):
             cases.append(Case(preset, size, buf, nb, consumers, post, args.reps, tuple(args.modes), args.flat_refits))
@@ -493,7 +576,9 @@ def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, An
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "backend": "gloo (loopback, one process per rank)",
         "modes": {
-            "refit": "packed_broadcast_producer/consumer, consumer drops each batch",
+            "refit": "packed_broadcast_producer/consumer, one call each, consumer drops each batch",
+            "session": "one steady-state round of ProducerSession.send / ConsumerSession.receive (manifest sent in "
+                       "an untimed first round), consumer drops each batch",
             "limit": "the same chunks pre-packed on both sides, all broadcast async back to back, then waited",
             "per_tensor": "one synchronous broadcast per tensor into a freshly allocated tensor",
         },
@@ -509,17 +594,22 @@ def _memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
     for s in summaries:
         case = s["case"]
         for m in s["memory"]:
-            if "flat_refits" not in m:
-                continue
             who = "producer" if m["rank"] == 0 else f"consumer {m['rank']}"
-            yield (
-                f"{case['preset']} {_size_label(s)} {who}: peak above model over {m['flat_refits']} refits: "
-                f"first {format_size(m['first_peak_extra_bytes'] or 0)}, "
-                f"last {format_size(m['last_peak_extra_bytes'] or 0)}, "
-                f"max {format_size(m['max_peak_extra_bytes'])} (bound {format_size(s['memory_bound_bytes'])}); "
-                f"RSS before refit 2 {format_size(m['second_baseline_rss_bytes'] or 0)}, "
-                f"before refit {m['flat_refits']} {format_size(m['last_baseline_rss_bytes'] or 0)}"
-            )
+            for mode, entry in (("refits", m), ("session rounds", m.get("session"))):
+                if not entry or "flat_refits" not in entry:
+                    continue
+                yield (
+                    f"{case['preset']} {_size_label(s)} {who}: peak above model over {entry['flat_refits']} {mode}: "
+                    f"first {format_size(entry['first_peak_extra_bytes'] or 0)}, "
+                    f"last {format_size(entry['last_peak_extra_bytes'] or 0)}, "
+                    f"max {format_size(entry['max_peak_extra_bytes'])} "
+                    f"(num_buffers x max(buffer, largest tensor) = {case['num_buffers']} x "
+                    f"{format_size(s['memory_buffers_bytes'] // case['num_buffers'])} = "
+                    f"{format_size(s['memory_buffers_bytes'])}; bound +{MEMORY_SLACK:.0%} "
+                    f"{format_size(s['memory_bound_bytes'])}); "
+                    f"RSS before call 2 {format_size(entry['second_baseline_rss_bytes'] or 0)}, "
+                    f"before call {entry['flat_refits']} {format_size(entry['last_baseline_rss_bytes'] or 0)}"
+                )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

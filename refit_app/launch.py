@@ -1,9 +1,21 @@
 """Start ranks as processes on this machine and supervise them: the one harness that ``role=local``, the
 benchmark and the tests use.
 
-Each rank runs ``fn(rank, *args)`` in a freshly spawned interpreter and sends back its return value or its
-failure. Ranks die with their parent (``PR_SET_PDEATHSIG``), so an interrupted launcher leaves no orphan that could
-go on to publish a checkpoint. The supervisor never waits without a deadline: a rank that dies without a word is
+Each rank runs ``fn(rank, *args)`` in its own process and sends back its return value or its failure. Ranks are
+forked from a fork server (:mod:`multiprocessing.forkserver`) that imported torch and the ranks' modules once: on a
+2-core machine, N freshly spawned interpreters each importing torch cost N x 2 s of CPU, serially in effect, for a
+refit that may take a tenth of a second. The server is a fresh interpreter that only imports, then forks each
+rank: no torch operation runs there, so torch has started no thread pool (numpy's OpenBLAS, loaded with torch,
+parks its idle workers across fork with its own atfork handlers), the same fork-after-import that torch's own
+DataLoader workers rely on. The launcher itself is never forked: its state (Hydra, logging handlers, queue
+threads) is no rank's business. Each rank gets the launcher's current environment and working directory (the
+server's were fixed when it started).
+
+Ranks die with the launcher, so an interrupted launcher leaves no orphan that could go on to publish a checkpoint:
+a rank's parent is the fork server, not the launcher, so besides ``PR_SET_PDEATHSIG`` (which covers the server)
+each rank holds the read end of a lifeline pipe whose only writer is the launcher, and kills itself when it reads
+end-of-file. (The server alone would not do: it exits once every holder of its "alive" pipe is gone, and the ranks
+hold one too.) The supervisor never waits without a deadline: a rank that dies without a word is
 reported as such, and once one rank has failed the others get ``grace_s`` to exit with their own errors before
 they are killed.
 """
@@ -18,6 +30,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,6 +42,10 @@ from refit_app.errors import RefitError, one_line
 _JOIN_S = 5.0
 """How long a rank that sent its result gets to exit before it is killed."""
 _PR_SET_PDEATHSIG = 1
+START_METHOD = "forkserver"
+"""How ranks are started; ``spawn`` (a fresh interpreter per rank) is the slow, dependency-free alternative."""
+BASE_PRELOAD = ("torch",)
+"""Imported once by the fork server, before any rank is forked."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,9 +90,53 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _child(fn: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
+def prestart(preload: Sequence[str] = ()) -> None:
+    """Start the fork server now, importing torch and ``preload`` in the background while the caller goes on
+    (composing a config, checking a checkpoint's headers); :func:`run_ranks` then forks from it at once.
+
+    Only the first start's ``preload`` counts; a module left out is imported by each rank that needs it.
+    """
+    if START_METHOD != "forkserver":
+        return
+    ctx = mp.get_context(START_METHOD)
+    ctx.set_forkserver_preload([*BASE_PRELOAD, *preload])
+    # Asynchronous: the server imports its preload while this process continues; the first fork waits for it.
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _adopt_launcher_state(env: dict[str, str], cwd: str) -> None:
+    """The launcher's environment and directory as of this launch: a forked rank would otherwise see the fork
+    server's, fixed when it started (a test's monkeypatched variable, an env-var knob set since)."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+
+
+def _watch_lifeline(lifeline: Any) -> None:
+    """SIGKILL this rank once the launcher is gone: the launcher holds the only write end of ``lifeline`` and never
+    writes, so a read returns only when it has closed, by exiting or dying."""
+
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-lifeline", daemon=True).start()
+
+
+def _child(
+    fn: Callable[..., Any], rank: int, args: tuple, results: Any, lifeline: Any, env: dict[str, str], cwd: str
+) -> None:
     _die_with_parent()
+    _watch_lifeline(lifeline)
     try:
+        _adopt_launcher_state(env, cwd)
         value = fn(rank, *args)
         pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
         outcome = RankOutcome(rank, True, value)
@@ -104,18 +165,25 @@ def run_ranks(
     timeout_s: float | None = None,
     grace_s: float | None = None,
     name: str = "rank",
+    preload: Sequence[str] = (),
 ) -> list[RankOutcome]:
-    """Run ``fn(rank, *args)`` for ranks ``0..world_size-1``, each in its own spawned process; outcomes in rank
-    order.
+    """Run ``fn(rank, *args)`` for ranks ``0..world_size-1``, each in its own process; outcomes in rank order.
 
-    ``fn`` must be a module-level function (spawn pickles it by reference) and its return value must pickle.
+    ``fn`` must be a module-level function (it is pickled by reference) and its return value must pickle.
+    ``preload``: modules the fork server imports once for every rank (see :func:`prestart`).
     ``timeout_s``: every rank still running then is killed. ``grace_s``: after the first failure, how long the
     others may take to exit with their own errors before they are killed (None: until ``timeout_s``).
     """
-    ctx = mp.get_context("spawn")
+    # fn's module, unless it is the launcher's __main__: each rank re-runs that as __mp_main__ anyway, and
+    # finding it preloaded under its own name makes runpy warn.
+    prestart((*preload, fn.__module__) if fn.__module__ != "__main__" else preload)
+    ctx = mp.get_context(START_METHOD)
     results = ctx.Queue()
+    lifeline, lifeline_writer = ctx.Pipe(duplex=False)
+    launcher_state = (dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_child, args=(fn, r, tuple(args), results), name=f"{name}{r}", daemon=True)
+        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state),
+                    name=f"{name}{r}", daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -159,6 +227,8 @@ def run_ranks(
                     p.kill()
             p.join(_JOIN_S)
         results.close()
+        lifeline.close()
+        lifeline_writer.close()  # any rank still alive now kills itself
     for r in range(world_size):
         outcomes.setdefault(r, RankOutcome(r, False, error=f"rank {r} {cause or 'was killed'}", exc_type="Timeout"))
     return [outcomes[r] for r in range(world_size)]

@@ -13,9 +13,13 @@ from typing import Any
 
 from refit_app.config import RunSettings
 from refit_app.errors import PeerError, RefitError
-from refit_app.launch import free_port, run_ranks
+from refit_app.launch import free_port, prestart, run_ranks
 
 logger = logging.getLogger(__name__)
+
+RANK_MODULES = ("refit_app.roles",)
+"""What every rank imports (torch with it): once, in the fork server, not once per rank. This process never
+imports them: it only supervises."""
 
 LOCAL_EXIT_GRACE_S = 5.0
 """How long ``role=local`` waits, after one rank failed, for the others to exit with their own errors before it
@@ -47,6 +51,7 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
 
 def run_local(s: RunSettings) -> dict[str, Any]:
     """Run the producer and every consumer as processes here; the producer's figures at the top level."""
+    prestart(RANK_MODULES)  # torch loads in the fork server while this process checks the source
     if s.source is not None and s.source.target.endswith("SafetensorsSource"):
         # Reading the headers is cheap: a bad checkpoint fails here in a second, not after the ranks' start-up.
         from refit_app.sources import make_source
@@ -56,7 +61,7 @@ def run_local(s: RunSettings) -> dict[str, Any]:
         s = replace(s, group=replace(s.group, port=free_port()))
     log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     outcomes = run_ranks(_rank_main, s.group.world_size, (s, log_files), grace_s=LOCAL_EXIT_GRACE_S,
-                         name="refit-rank")
+                         name="refit-rank", preload=RANK_MODULES)
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     metrics = [
         o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}

@@ -24,10 +24,11 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
     table = (out / "table.md").read_text()
     assert table in printed
     header, rule, *rows = table.splitlines()
-    assert "refit/limit" in header and "refit vs per-tensor" in header
+    assert "refit/limit" in header and "refit vs per-tensor" in header and "session/limit" in header
     assert set(rule) == {"|", "-"}
     assert [row.split("|")[1].strip() for row in rows] == ["llama-1b", "lora"]
     assert "peak above model over 2 refits" in printed
+    assert "peak above model over 2 session rounds" in printed
 
     doc = json.loads((out / "bench.json").read_text())
     assert {"cpu_count", "cpu_model", "torch", "load_average_before"} <= doc["machine"].keys()
@@ -43,10 +44,13 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
             assert 0 < s["min"] <= s["median"] <= s["max"]
             assert mode["gb_per_s"]["median"] == pytest.approx(case["bytes"] / 1e9 / s["median"])
             assert len(mode["per_rank_seconds"]) == 2
-        assert set(case["ratios"]) == {"refit_over_limit", "refit_speedup_over_per_tensor"}
+        assert set(case["ratios"]) == {"refit_over_limit", "refit_speedup_over_per_tensor", "session_over_limit",
+                                       "session_speedup_over_per_tensor"}
+        assert case["memory_buffers_bytes"] == 2 * max(256 * 1024, case["largest_tensor_bytes"])
         producer, consumer = case["memory"]
         for m in (producer, consumer):
             assert m["flat_refits"] == 2 and isinstance(m["within_bound"], bool)
+            assert m["session"]["flat_refits"] == 2 and isinstance(m["session"]["within_bound"], bool)
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,9 @@ def test_target_size_env(monkeypatch):
     monkeypatch.delenv(BUFFER_MEMORY_RATIO_ENV, raising=False)
     phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if not torch.cuda.is_available():
+        # Without a GPU and without the variable: 16 MiB, or 2% of memory where that is less.
+        assert get_target_packed_tensor_size() == min(int(phys * 0.02), 16 * 1024**2)
+        monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.02")  # an explicit ratio is honoured as it stands
         assert get_target_packed_tensor_size() == min(int(phys * 0.02), 5 * 1024**3)
         monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.001")
         assert get_target_packed_tensor_size() == int(phys * 0.001)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,10 +44,32 @@ that asking creates (torch keeps one per storage). Measured once here rather tha
 differently shifts the baseline instead of breaking the check."""
 
 
-def is_shared(buffer: torch.Tensor) -> bool:
+TRANSPORT_RELEASE_S = 0.02
+"""How long a buffer with exactly one other user may take to lose it. gloo's worker thread drops its reference to
+a broadcast's tensor only after ``wait()`` has returned: measured here, 6-17 ms later in about a third of the
+broadcasts on a loaded 2-core machine. Without this grace a receive buffer looked held by a caller and the slot took
+a fresh one (+16 MiB peak, now and then, over a 50-round run)."""
+_SETTLE_POLL_S = 0.0002
+
+
+def is_shared(buffer: torch.Tensor, *, settle: bool = False) -> bool:
     """Whether a tensor other than ``buffer`` (a view handed to a consumer, a numpy array over it, a tensor that
-    vLLM's layerwise reload still holds) uses its memory: refilling it then would change that tensor's values."""
-    return _storage_use_count(buffer) > _UNSHARED_USE_COUNT
+    vLLM's layerwise reload still holds) uses its memory: refilling it then would change that tensor's values.
+
+    ``settle``: where a decision allocates memory, give exactly one other user (a transport's just-finished
+    broadcast, see :data:`TRANSPORT_RELEASE_S`) that long to let go; a caller's views are many users, or stay.
+    """
+    extra = _storage_use_count(buffer) - _UNSHARED_USE_COUNT
+    if extra <= 0:
+        return False
+    if not settle or extra > 1:
+        return True
+    deadline = time.monotonic() + TRANSPORT_RELEASE_S
+    while time.monotonic() < deadline:
+        time.sleep(_SETTLE_POLL_S)
+        if _storage_use_count(buffer) <= _UNSHARED_USE_COUNT:
+            return False
+    return True
 
 
 class HostBufferPool:
@@ -71,12 +94,15 @@ class HostBufferPool:
             return len(self._free)
 
     def take(self) -> torch.Tensor | None:
-        """The largest kept buffer that no other tensor uses, now owned by the caller, or None."""
+        """The largest kept buffer that no other tensor uses, now owned by the caller, or None. Among equal sizes
+        the one given first: slots that take in order get the same buffers every call (and so resident pages and,
+        on a planned round, the same addresses)."""
         with self._lock:
-            for i in range(len(self._free) - 1, -1, -1):  # sorted by size, largest last
-                if not is_shared(self._free[i]):
-                    return self._free.pop(i)
-            return None
+            best = None
+            for i, buffer in enumerate(self._free):  # sorted by size, stably: equal sizes in the order given
+                if (best is None or buffer.numel() > self._free[best].numel()) and not is_shared(buffer, settle=True):
+                    best = i
+            return None if best is None else self._free.pop(best)
 
     def give(self, buffers: list[torch.Tensor]) -> None:
         """Keep these buffers (a finished call's) for the next call, and drop any kept before beyond their count."""

@@ -89,7 +89,7 @@ class Receiver:
             layout = self._next
             chunk = layout.chunk
             slot = self._slots[chunk.index % len(self._slots)]
-            if chunk.broadcast and slot.buffer is not None and is_shared(slot.buffer):
+            if chunk.broadcast and slot.buffer is not None and is_shared(slot.buffer, settle=force):
                 if not force:
                     return
                 self._swap(slot)
@@ -146,7 +146,7 @@ class Receiver:
         held = slot.buffer
         slot.buffer = None  # reserve() then takes a free host buffer from the pool or allocates one
         for i, spare in enumerate(self._spares):
-            if not is_shared(spare):
+            if not is_shared(spare, settle=True):
                 slot.buffer = spare
                 del self._spares[i]
                 break

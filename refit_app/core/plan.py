@@ -1,7 +1,7 @@
 """A chunk plan kept across rounds, for a session that sends the same tensors every round (issue 14).
 
 The first round plans as usual and records each chunk's :class:`~refit_app.core.wire.ChunkLayout`; later rounds
-follow the record: the producer copies each chunk with one fused call (:func:`produce_planned`) and the consumer
+follow the record: the producer copies each chunk by precomputed offsets (:func:`produce_planned`) and the consumer
 skips planning (:func:`follow_plan`). Both check every tensor against the record and fail on the first change.
 """
 
@@ -15,7 +15,7 @@ import torch
 from refit_app.core.buffers import Slot, on_stream
 from refit_app.core.chunks import Chunk
 from refit_app.core.producer import Sender
-from refit_app.core.wire import ChunkLayout, pack_into
+from refit_app.core.wire import ChunkLayout, pack_all, pack_into
 
 
 class PackedPlan:
@@ -24,10 +24,11 @@ class PackedPlan:
     Create one per side and pass it as ``plan=`` to every call of that side (producer, or consumer). The first call
     plans as usual and records the plan; later calls follow it instead of re-planning:
 
-    - the producer gathers each chunk's tensors and copies them with one fused ``torch._foreach_copy_`` into views
-      of send buffers that the plan owns and keeps between rounds (:meth:`release` frees them); while a chunk is
-      gathered, its ``post_iter_func`` outputs are held (up to one chunk of them: extra memory only when
-      ``post_iter_func`` makes new tensors, a cast say);
+    - the producer gathers each chunk's tensors and copies them into its send buffers: on the host with one
+      memmove per tensor by precomputed offset into the pooled buffers every call uses, on CUDA with one fused
+      ``torch._foreach_copy_`` into precomputed views of send buffers that the plan owns and keeps between rounds
+      (:meth:`release` frees them); while a chunk is gathered, its ``post_iter_func`` outputs are held (up to one
+      chunk of them: extra memory only when ``post_iter_func`` makes new tensors, a cast say);
     - the consumer reuses each chunk's precomputed layout. Receive buffers and the lifetime contract are those of
       :func:`packed_broadcast_consumer` (fresh view objects every round, so a tensor held from an earlier round
       keeps its values and its buffer).
@@ -115,7 +116,7 @@ def produce_planned(
     slots: list[Slot],
     sender: Sender,
 ) -> None:
-    """Follow a recorded plan: gather each chunk's tensors, check them, copy them with one fused call, send."""
+    """Follow a recorded plan: gather each chunk's tensors, check them, copy them by precomputed offset, send."""
     iterator = iter(iterator)
     count = len(slots)
     for layout in plan._layouts:
@@ -135,6 +136,15 @@ def produce_planned(
         slot = sender.slot
         if chunk.alone and tensors[0].device == slot.device and tensors[0].is_contiguous():
             sender.pack(tensors[0], alone=True)
+        elif chunk.nbytes and slot.device.type == "cpu":
+            # Host: one memmove per tensor by address. torch's copies (fused or not) hand anything over 32K
+            # elements to the intra-op threads, whose barrier stalls on a machine busy with gloo's threads.
+            # The slot's own (pooled) buffer, as in the first round: a plan that kept buffers of its own would
+            # leave the pool's idle beside them, doubling the producer's memory.
+            buffer = slot.reserve(chunk.nbytes, min_capacity=sender.target)
+            pack_all(buffer, layout.spans, tensors)
+            slot.hold(tensors)
+            sender.use_buffer(buffer)
         elif chunk.nbytes:
             buffer = plan._send_buffer(slot_index, chunk.nbytes, slot.device)
             dst, aligned = plan._copy_plan(layout, buffer)

@@ -48,6 +48,11 @@ class Sender:
         self._whole: torch.Tensor | None = None  # the bytes of an `alone` tensor, sent in place
 
     @property
+    def target(self) -> int:
+        """The chunk target: a buffer grows straight to it, so it grows once."""
+        return self._target
+
+    @property
     def slot(self) -> Slot:
         """The slot of the open chunk."""
         return self._slot
@@ -64,8 +69,9 @@ class Sender:
         self._buffer = None
         self._whole = None
 
-    def pack(self, t: torch.Tensor, *, alone: bool) -> None:
-        """Append ``t`` to the open chunk; ``alone`` (the planner's word that nothing joins it) sends it in place."""
+    def pack(self, t: torch.Tensor, *, alone: bool, nbytes: int | None = None) -> None:
+        """Append ``t`` (``nbytes`` on the wire, when the caller knows) to the open chunk; ``alone`` (the planner's
+        word that nothing joins it) sends it in place."""
         slot = self._slot
         if slot.stream is not None and t.device.type == "cuda":
             # The copy runs on the slot's stream: make it see the producer's writes, and keep the allocator from
@@ -76,9 +82,12 @@ class Sender:
             # The planner guarantees nothing joins this tensor's chunk: broadcast its own memory, no copy.
             self._whole = tensor_bytes(t)
             return
+        end = self._offset + (tensor_nbytes(t) if nbytes is None else nbytes)
+        buffer = self._buffer = slot.reserve(end, keep=self._offset, min_capacity=self._target)
+        if slot.stream is None:
+            self._offset = pack_into(buffer, self._offset, t)
+            return
         with on_stream(slot):
-            buffer = self._buffer = slot.reserve(self._offset + tensor_nbytes(t), keep=self._offset,
-                                                 min_capacity=self._target)
             self._offset = pack_into(buffer, self._offset, t)
 
     def send(self, chunk: Chunk) -> None:
@@ -114,7 +123,8 @@ def produce_streaming(
     metas: list[TensorMeta] = []
     for item in iterator:
         t = post_iter_func(item)
-        closed = planner.add(tensor_nbytes(t))
+        nbytes = tensor_nbytes(t)
+        closed = planner.add(nbytes)
         if closed is not None:
             sender.send(closed)
             if recorded is not None:
@@ -122,7 +132,7 @@ def produce_streaming(
                 metas = []
         if planner.open_count == 1:
             sender.open(planner.open_index)
-        sender.pack(t, alone=planner.open_alone)
+        sender.pack(t, alone=planner.open_alone, nbytes=nbytes)
         if recorded is not None:
             metas.append((item[0], tuple(t.shape), t.dtype))
     last = planner.finish()
