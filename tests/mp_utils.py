@@ -2,6 +2,12 @@
 
 ``fn`` must be a module-level function (``spawn`` pickles it by reference) with the signature
 ``fn(rank, world_size, port, *args)``; its return value must pickle.
+
+Ranks start together: each spawned process imports torch and the test module (from 3 to 30 s on a loaded 2-core
+machine), says it is ready and waits; ``fn`` runs on every rank once all are ready. Start-up is therefore outside
+every deadline a rank sets (``timeout_s`` of a group) and outside ``run_ranks``'s own ``timeout``.
+
+Also the one home of the start-up limit and of the margin that deadline asserts allow (:func:`deadline_budget`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,28 @@ from dataclasses import dataclass
 from typing import Any
 
 _JOIN_S = 5.0
+
+STARTUP_LIMIT_S = 180.0
+"""Hard limit on one process's start-up (interpreter, torch, Hydra, the code under test). Observed: 3 s idle, up to
+40 s on a 2-core machine with two CPU hogs and a dozen processes starting at once. Only a hang gets near it; it is
+never part of a deadline under test."""
+
+DEADLINE_MARGIN = 2.5
+"""How many deadlines (``group.timeout_s``) a rank may take to give up after the event a deadline is about (a peer
+killed or stopped, the rendezvous entered). Why 2.5: a rank notices a dead or stalled peer within one deadline;
+reporting why over the producer's store may take one more (each store call has the same deadline); the last half
+absorbs a loaded machine's scheduling delays. The assert still fails a rank that ignores its deadline (gloo's own
+default is 30 minutes) or waits it several times over: with group.timeout_s=6, anything past 25 s."""
+
+EXIT_SLACK_S = 10.0
+"""Seconds on top of the deadlines, for what no deadline covers after a rank gives up: the producer's 2 s linger for
+consumers to read its reason, writing metrics.json, and interpreter teardown with torch loaded (2-3 s measured
+under load)."""
+
+
+def deadline_budget(timeout_s: float) -> float:
+    """The most a deadline assert allows from the event to the exit, for ranks with ``group.timeout_s=timeout_s``."""
+    return DEADLINE_MARGIN * timeout_s + EXIT_SLACK_S
 
 
 @dataclass
@@ -44,7 +72,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any, go: Any
+) -> None:
+    # Unpickling ``fn`` imported its module (torch included) before this line: start-up is over.
+    results.put(("ready", rank, None))
+    if not go.wait(2 * STARTUP_LIMIT_S):
+        os._exit(3)  # the parent gave up on a peer's start-up (and will kill this process anyway)
     try:
         outcome = fn(rank, world_size, port, *args)
         pickle.dumps(outcome)  # fail here, with a traceback, rather than silently in the queue's feeder thread
@@ -54,13 +88,43 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             exc = None
         outcome = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc(), exc)
-    results.put((rank, outcome))
+    results.put(("done", rank, outcome))
     results.close()
     results.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     # The result is delivered; skip interpreter teardown, which takes seconds with torch loaded.
     os._exit(0)
+
+
+def _start_together(procs: list[Any], results: Any, go: Any) -> dict[int, RankFailure]:
+    """Wait until every rank has started up, then let all run. If one dies or hangs starting, nothing runs and
+    every rank gets a failure saying why."""
+    ready: set[int] = set()
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while len(ready) < len(procs) and time.monotonic() < deadline:
+        try:
+            _, rank, _ = results.get(timeout=0.1)
+            ready.add(rank)
+            continue
+        except queue.Empty:
+            pass
+        if any(not p.is_alive() for r, p in enumerate(procs) if r not in ready):
+            break
+    if len(ready) == len(procs):
+        go.set()
+        return {}
+    failed = {}
+    for r, p in enumerate(procs):
+        if r in ready:
+            failed[r] = RankFailure(r, "Stopped", "started up, but a peer did not; killed before it ran")
+        elif not p.is_alive():
+            failed[r] = RankFailure(r, "Died", f"exited with code {p.exitcode} during start-up")
+        elif time.monotonic() >= deadline:
+            failed[r] = RankFailure(r, "Timeout", f"did not start up within {STARTUP_LIMIT_S:g}s; killed")
+        else:
+            failed[r] = RankFailure(r, "Stopped", "killed during start-up, after a peer died")
+    return failed
 
 
 def run_ranks(
@@ -74,24 +138,27 @@ def run_ranks(
 
     Returns the per-rank results in rank order. A rank that raised, died or missed ``timeout`` (killed
     then) yields a :class:`RankFailure`; unless ``return_exceptions`` is set, any failure raises an
-    AssertionError carrying every failed rank's traceback instead.
+    AssertionError carrying every failed rank's traceback instead. ``timeout`` counts from the moment every
+    rank has started up and ``fn`` starts everywhere; start-up has its own limit, :data:`STARTUP_LIMIT_S`.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
     results = ctx.Queue()
+    go = ctx.Event()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results), name=f"rank{r}", daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, go), name=f"rank{r}", daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     outcomes: dict[int, Any] = {}
     killed: set[int] = set()
-    deadline = time.monotonic() + timeout
     try:
+        outcomes.update(_start_together(procs, results, go))
+        deadline = time.monotonic() + timeout
         while len(outcomes) < world_size and time.monotonic() < deadline:
             try:
-                rank, outcome = results.get(timeout=0.1)
+                _, rank, outcome = results.get(timeout=0.1)
                 outcomes[rank] = outcome
                 continue
             except queue.Empty:
@@ -100,7 +167,7 @@ def run_ranks(
                 # Every silent rank is dead; collect anything still in the pipe, then stop waiting.
                 try:
                     while True:
-                        rank, outcome = results.get(timeout=0.5)
+                        _, rank, outcome = results.get(timeout=0.5)
                         outcomes[rank] = outcome
                 except queue.Empty:
                     break
@@ -127,11 +194,16 @@ def run_ranks(
     return ordered
 
 
-def _play_scenarios(rank: int, world_size: int, port: int, scenarios: dict, ports: dict[str, int]) -> dict:
+def _play_scenarios(
+    rank: int, world_size: int, port: int, scenarios: dict, ports: dict[str, int], barrier: Any, timeout: float
+) -> dict:
     from refit_app.errors import RefitError
 
     outcomes: dict[str, Any] = {}
     for name, scenario in scenarios.items():
+        # Every scenario starts on all ranks at once: the previous one may end seconds apart on different ranks
+        # (a rank that gives up early, the producer's linger), and that skew must not eat the next one's deadline.
+        barrier.wait(timeout)
         try:
             outcomes[name] = scenario(rank, ports[name])
         except RefitError as e:
@@ -141,6 +213,8 @@ def _play_scenarios(rank: int, world_size: int, port: int, scenarios: dict, port
 
 def play_scenarios(scenarios: dict[str, Callable[[int, int], Any]], world_size: int, timeout: float = 120.0) -> list:
     """Run every ``scenario(rank, port)`` in turn on each rank of one spawned group of processes, each scenario on
-    its own port, paying the processes' start-up once. Returns per rank ``{name: result or RefitError raised}``."""
+    its own port and started on every rank at once, paying the processes' start-up once. Returns per rank
+    ``{name: result or RefitError raised}``."""
     ports = {name: free_port() for name in scenarios}
-    return run_ranks(_play_scenarios, world_size, scenarios, ports, timeout=timeout)
+    barrier = mp.get_context("spawn").Barrier(world_size)
+    return run_ranks(_play_scenarios, world_size, scenarios, ports, barrier, timeout, timeout=timeout)

@@ -189,7 +189,7 @@ def test_real_multirun_summarises_every_job_including_the_failed_one(tmp_path: P
         "buffer_mib=64 num_buffers=2",
     ]
     assert [row["status"] for row in table] == ["ok", "ok", "ok", "failed"]
-    assert table[3]["error"] == "RuntimeError: buffer 64 MiB with 2 buffers exploded"
+    assert table[3]["error"] == "RuntimeError: buffer 64 MiB with 2 buffers; exploded"
     assert table[2]["buffer_size_bytes"] == str(64 * MiB) and table[2]["gb_per_s"] == "2.0"
     assert "| failed |" in (sweep / "summary.md").read_text()
     _assert_png(sweep / "throughput.png")
