@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from refit_app.errors import HandshakeError, RefitError
@@ -142,18 +143,23 @@ def accept_manifest(
 
 
 def send_checksums(rg: RefitGroup, checksums: list[int]) -> None:
-    """Producer: send one CRC32 per tensor after the data, in manifest order."""
+    """Producer: send one checksum per tensor after the data, in manifest order.
+
+    Checksums are unsigned 64-bit (xxh3_64 uses the top bit), the trailer is int64 (what every backend
+    broadcasts): the bits travel reinterpreted, never converted, so a value of 2**63 or more survives.
+    """
     if checksums:
-        rg.group.broadcast(torch.tensor(checksums, dtype=torch.int64, device=rg.group.device), PRODUCER_RANK)
+        words = np.array(checksums, dtype=np.uint64).view(np.int64)
+        rg.group.broadcast(torch.from_numpy(words).to(rg.group.device), PRODUCER_RANK)
 
 
 def recv_checksums(rg: RefitGroup, n: int) -> list[int]:
-    """Consumer: receive the ``n`` checksums the producer sends after the data."""
+    """Consumer: receive the ``n`` checksums the producer sends after the data, as unsigned integers."""
     if n == 0:
         return []
     trailer = torch.empty(n, dtype=torch.int64, device=rg.group.device)
     rg.group.broadcast(trailer, PRODUCER_RANK)
-    return [int(x) for x in trailer.cpu().tolist()]
+    return trailer.cpu().numpy().view(np.uint64).tolist()
 
 
 def finish(rg: RefitGroup, error: str | None) -> None:

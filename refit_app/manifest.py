@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 
 import torch
 
+from refit_app.checksum import default_algorithm
 from refit_app.errors import HandshakeError
 
-MANIFEST_VERSION = 2
-"""2: companion ``files`` (a model's config.json) travel with the tensors."""
+MANIFEST_VERSION = 3
+"""2: companion ``files`` (a model's config.json) travel with the tensors. 3: ``checksum_algorithm`` names the
+per-tensor checksum; binary companion files (a ``tokenizer.model``) travel base64-encoded."""
 MAX_LISTED_CHANGES = 5
 
 
@@ -68,12 +71,15 @@ class Manifest:
     use_legacy_packing: bool
     checksums: bool = False
     """Whether the producer sends per-tensor checksums after the data (for ``sink=verify``)."""
+    checksum_algorithm: str = field(default_factory=default_algorithm)
+    """How those checksums are computed (:mod:`refit_app.checksum`); a verifying consumer must compute the same."""
     metadata: dict[str, str] = field(default_factory=dict)
     """Checkpoint-level metadata (safetensors ``__metadata__``) carried to a saving consumer."""
     source: str = ""
     """Human-readable description of where the weights came from."""
-    files: dict[str, str] = field(default_factory=dict)
-    """Small text files that belong with the weights (a model's ``config.json``), by file name."""
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    """Small files that belong with the weights (a model's ``config.json``, its tokenizer), by file name: text as
+    ``str``, anything else as ``bytes``."""
 
     @property
     def total_bytes(self) -> int:
@@ -86,9 +92,16 @@ class Manifest:
             "buffer_size_bytes": self.buffer_size_bytes,
             "use_legacy_packing": self.use_legacy_packing,
             "checksums": self.checksums,
+            "checksum_algorithm": self.checksum_algorithm,
             "metadata": self.metadata,
             "source": self.source,
-            "files": self.files,
+            # JSON carries text only: binary files go base64-encoded, under their own key.
+            "files": {name: data for name, data in self.files.items() if isinstance(data, str)},
+            "binary_files": {
+                name: base64.b64encode(data).decode("ascii")
+                for name, data in self.files.items()
+                if isinstance(data, bytes)
+            },
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -108,9 +121,13 @@ class Manifest:
             buffer_size_bytes=int(doc["buffer_size_bytes"]),
             use_legacy_packing=bool(doc["use_legacy_packing"]),
             checksums=bool(doc["checksums"]),
+            checksum_algorithm=str(doc["checksum_algorithm"]),
             metadata=dict(doc.get("metadata", {})),
             source=str(doc.get("source", "")),
-            files={str(k): str(v) for k, v in doc.get("files", {}).items()},
+            files={
+                **{str(k): str(v) for k, v in doc.get("files", {}).items()},
+                **{str(k): base64.b64decode(v) for k, v in doc.get("binary_files", {}).items()},
+            },
         )
 
 

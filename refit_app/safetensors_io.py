@@ -1,33 +1,36 @@
-"""Reading and writing the safetensors format without the ``safetensors`` package.
+"""Safetensors checkpoints: read with the ``safetensors`` package, written by a streaming writer of our own.
 
-The format: an 8-byte little-endian header length N, N bytes of JSON
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``, offsets relative to
-the end of the header), then the tensor bytes. Reading validates the whole header before touching data so
-a truncated or corrupt checkpoint fails at start-up with one line, not half-way through a refit. Tensors
-are then served lazily from an mmap so a checkpoint larger than memory streams through.
+Reading goes through ``safetensors.safe_open``, the reference implementation: lazy and memory-mapped (a
+checkpoint larger than memory streams through), every dtype it knows, and its header validation. Each of its
+errors is turned into one line naming the file and what is wrong (truncated, corrupt header, a dtype torch
+cannot hold), raised when the checkpoint is opened, before any data moves, not half-way through a refit.
 
-Writing goes to hidden temporary files that are renamed into place only once every tensor is on disk,
-so an interrupted run never leaves a file that looks like a complete checkpoint.
+Writing is our own because the library's writers (``save_file``, ``save``) need every tensor in memory at once;
+a refit receives tensors one chunk at a time, and a checkpoint may be larger than memory. The writer lays the
+file out as the reference writer does (tensors sorted by dtype, widest first, then by name; the header padded
+to 8 bytes), so every tensor starts aligned for its dtype and a file loads with ``safetensors`` and
+``transformers`` exactly as one they wrote. It writes to hidden temporary files that are renamed into place only
+once every tensor is on disk, so an interrupted run never leaves a file that looks like a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
-import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from refit_app.checksum import host_bytes as tensor_bytes
+from refit_app.core.wire import tensor_bytes as tensor_byte_view
 from refit_app.errors import SinkError, SourceError
 from refit_app.files import create_temp, fsync_dir, write_atomic
-from refit_app.manifest import TensorMeta, dtype_itemsize
+from refit_app.manifest import TensorMeta
 from refit_app.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -35,30 +38,68 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 METADATA_KEY = "__metadata__"
-MAX_HEADER_BYTES = 100_000_000
-"""The reference implementation's limit; a larger "header" means the file is not safetensors at all."""
 MAX_LISTED_PROBLEMS = 5
 
+COMPANION_FILE_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "preprocessor_config.json",
+)
+"""Files of a model directory that travel with its weights, so a saved copy opens with ``from_pretrained``."""
+MAX_COMPANION_FILE_BYTES = 32 * 1024**2
+"""Larger than any tokenizer.json of a common model (Gemma's, the largest, is about 33 MB: it is left out)."""
+MAX_COMPANION_BYTES = 64 * 1024**2
+"""All companion files together: they travel in the manifest, which both sides hold in memory."""
+
+# Every dtype code of the format, in the reference implementation's order (its writer puts the last first), with
+# the torch dtype that holds it where this torch has one. F6_* have none in torch; F4 is held two per byte.
+_DTYPE_ORDER = (
+    ("BOOL", "bool"),
+    ("F4", "float4_e2m1fn_x2"),
+    ("F6_E2M3", None),
+    ("F6_E3M2", None),
+    ("U8", "uint8"),
+    ("I8", "int8"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("I16", "int16"),
+    ("U16", "uint16"),
+    ("F16", "float16"),
+    ("BF16", "bfloat16"),
+    ("I32", "int32"),
+    ("U32", "uint32"),
+    ("F32", "float32"),
+    ("C64", "complex64"),
+    ("F64", "float64"),
+    ("I64", "int64"),
+    ("U64", "uint64"),
+)
 DTYPE_CODES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
+    code: getattr(torch, attr)
+    for code, attr in _DTYPE_ORDER
+    if attr is not None and isinstance(getattr(torch, attr, None), torch.dtype)
 }
-# Unsigned wide integers arrived in torch 2.3; older builds simply cannot read or write them.
-for _code, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-    if isinstance(getattr(torch, _attr, None), torch.dtype):
-        DTYPE_CODES[_code] = getattr(torch, _attr)
+"""Safetensors dtype code -> the torch dtype holding it, for every code this torch can hold."""
 DTYPE_TO_CODE: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPE_CODES.items()}
+_WRITE_RANK = {code: i for i, (code, _) in enumerate(_DTYPE_ORDER)}
+_PACKED_PER_ELEMENT = {"F4": 2}
+"""Codes whose torch dtype packs several values in one element: the file's shape counts values, the last
+dimension of torch's shape counts elements."""
 
 
 def _summarize(problems: Sequence[str]) -> str:
@@ -67,161 +108,149 @@ def _summarize(problems: Sequence[str]) -> str:
     return shown + (f"; and {extra} more" if extra > 0 else "")
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor as the header describes it; ``start``/``end`` are absolute byte offsets in the file."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
+def _torch_shape(code: str, shape: Sequence[int]) -> tuple[int, ...]:
+    per = _PACKED_PER_ELEMENT.get(code, 1)
+    return tuple(shape[:-1]) + (shape[-1] // per,) if per > 1 and shape else tuple(shape)
 
 
-def _entry_problems(name: str, spec: object) -> tuple[list[str], tuple[torch.dtype, tuple[int, ...], int, int] | None]:
-    """Every problem with one header entry, and the parsed entry when there are none."""
-    if not isinstance(spec, dict):
-        return [f"tensor {name!r} is {type(spec).__name__}, not an object"], None
-    problems = []
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in spec]
-    if missing:
-        return [f"tensor {name!r} lacks {', '.join(missing)}"], None
-    dtype = DTYPE_CODES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
-    if dtype is None:
-        problems.append(f"tensor {name!r} has unknown dtype {spec['dtype']!r} (known: {' '.join(DTYPE_CODES)})")
-    shape = spec["shape"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        problems.append(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
-    offsets = spec["data_offsets"]
-    if not (
-        isinstance(offsets, list)
-        and len(offsets) == 2
-        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        and 0 <= offsets[0] <= offsets[1]
-    ):
-        problems.append(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-    if problems:
-        return problems, None
-    assert dtype is not None
-    expected = math.prod(shape) * dtype_itemsize(dtype)
-    if offsets[1] - offsets[0] != expected:
-        problems.append(
-            f"tensor {name!r} is {spec['dtype']}{shape} = {expected} bytes but data_offsets {offsets} span "
-            f"{offsets[1] - offsets[0]}"
+def _file_shape(code: str, shape: Sequence[int]) -> list[int]:
+    per = _PACKED_PER_ELEMENT.get(code, 1)
+    return list(shape[:-1]) + [shape[-1] * per] if per > 1 and shape else list(shape)
+
+
+def _size_problem(path: Path) -> str:
+    """Why a file whose header parses is not the size its tensors need (the library says only "not covered")."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop(METADATA_KEY, None)
+    needed = max((spec["data_offsets"][1] for spec in header.values()), default=0)
+    present = path.stat().st_size - 8 - header_len
+    if needed > present:
+        return f"is truncated: header says {needed} data bytes, file has {present}; re-download or re-save it"
+    return f"has {present - needed} bytes after its last tensor, which the format forbids; was it appended to?"
+
+
+def _explain(path: Path, error: Exception) -> SourceError:
+    """The library's error as one line naming the file and what is wrong with it."""
+    if isinstance(error, OSError):
+        return SourceError(f"cannot read {path}: {error.strerror or error}")
+    text = " ".join(str(error).split()).removeprefix("Error while deserializing header: ")
+    if text.startswith("header too small"):
+        size = path.stat().st_size
+        return SourceError(f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length")
+    if text.startswith("header too large"):
+        return SourceError(
+            f"{path} is not a safetensors file: its first 8 bytes give a header length above the format's limit"
         )
-        return problems, None
-    return [], (dtype, tuple(shape), offsets[0], offsets[1])
-
-
-def read_header(path: str | os.PathLike) -> tuple[list[HeaderEntry], dict[str, str]]:
-    """The validated header of one safetensors file: entries in data-offset order, and its metadata.
-
-    Reads only the header; raises SourceError with one line naming the file and every problem found.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise SourceError(
-                    f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length"
-                )
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise SourceError(
-                    f"{path} is not a safetensors file: its first 8 bytes give a header length of {header_len} bytes, "
-                    f"above the format's {MAX_HEADER_BYTES}"
-                )
-            if header_len > size - 8:
-                raise SourceError(
-                    f"{path} is truncated: header length is {header_len} bytes, file has {size - 8} after the length "
-                    "field; re-download or re-save the checkpoint"
-                )
-            raw = f.read(header_len)
-    except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"{path} has a corrupt header: not valid JSON ({e}); re-download or re-save it") from e
-    if not isinstance(header, dict):
-        raise SourceError(f"{path} has a corrupt header: a JSON {type(header).__name__}, not an object")
-
-    metadata = header.pop(METADATA_KEY, {})
-    problems: list[str] = []
-    if not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        problems.append(f"{METADATA_KEY} is not an object of strings")
-        metadata = {}
-
-    data_start = 8 + header_len
-    entries: list[HeaderEntry] = []
-    for name, spec in header.items():
-        entry_problems, parsed = _entry_problems(name, spec)
-        problems.extend(entry_problems)
-        if parsed is not None:
-            dtype, shape, begin, end = parsed
-            entries.append(HeaderEntry(name, dtype, shape, data_start + begin, data_start + end))
-
-    # Sorting by (start, end) puts a zero-length range at the start of a non-empty one, which is fine:
-    # only ranges that share at least one byte overlap.
-    entries.sort(key=lambda e: (e.start, e.end))
-    for prev, cur in zip(entries, entries[1:]):
-        if cur.start < prev.end:
-            problems.append(
-                f"tensors {prev.name!r} [{prev.start - data_start}, {prev.end - data_start}) and "
-                f"{cur.name!r} [{cur.start - data_start}, {cur.end - data_start}) overlap"
-            )
-    if problems:
-        raise SourceError(f"{path} has an invalid header: {_summarize(problems)}")
-
-    data_needed = max((e.end for e in entries), default=data_start) - data_start
-    if data_needed > size - data_start:
-        raise SourceError(
-            f"{path} is truncated: header says {data_needed} data bytes, file has {size - data_start}; "
-            "re-download or re-save the checkpoint"
+    if text.startswith("invalid header length"):
+        (header_len,) = struct.unpack("<Q", path.read_bytes()[:8])
+        return SourceError(
+            f"{path} is truncated: header length is {header_len} bytes, file has {path.stat().st_size - 8} after "
+            "the length field; re-download or re-save it"
         )
-    return entries, metadata
+    if "not fully covered" in text:
+        try:
+            return SourceError(f"{path} {_size_problem(path)}")
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+            pass
+    if text.startswith("invalid JSON in header"):
+        return SourceError(f"{path} has a corrupt header: {text}; re-download or re-save it")
+    if text.startswith(("invalid offset", "invalid shape")):
+        return SourceError(f"{path} has an invalid header: {text}")
+    return SourceError(f"{path} is not a readable safetensors file: {text}")
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator:
+    """``safe_open(path)``; any error it (or a read through it) raises becomes one SourceError line."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise _explain(path, e) from e
 
 
 class SafetensorsFile:
-    """One validated safetensors file whose tensors are read on demand."""
+    """One safetensors file, its header read and checked on construction; tensors are read on demand."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.entries, self.metadata = read_header(self.path)
+        problems = []
+        self.metas: list[TensorMeta] = []
+        """Every tensor, in the file's data order (the order :meth:`iter_tensors` yields them)."""
+        with _opened(self.path) as f:
+            self.metadata: dict[str, str] = dict(f.metadata() or {})
+            for name in f.offset_keys():
+                view = f.get_slice(name)
+                code = view.get_dtype()
+                dtype = DTYPE_CODES.get(code)
+                if dtype is None:
+                    problems.append(f"tensor {name!r} has dtype {code}, which torch {torch.__version__} cannot hold")
+                    continue
+                self.metas.append(TensorMeta(name, _torch_shape(code, view.get_shape()), dtype))
+        if problems:
+            raise SourceError(f"{self.path} cannot be read: {_summarize(problems)}")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors in data-offset order, each backed by the file's pages (copy-on-write, so writable).
+        """Tensors in data order, each backed by the file's pages (copy-on-write, so writable; the mapping lives
+        as long as a tensor from it does)."""
+        with _opened(self.path) as f:
+            for meta in self.metas:
+                yield meta.name, _aligned(f.get_tensor(meta.name))
 
-        The mmap is never closed explicitly: tensors returned by ``torch.frombuffer`` hold a reference to
-        it, and closing it under them would leave dangling pointers. It is unmapped once the last such
-        tensor is gone.
-        """
-        if not self.entries:
-            return
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or an aligned copy when it starts mid-element, as in a file another writer left unaligned: a
+    misaligned typed view makes vectorised kernels fault or slow down; a fresh allocation is aligned."""
+    if t.numel() == 0 or t.data_ptr() % t.element_size() == 0:
+        return t
+    return tensor_byte_view(t).clone().view(t.dtype).view(t.shape)
+
+
+def read_companion_files(directory: str | os.PathLike) -> dict[str, str | bytes]:
+    """The :data:`COMPANION_FILE_NAMES` present in a model directory: text as ``str``, binary files (a
+    sentencepiece ``tokenizer.model``) as ``bytes``. A file over the size caps is left out with a warning."""
+    directory = Path(directory)
+    files: dict[str, str | bytes] = {}
+    total = 0
+    for name in COMPANION_FILE_NAMES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size > MAX_COMPANION_FILE_BYTES or total + size > MAX_COMPANION_BYTES:
+            cap = "per file" if size > MAX_COMPANION_FILE_BYTES else "for all companion files"
+            limit = MAX_COMPANION_FILE_BYTES if size > MAX_COMPANION_FILE_BYTES else MAX_COMPANION_BYTES
+            logger.warning("not sending %s (%s): over the %s limit %s; copy it beside the saved checkpoint yourself",
+                           path, format_size(size), format_size(limit), cap)
+            continue
         try:
-            with open(self.path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            data = path.read_bytes()
         except OSError as e:
-            raise SourceError(f"cannot map {self.path}: {e.strerror or e}") from e
-        if len(mapped) < max(e.end for e in self.entries):
-            raise SourceError(f"{self.path} shrank to {len(mapped)} bytes while being read; was it overwritten?")
-        for entry in self.entries:
-            yield entry.name, _tensor_at(mapped, entry)
+            raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+        try:
+            files[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            files[name] = data
+        total += size
+    return files
 
 
-def _tensor_at(mapped: mmap.mmap, entry: HeaderEntry) -> torch.Tensor:
-    numel = math.prod(entry.shape)
-    if numel == 0:
-        # frombuffer refuses empty ranges; an empty tensor has no bytes to share anyway.
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    itemsize = dtype_itemsize(entry.dtype)
-    if entry.start % itemsize == 0:
-        return torch.frombuffer(mapped, dtype=entry.dtype, count=numel, offset=entry.start).view(entry.shape)
-    # A misaligned typed view would make vectorised kernels fault or slow down; a fresh allocation is aligned.
-    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.start, offset=entry.start)
-    return raw.clone().view(entry.dtype).view(entry.shape)
+def companion_name_problems(names: Iterable[str]) -> list[str]:
+    """Why each of ``names`` cannot be written beside a checkpoint. The names come from the producer over the
+    network: never let one escape the directory, hide, or replace a weight file."""
+    problems = []
+    for name in names:
+        if Path(name).name != name or name.startswith(".") or name in ("", ".."):
+            problems.append(f"{name!r} is not a plain file name")
+        elif name.endswith(".safetensors") or name == INDEX_FILE_NAME:
+            problems.append(f"{name!r} would replace a weight file")
+    return problems
 
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -292,10 +321,10 @@ class Checkpoint:
         problems = []
         owner: dict[str, str] = {}
         for f in self.files:
-            for e in f.entries:
-                if e.name in owner:
-                    problems.append(f"tensor {e.name!r} is in both {owner[e.name]} and {f.path.name}")
-                owner[e.name] = f.path.name
+            for m in f.metas:
+                if m.name in owner:
+                    problems.append(f"tensor {m.name!r} is in both {owner[m.name]} and {f.path.name}")
+                owner[m.name] = f.path.name
         if weight_map is not None:
             for name, shard in weight_map.items():
                 if owner.get(name) != shard:
@@ -306,14 +335,14 @@ class Checkpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.end - e.start for f in self.files for e in f.entries)
+        return sum(f.total_bytes for f in self.files)
 
     def metas(self) -> list[TensorMeta]:
         """Every tensor in reading order; ``shard`` keeps the file layout for a consumer that saves."""
         return [
-            TensorMeta(e.name, e.shape, e.dtype, f.path.name if self.sharded else SINGLE_FILE_NAME)
+            TensorMeta(m.name, m.shape, m.dtype, f.path.name if self.sharded else SINGLE_FILE_NAME)
             for f in self.files
-            for e in f.entries
+            for m in f.metas
         ]
 
     def metadata(self) -> dict[str, str]:
@@ -353,28 +382,37 @@ class SafetensorsWriter:
         header: dict[str, object] = {}
         if metadata:
             header[METADATA_KEY] = dict(metadata)
-        offset = 0
         problems = []
+        coded: list[tuple[str, TensorMeta]] = []
+        seen: set[str] = set()
         for meta in metas:
             code = DTYPE_TO_CODE.get(meta.dtype)
             if code is None:
                 problems.append(f"{meta.name!r} has dtype {meta.dtype}, which safetensors cannot store")
-                continue
-            if meta.name in self._slots:
+            elif meta.name in seen:
                 problems.append(f"{meta.name!r} appears twice")
-                continue
-            if meta.name == METADATA_KEY:
+            elif meta.name == METADATA_KEY:
                 problems.append(f"{meta.name!r} is reserved for metadata")
-                continue
-            end = offset + meta.nbytes
-            header[meta.name] = {"dtype": code, "shape": list(meta.shape), "data_offsets": [offset, end]}
-            self._slots[meta.name] = (meta, offset)
-            offset = end
+            elif code in _PACKED_PER_ELEMENT and not meta.shape:
+                problems.append(f"{meta.name!r} is a 0-dim {meta.dtype}, which safetensors cannot describe (its shape "
+                                "counts packed values)")
+            else:
+                coded.append((code, meta))
+            seen.add(meta.name)
         if problems:
             raise SinkError(f"cannot write {self.path}: {_summarize(problems)}")
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        # Pad with spaces (as the reference writer does) so the data starts 8-byte aligned and mmap'd
-        # tensors need no copy.
+        # The reference writer's layout: widest dtype first, then by name. Every size is a multiple of its
+        # itemsize and the widths are powers of two, so each tensor starts aligned for its dtype (after a header
+        # padded to 8 bytes): readers map it without a copy, and the bytes match a file save_file writes.
+        coded.sort(key=lambda item: (-_WRITE_RANK[item[0]], item[1].name))
+        offset = 0
+        for code, meta in coded:
+            end = offset + meta.nbytes
+            header[meta.name] = {"dtype": code, "shape": _file_shape(code, meta.shape), "data_offsets": [offset, end]}
+            self._slots[meta.name] = (meta, offset)
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        # Padded with spaces, as the reference writer does, so the data starts 8-byte aligned.
         encoded += b" " * (-len(encoded) % 8)
         self._header = struct.pack("<Q", len(encoded)) + encoded
         self.total_bytes = len(self._header) + offset
@@ -482,18 +520,30 @@ def shard_layout(metas: Sequence[TensorMeta]) -> list[tuple[str, list[TensorMeta
 
 
 class CheckpointWriter:
-    """Writes a Hugging Face checkpoint directory: ``model.safetensors``, or shards plus the index.
+    """Writes a Hugging Face checkpoint directory: ``model.safetensors``, or shards plus the index, and the
+    companion ``files`` (config.json, tokenizer files) beside them.
 
-    No file appears under a final name until every shard is complete and flushed; the index, which is
-    what makes a sharded directory look loadable, is renamed into place last. Files of a previous
-    checkpoint that the new one does not overwrite are removed only after that, so a failed run leaves
-    the old checkpoint intact.
+    No file appears under a final name until every shard is complete and flushed; the companion files follow,
+    and the index, which is what makes a sharded directory look loadable, is renamed into place last. Files of
+    a previous checkpoint that the new one does not overwrite are removed only after that, so a failed run
+    leaves the old checkpoint intact.
     """
 
     def __init__(
-        self, directory: str | os.PathLike, metas: Sequence[TensorMeta], metadata: Mapping[str, str] | None = None
+        self,
+        directory: str | os.PathLike,
+        metas: Sequence[TensorMeta],
+        metadata: Mapping[str, str] | None = None,
+        files: Mapping[str, str | bytes] | None = None,
     ):
         self.directory = Path(directory)
+        problems = companion_name_problems(files or {})
+        if problems:
+            raise SinkError(f"refusing companion files for {self.directory}: {_summarize(problems)}")
+        self._files = {
+            name: data.encode() if isinstance(data, str) else bytes(data) for name, data in (files or {}).items()
+        }
+        self._file_temps: dict[str, Path] = {}
         self._layout = shard_layout(metas)
         self._writers = {
             name: SafetensorsWriter(self.directory / name, group, metadata) for name, group in self._layout
@@ -504,7 +554,7 @@ class CheckpointWriter:
 
     @property
     def file_names(self) -> list[str]:
-        return list(self._writers) + ([INDEX_FILE_NAME] if self.sharded else [])
+        return list(self._writers) + list(self._files) + ([INDEX_FILE_NAME] if self.sharded else [])
 
     def open(self) -> None:
         try:
@@ -516,9 +566,28 @@ class CheckpointWriter:
         try:
             for w in self._writers.values():
                 w.open()
+            for name, data in self._files.items():
+                self._file_temps[name] = self._write_temp(name, data)
         except BaseException:
             self.abort()
             raise
+
+    def _write_temp(self, name: str, data: bytes) -> Path:
+        """A companion file, complete and flushed under a hidden name, for :meth:`commit` to rename."""
+        final = self.directory / name
+        try:
+            fd, tmp = create_temp(final)
+        except OSError as e:
+            raise SinkError(f"cannot create a file in {self.directory}: {e.strerror or e}") from e
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SinkError(f"cannot write {tmp}: {e.strerror or e}") from e
+        return tmp
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         shard = self._shard_of.get(name)
@@ -539,6 +608,9 @@ class CheckpointWriter:
                 w.seal()
             for w in self._writers.values():
                 w.publish()
+            for name in list(self._file_temps):
+                os.replace(self._file_temps[name], self.directory / name)
+                del self._file_temps[name]
             if self.sharded:
                 index = {
                     "metadata": {"total_size": self.total_bytes},
@@ -547,7 +619,7 @@ class CheckpointWriter:
                 write_atomic(self.directory / INDEX_FILE_NAME, json.dumps(index, indent=2).encode() + b"\n", durable=True)
         except OSError as e:
             self.abort()
-            raise SinkError(f"cannot write {self.directory / INDEX_FILE_NAME}: {e.strerror or e}") from e
+            raise SinkError(f"cannot publish the checkpoint in {self.directory}: {e.strerror or e}") from e
         except BaseException:
             self.abort()
             raise
@@ -577,6 +649,9 @@ class CheckpointWriter:
     def abort(self) -> None:
         for w in self._writers.values():
             w.abort()
+        for tmp in self._file_temps.values():
+            tmp.unlink(missing_ok=True)
+        self._file_temps.clear()
 
 
 def save_tensors(

@@ -72,7 +72,8 @@ class VerifySink:
 
 
 class SaveSink:
-    """Saves the received weights as a Hugging Face checkpoint directory at ``path``.
+    """Saves the received weights as a Hugging Face checkpoint directory at ``path``, with the companion files
+    the producer sent (a model directory's config.json and tokenizer files), so ``from_pretrained`` opens it.
 
     Written through hidden temporary files renamed into place only when every tensor is on disk, so a
     killed or failed run leaves no file under a final name and an existing checkpoint there intact.
@@ -84,7 +85,7 @@ class SaveSink:
 
     def begin(self, manifest: Manifest) -> None:
         self.abort()  # a fresh manifest mid-session: the previous layout's temporary files go
-        writer = CheckpointWriter(self.path, manifest.tensors, manifest.metadata)
+        writer = CheckpointWriter(self.path, manifest.tensors, manifest.metadata, manifest.files)
         if self.path.exists() and not self.path.is_dir():
             raise SinkError(f"sink.path {self.path} is a file; give a directory to save the checkpoint in")
         # Creates the directory and the temporary files: an unwritable path fails now, before any transfer.

@@ -16,7 +16,7 @@ import torch
 from refit_app.manifest import TensorMeta, dtype_itemsize
 from refit_app.plugins import instantiate
 from refit_app.presets import PRESETS, fit_arch
-from refit_app.safetensors_io import Checkpoint
+from refit_app.safetensors_io import Checkpoint, read_companion_files
 from refit_app.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class Source(Protocol):
     # advance(round_index) -> dict: change the weights before round round_index (2, 3, ...), as a training step
     #     does; the dict (a "loss", say) goes into that round's metrics. Without it every round sends the same.
     # model_config() -> str: a config.json that travels with the manifest (sink=model builds its model from it).
+    # companion_files() -> dict[str, str | bytes]: files that travel with the manifest (config.json, tokenizer
+    #     files) and that sink=save writes beside the weights, so the saved directory opens with from_pretrained.
     # probe(probe_tokens) -> dict: this model's answer to the probe a model sink compares itself with.
 
 
@@ -52,6 +54,9 @@ class SafetensorsSource:
     def __init__(self, path: str):
         self._checkpoint = Checkpoint(path)
         self._metas = self._checkpoint.metas()
+        # Read once: every round's manifest then carries the same files, and a file edited mid-run cannot make
+        # the saved checkpoint's config disagree with its weights.
+        self._files = read_companion_files(self._checkpoint.path) if self._checkpoint.path.is_dir() else {}
 
     def describe(self) -> str:
         ckpt = self._checkpoint
@@ -65,6 +70,11 @@ class SafetensorsSource:
 
     def metadata(self) -> dict[str, str]:
         return self._checkpoint.metadata()
+
+    def companion_files(self) -> dict[str, str | bytes]:
+        """A model directory's config.json, generation config and tokenizer files (see
+        :data:`~refit_app.safetensors_io.COMPANION_FILE_NAMES`); none for a single file."""
+        return dict(self._files)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._checkpoint.iter_tensors()

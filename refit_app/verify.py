@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from refit_app.checksum import tensor_checksum
+from refit_app.checksum import checksum_function, host_bytes
 from refit_app.errors import VerificationError
 from refit_app.manifest import TensorMeta
 
@@ -64,10 +64,13 @@ class _Arrivals:
 
 class Verifier:
     """Checks one manifest's tensors, round after round: each is checksummed as it arrives (the views die after
-    ``consume``), so verification needs no second pass and no copy of the model."""
+    ``consume``), so verification needs no second pass and no copy of the model.
 
-    def __init__(self, tensors: list[TensorMeta]) -> None:
+    ``algorithm``: the producer's (``Manifest.checksum_algorithm``); HandshakeError when this host lacks it."""
+
+    def __init__(self, tensors: list[TensorMeta], algorithm: str) -> None:
         self._tensors = tensors
+        self._checksum = checksum_function(algorithm)
         self._arrivals = _Arrivals(tensors)
         self._received: list[int | None] = [None] * len(tensors)
 
@@ -75,7 +78,7 @@ class Verifier:
         for name, t in batch:
             i = self._arrivals.record(name, t)
             if i is not None:
-                self._received[i] = tensor_checksum(t)
+                self._received[i] = self._checksum(host_bytes(t))
 
     def verdict(self, checksums: list[int] | None) -> dict:
         """This round's result as metrics, or VerificationError naming what differs; then ready for the next

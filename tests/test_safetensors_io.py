@@ -1,4 +1,5 @@
-"""The safetensors reader and writer: header validation, bit-exact round trips, real and sharded checkpoints."""
+"""The safetensors reader (the ``safetensors`` package behind refit_app's one-line errors) and the streaming writer:
+every dtype, files identical to the reference writer's, real and sharded checkpoints, companion files."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 from refit_app.checksum import host_bytes as tensor_bytes
 from refit_app.errors import SinkError, SourceError
@@ -23,10 +25,8 @@ from refit_app.safetensors_io import (
     CheckpointWriter,
     SafetensorsFile,
     SafetensorsWriter,
-    read_header,
     save_tensors,
 )
-
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", header_bytes: bytes | None = None) -> Path:
@@ -46,6 +46,10 @@ def sample_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
     return raw.view(dtype).reshape(shape)
 
 
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return bytes(tensor_bytes(t))
+
+
 def leftover_temp_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
 
@@ -57,6 +61,17 @@ def assert_one_line_source_error(excinfo: pytest.ExceptionInfo, *fragments: str)
         assert fragment in message, message
 
 
+def assert_reference_loads_identical(path: Path, expected: dict[str, torch.Tensor]) -> None:
+    """``path`` loads with the safetensors package itself, tensor for tensor identical to ``expected``."""
+    with safe_open(path, framework="pt") as f:
+        assert sorted(f.keys()) == sorted(expected)
+        for name, want in expected.items():
+            got = f.get_tensor(name)
+            assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), name
+            assert raw_bytes(got) == raw_bytes(want), name
+            assert got.numel() == 0 or got.data_ptr() % got.element_size() == 0, f"{name} is misaligned in {path}"
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 
@@ -66,15 +81,24 @@ def test_truncated_data_names_sizes(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(8 + header_len + 1000)
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
+        SafetensorsFile(path)
     assert_one_line_source_error(excinfo, str(path), "is truncated: header says 4000 data bytes, file has 1000")
+
+
+def test_trailing_bytes_named(tmp_path):
+    path = save_tensors(tmp_path / "model.safetensors", {"w": torch.zeros(4, dtype=torch.float32)})
+    with open(path, "ab") as f:
+        f.write(b"junk")
+    with pytest.raises(SourceError) as excinfo:
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "4 bytes after its last tensor")
 
 
 def test_truncated_inside_header(tmp_path):
     path = save_tensors(tmp_path / "m.safetensors", {"w": torch.zeros(10)})
     path.write_bytes(path.read_bytes()[:20])
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
+        SafetensorsFile(path)
     assert_one_line_source_error(excinfo, str(path), "is truncated", "file has 12")
 
 
@@ -82,7 +106,7 @@ def test_shorter_than_length_field(tmp_path):
     path = tmp_path / "tiny.safetensors"
     path.write_bytes(b"abc")
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
+        SafetensorsFile(path)
     assert_one_line_source_error(excinfo, str(path), "not a safetensors file", "3 bytes")
 
 
@@ -90,34 +114,45 @@ def test_absurd_header_length(tmp_path):
     path = tmp_path / "text.safetensors"
     path.write_bytes(b"this is not a safetensors file at all")
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
+        SafetensorsFile(path)
     assert_one_line_source_error(excinfo, str(path), "not a safetensors file")
 
 
 def test_corrupt_json(tmp_path):
     path = write_raw(tmp_path / "m.safetensors", None, header_bytes=b'{"w": {"dtype": "F32", ')
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(excinfo, str(path), "corrupt header", "not valid JSON")
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "corrupt header", "invalid JSON")
 
 
 def test_header_not_an_object(tmp_path):
     path = write_raw(tmp_path / "m.safetensors", [1, 2, 3])
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(excinfo, "list, not an object")
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "corrupt header", "sequence")
 
 
-def test_every_bad_dtype_is_listed(tmp_path):
-    header = {
-        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-        "b": {"dtype": "F33", "shape": [1], "data_offsets": [4, 8]},
-        "c": {"dtype": "Q4", "shape": [1], "data_offsets": [8, 12]},
-    }
-    path = write_raw(tmp_path / "m.safetensors", header, bytes(12))
+def test_unknown_dtype_named(tmp_path):
+    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F33", "shape": [1],
+                                                                                "data_offsets": [4, 8]}}
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(excinfo, str(path), "'b' has unknown dtype 'F33'", "'c' has unknown dtype 'Q4'")
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "corrupt header", "F33")
+
+
+def test_dtype_torch_cannot_hold_is_named(tmp_path):
+    # F6_E2M3 is valid safetensors (4 six-bit values in 3 bytes), but torch has no dtype for it.
+    header = {
+        "a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]},
+        "b": {"dtype": "F6_E3M2", "shape": [4], "data_offsets": [3, 6]},
+    }
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(6))
+    with pytest.raises(SourceError) as excinfo:
+        SafetensorsFile(path)
+    assert_one_line_source_error(
+        excinfo, str(path), "'a' has dtype F6_E2M3, which torch", "'b' has dtype F6_E3M2", "cannot hold"
+    )
 
 
 def test_overlapping_ranges(tmp_path):
@@ -127,32 +162,39 @@ def test_overlapping_ranges(tmp_path):
     }
     path = write_raw(tmp_path / "m.safetensors", header, bytes(12))
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(excinfo, "'a' [0, 8) and 'b' [4, 12) overlap")
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "invalid header", "invalid offset")
 
 
 def test_shape_disagrees_with_byte_range(tmp_path):
     header = {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 8]}}
     path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(excinfo, "'a' is BF16[2, 3] = 12 bytes but data_offsets [0, 8] span 8")
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "invalid header", "shape")
 
 
-def test_malformed_entries_and_metadata(tmp_path):
-    header = {
-        "__metadata__": {"format": 1},
-        "a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
-        "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]},
-        "c": {"dtype": "F32"},
-        "d": 7,
-    }
-    path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        ({"__metadata__": {"format": 1}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, "integer"),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, "-1"),
+        ({"a": {"dtype": "F32"}}, "missing field"),
+        ({"a": 7}, "integer `7`"),
+    ],
+)
+def test_malformed_entries_and_metadata(tmp_path, header, fragment):
+    path = write_raw(tmp_path / "m.safetensors", header, bytes(4))
     with pytest.raises(SourceError) as excinfo:
-        read_header(path)
-    assert_one_line_source_error(
-        excinfo, "__metadata__", "'a' has shape [-1]", "'b' has data_offsets", "'c' lacks", "'d' is int"
-    )
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path), "corrupt header", fragment)
+
+
+def test_unreadable_file_named(tmp_path):
+    path = tmp_path / "gone.safetensors"
+    with pytest.raises(SourceError) as excinfo:
+        SafetensorsFile(path)
+    assert_one_line_source_error(excinfo, str(path))
 
 
 def test_missing_path(tmp_path):
@@ -204,23 +246,62 @@ def test_several_files_without_index(tmp_path):
 def test_round_trip_every_dtype_bit_exact(tmp_path, code):
     dtype = DTYPE_CODES[code]
     tensors = {
-        # A one-byte tensor first pushes every later tensor off its natural alignment.
+        # A one-byte tensor first would push every later tensor off its alignment in a file laid out in order.
         "odd": torch.ones(1, dtype=torch.uint8),
-        "scalar": sample_tensor(dtype, (), seed=1),
-        "empty": sample_tensor(dtype, (0, 3), seed=2),
-        "matrix": sample_tensor(dtype, (7, 5), seed=3),
+        "empty": sample_tensor(dtype, (0, 4), seed=2),
+        "matrix": sample_tensor(dtype, (7, 6), seed=3),
         "transposed": sample_tensor(dtype, (4, 6), seed=4).t(),
     }
+    if dtype != torch.float4_e2m1fn_x2:  # two packed values: no 0-dim form in safetensors (refused below)
+        tensors["scalar"] = sample_tensor(dtype, (), seed=1)
     path = save_tensors(tmp_path / "m.safetensors", tensors, {"format": "pt", "note": code})
     f = SafetensorsFile(path)
     assert f.metadata == {"format": "pt", "note": code}
     read = dict(f.iter_tensors())
-    assert list(read) == list(tensors)
+    assert sorted(read) == sorted(tensors)
     for name, want in tensors.items():
         got = read[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert bytes(tensor_bytes(got)) == bytes(tensor_bytes(want)), name
-        assert got.data_ptr() % got.element_size() == 0, f"{name} is misaligned"
+        assert raw_bytes(got) == raw_bytes(want), name
+        assert got.numel() == 0 or got.data_ptr() % got.element_size() == 0, f"{name} is misaligned"
+    assert_reference_loads_identical(path, tensors)
+
+
+def test_file_is_byte_identical_to_the_reference_writers(tmp_path):
+    """Same layout (widest dtype first, then by name), same header, same padding: a file refit_app writes is the
+    file ``safetensors.torch.save_file`` writes. (One metadata key: the reference writer orders several by hash.)"""
+    tensors = {code: sample_tensor(dtype, (3, 2), seed=i) for i, (code, dtype) in enumerate(DTYPE_CODES.items())}
+    tensors |= {"b.scalar": torch.tensor(2.5), "a.empty": torch.empty(0, 3, dtype=torch.bfloat16), "ü": torch.ones(2)}
+    for metadata in (None, {"format": "pt"}):
+        ours = save_tensors(tmp_path / "ours.safetensors", tensors, metadata)
+        reference = tmp_path / "reference.safetensors"
+        safetensors.torch.save_file(tensors, reference, metadata=metadata)
+        assert ours.read_bytes() == reference.read_bytes()
+
+
+def test_reads_files_the_reference_writer_wrote(tmp_path):
+    # Including the dtypes the hand-written reader refused: F8_E8M0 and the FNUZ float8 types.
+    tensors = {code: sample_tensor(dtype, (5, 4), seed=i) for i, (code, dtype) in enumerate(DTYPE_CODES.items())}
+    assert {"F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"} <= set(tensors)
+    path = tmp_path / "reference.safetensors"
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    f = SafetensorsFile(path)
+    assert f.metadata == {"format": "pt"}
+    assert {m.name: (m.dtype, m.shape) for m in f.metas} == {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    for name, t in f.iter_tensors():
+        assert raw_bytes(t) == raw_bytes(tensors[name]), name
+
+
+def test_unaligned_file_from_another_writer_reads_aligned(tmp_path):
+    header = {
+        "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]},
+    }
+    data = b"\x07" + torch.tensor([1.5, -2.0]).numpy().tobytes()
+    path = write_raw(tmp_path / "m.safetensors", header, data)
+    read = dict(SafetensorsFile(path).iter_tensors())
+    assert read["b"].tolist() == [1.5, -2.0]
+    assert read["b"].data_ptr() % 4 == 0
 
 
 def test_read_tensors_are_copy_on_write(tmp_path):
@@ -231,22 +312,14 @@ def test_read_tensors_are_copy_on_write(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_minilm_matches_plain_reparse(minilm_dir):
+def test_minilm_matches_the_reference_reader(minilm_dir):
     path = minilm_dir / "model.safetensors"
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
     ours = list(Checkpoint(path).iter_tensors())
-    assert len(ours) == len(header) >= 100
-    expected_order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
-    assert [name for name, _ in ours] == expected_order
-    for name, t in ours:
-        spec = header[name]
-        begin, end = spec["data_offsets"]
-        raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=8 + n + begin)
-        assert list(t.shape) == spec["shape"]
-        assert bytes(tensor_bytes(t)) == raw.tobytes(), name
+    with safe_open(path, framework="pt") as f:
+        assert [name for name, _ in ours] == f.offset_keys()
+        assert len(ours) >= 100
+        for name, t in ours:
+            assert raw_bytes(t) == raw_bytes(f.get_tensor(name)), name
 
 
 def sharded_metas() -> list[TensorMeta]:
@@ -277,12 +350,16 @@ def test_sharded_write_then_read_in_order(tmp_path):
     assert index["weight_map"] == {m.name: m.shard for m in metas}
 
     ckpt = Checkpoint(tmp_path)
-    assert ckpt.metas() == metas
+    # Each shard in the reference writer's layout (widest dtype first, then by name); shards in index order.
+    assert sorted(ckpt.metas(), key=lambda m: m.name) == sorted(metas, key=lambda m: m.name)
+    assert [m.shard for m in ckpt.metas()] == [m.shard for m in metas]
     assert ckpt.metadata() == {"format": "pt"}
     read = list(ckpt.iter_tensors())
-    assert [n for n, _ in read] == [m.name for m in metas]
+    assert [n for n, _ in read] == [m.name for m in ckpt.metas()]
     for name, t in read:
-        assert bytes(tensor_bytes(t)) == bytes(tensor_bytes(data[name])), name
+        assert raw_bytes(t) == raw_bytes(data[name]), name
+    for shard in {m.shard for m in metas}:
+        assert_reference_loads_identical(tmp_path / shard, {m.name: data[m.name] for m in metas if m.shard == shard})
 
 
 def test_writer_abort_removes_temp_files(tmp_path):
@@ -311,6 +388,11 @@ def test_writer_refuses_incomplete_or_wrong_tensors(tmp_path):
         writer.seal()
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_refuses_a_packed_scalar(tmp_path):
+    with pytest.raises(SinkError, match="'s' is a 0-dim torch.float4_e2m1fn_x2"):
+        SafetensorsWriter(tmp_path / "x.safetensors", [TensorMeta("s", (), torch.float4_e2m1fn_x2)])
 
 
 def test_writer_rejects_duplicate_names(tmp_path):

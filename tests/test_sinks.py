@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import traceback
 import zlib
 from pathlib import Path
@@ -13,14 +14,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from refit_app.checksum import (
+    FALLBACK_ALGORITHM,
+    available_algorithms,
+    checksum_function,
+    default_algorithm,
+    tensor_checksum,
+)
 from refit_app.checksum import host_bytes as tensor_bytes
-from refit_app.checksum import tensor_checksum
-from refit_app.errors import ConfigError, SinkError, VerificationError
+from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
 from refit_app.manifest import Manifest, TensorMeta
-from refit_app.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME, Checkpoint, CheckpointWriter, save_tensors
+from refit_app.safetensors_io import (
+    INDEX_FILE_NAME,
+    SINGLE_FILE_NAME,
+    Checkpoint,
+    CheckpointWriter,
+    save_tensors,
+)
 from refit_app.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
-from refit_app.verify import Verifier
 from refit_app.sources import SafetensorsSource, SyntheticSource
+from refit_app.verify import Verifier
 
 ALIGN = 16
 
@@ -85,13 +98,45 @@ def read_back(directory: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------------------------------ checksum
 
 
-def test_checksum_is_crc32_of_row_major_bytes():
+@pytest.mark.parametrize("algorithm", available_algorithms())
+def test_checksum_hashes_row_major_bytes(algorithm):
+    digest = checksum_function(algorithm)
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    assert tensor_checksum(t) == zlib.crc32(t.numpy().tobytes())
-    assert tensor_checksum(t.t()) == zlib.crc32(t.t().contiguous().numpy().tobytes())
-    assert tensor_checksum(t.t()) != tensor_checksum(t)
-    assert tensor_checksum(torch.tensor(2.0)) == zlib.crc32(torch.tensor([2.0]).numpy().tobytes())
-    assert tensor_checksum(torch.empty(0, 3)) == zlib.crc32(b"")
+    assert tensor_checksum(t, algorithm) == digest(t.numpy().tobytes())
+    assert tensor_checksum(t.t(), algorithm) == digest(t.t().contiguous().numpy().tobytes())
+    assert tensor_checksum(t.t(), algorithm) != tensor_checksum(t, algorithm)
+    assert tensor_checksum(torch.tensor(2.0), algorithm) == digest(torch.tensor([2.0]).numpy().tobytes())
+    assert tensor_checksum(torch.empty(0, 3), algorithm) == digest(b"")
+    assert 0 <= tensor_checksum(t, algorithm) < 2**64
+
+
+def test_checksum_algorithms_are_the_published_ones():
+    data = b"refit_app"
+    assert checksum_function("crc32")(data) == zlib.crc32(data)
+    if "xxh3_64" in available_algorithms():
+        import xxhash
+
+        assert checksum_function("xxh3_64")(data) == xxhash.xxh3_64(data).intdigest()
+    if "crc32c" in available_algorithms():
+        assert checksum_function("crc32c")(b"123456789") == 0xE3069283  # the CRC-32C check value
+
+
+def test_default_checksum_is_the_fastest_installed_and_zlib_is_the_fallback(monkeypatch):
+    assert default_algorithm() == available_algorithms()[0]
+    assert available_algorithms()[-1] == FALLBACK_ALGORITHM
+    from refit_app import checksum
+
+    checksum._load.cache_clear()
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # as if not installed: import raises ImportError
+    monkeypatch.setitem(sys.modules, "crc32c", None)
+    try:
+        assert default_algorithm() == FALLBACK_ALGORITHM
+        with pytest.raises(HandshakeError, match="checksums with xxh3_64, which this host cannot compute: pip install xxhash"):
+            checksum_function("xxh3_64")
+    finally:
+        checksum._load.cache_clear()
+    with pytest.raises(HandshakeError, match="'md5' is unknown"):
+        checksum_function("md5")
 
 
 def test_checksum_sees_values_not_lazy_views():
@@ -99,7 +144,7 @@ def test_checksum_sees_values_not_lazy_views():
     assert tensor_checksum(c.conj()) == tensor_checksum(c.conj().resolve_conj().clone())
     assert tensor_checksum(c.conj()) != tensor_checksum(c)
     b = torch.tensor([1.0, 2.0]).to(torch.bfloat16)
-    assert tensor_checksum(b) == zlib.crc32(b.view(torch.int16).numpy().tobytes())
+    assert tensor_checksum(b) == tensor_checksum(b.view(torch.int16))
 
 
 # ------------------------------------------------------------------------------------------ verify
@@ -107,14 +152,14 @@ def test_checksum_sees_values_not_lazy_views():
 
 def test_verify_accepts_exact_bytes():
     items = mixed_tensors()
-    sink = Verifier(metas_of(items))
+    sink = Verifier(metas_of(items), default_algorithm())
     deliver(sink, items)
     assert sink.verdict([tensor_checksum(t) for _, t in items]) == {"verified": True, "verified_tensors": len(items)}
 
 
 def test_verify_names_the_tensor_with_a_flipped_byte():
     items = mixed_tensors()
-    sink = Verifier(metas_of(items))
+    sink = Verifier(metas_of(items), default_algorithm())
     deliver(sink, items, corrupt="c.complex")
     with pytest.raises(VerificationError) as excinfo:
         sink.verdict([tensor_checksum(t) for _, t in items])
@@ -126,7 +171,7 @@ def test_verify_names_the_tensor_with_a_flipped_byte():
 def test_verify_lists_first_few_and_counts_the_rest():
     source = SyntheticSource("lora", 1 << 20, 0, torch.bfloat16)
     items = list(source.tensors())
-    sink = Verifier(source.manifest_tensors())
+    sink = Verifier(source.manifest_tensors(), default_algorithm())
     deliver(sink, items, per_batch=16)
     with pytest.raises(VerificationError) as excinfo:
         sink.verdict([tensor_checksum(t) ^ 1 for _, t in items])
@@ -139,7 +184,7 @@ def test_verify_lists_first_few_and_counts_the_rest():
 
 def test_verify_reports_missing_repeated_unknown_and_misshapen():
     items = mixed_tensors()
-    sink = Verifier(metas_of(items))
+    sink = Verifier(metas_of(items), default_algorithm())
     sent = [("w.bf16", items[0][1]), ("w.bf16", items[0][1]), ("ghost", torch.zeros(1)), ("s.scalar", torch.zeros(2))]
     deliver(sink, sent)
     with pytest.raises(VerificationError) as excinfo:
@@ -153,7 +198,7 @@ def test_verify_reports_missing_repeated_unknown_and_misshapen():
 
 def test_verify_needs_checksums_and_starts_each_round_afresh():
     items = mixed_tensors()
-    sink = Verifier(metas_of(items))
+    sink = Verifier(metas_of(items), default_algorithm())
     deliver(sink, items)
     with pytest.raises(VerificationError, match="sent 2 checksums for a manifest of 8 tensors"):
         sink.verdict([0, 0])

@@ -68,8 +68,19 @@ def test_sharded_directory_keeps_shard_names(tmp_path):
         writer.write(m.name, torch.ones(m.shape, dtype=m.dtype))
     writer.commit()
     source = make_source("refit_app.sources.SafetensorsSource", {"path": str(tmp_path)})
-    assert source.manifest_tensors() == metas
+    # Shards in order, each in the file's data order (the writer puts the widest dtype first).
+    assert source.manifest_tensors() == [metas[1], metas[0], metas[2]]
     assert_streams_like_manifest(source)
+    assert source.companion_files() == {}
+
+
+def test_directory_source_sends_its_companion_files(minilm_dir, tmp_path):
+    source = SafetensorsSource(str(minilm_dir))
+    files = source.companion_files()
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt"} <= set(files)
+    assert files["config.json"] == (minilm_dir / "config.json").read_text()
+    assert "README.md" not in files and "modules.json" not in files
+    assert SafetensorsSource(str(minilm_dir / SINGLE_FILE_NAME)).companion_files() == {}
 
 
 def test_make_source_refuses_a_target_it_cannot_build(tmp_path):

@@ -1,0 +1,88 @@
+"""The checksum algorithm over real gloo groups: named in the manifest, refused at the handshake by a consumer that
+cannot compute it, and carried bit for bit in the int64 trailer (a 64-bit hash uses the sign bit)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from mp_utils import RankFailure, run_ranks
+
+from refit_app.checksum import available_algorithms, tensor_checksum
+from refit_app.groups import GroupSpec, connect
+from refit_app.handshake import recv_checksums, send_checksums
+from refit_app.session import ConsumerSession, ProducerSession
+
+TIMEOUT_S = 30.0
+BUFFER = 4096
+WIDE = [0, 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 0x8000_0000_DEAD_BEEF]
+"""Checksums on both sides of every sign boundary of the int64 trailer."""
+
+
+def _spec(rank: int, world_size: int, port: int) -> GroupSpec:
+    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
+
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("w", torch.randn(64, 32, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16))]
+
+
+def _trailer(rank: int, world_size: int, port: int) -> list[int]:
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            send_checksums(rg, WIDE)
+            return WIDE
+        return recv_checksums(rg, len(WIDE))
+
+
+def test_trailer_carries_unsigned_64_bit_checksums_exactly():
+    for received in run_ranks(_trailer, 2, timeout=60):
+        assert received == WIDE
+
+
+def _every_algorithm(rank: int, world_size: int, port: int) -> list:
+    """One session per algorithm this host has, one after another over one group; consumers verify."""
+    out = []
+    with connect(_spec(rank, world_size, port)) as rg:
+        for algorithm in available_algorithms():
+            if rank == 0:
+                with ProducerSession(rg, buffer_size_bytes=BUFFER, checksum_algorithm=algorithm) as session:
+                    r = session.send(_weights())
+                out.append((session.manifest.checksum_algorithm, r.checksums))
+                continue
+            session = ConsumerSession(rg, verify=True)
+            r = session.receive(lambda batch: None)
+            assert session.receive(lambda batch: None) is None
+            out.append((session.manifest.checksum_algorithm, r.verified, r.checksums))
+    return out
+
+
+def test_every_installed_algorithm_verifies_end_to_end():
+    producer, consumer = run_ranks(_every_algorithm, 2, timeout=120)
+    assert [a for a, _ in producer] == available_algorithms()
+    for (algorithm, sent), (named, verified, received) in zip(producer, consumer):
+        assert named == algorithm and verified is True
+        assert sent == received == [tensor_checksum(t, algorithm) for _, t in _weights()]
+
+
+def _consumer_lacks_xxhash(rank: int, world_size: int, port: int) -> None:
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, checksum_algorithm="xxh3_64") as session:
+                session.send(_weights())
+            return
+        sys.modules["xxhash"] = None  # as on a host without the package: importing it raises ImportError
+        session = ConsumerSession(rg, verify=True)
+        session.receive(lambda batch: None)
+
+
+def test_a_consumer_without_the_producers_algorithm_refuses_at_the_handshake():
+    if "xxh3_64" not in available_algorithms():
+        import pytest
+
+        pytest.skip("xxhash is not installed here")
+    outcomes = run_ranks(_consumer_lacks_xxhash, 2, timeout=60, return_exceptions=True)
+    for outcome in outcomes:
+        assert isinstance(outcome, RankFailure), outcome
+        assert "checksums with xxh3_64, which this host cannot compute: pip install xxhash" in outcome.message, outcome
