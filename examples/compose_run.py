@@ -15,11 +15,11 @@ import argparse
 import logging
 import sys
 
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from refit_app import run
 from refit_app.errors import RefitError
-from refit_app.schema import CONF_DIR
+from refit_app.schema import CONF_MODULE
 
 # The experiment: the one-machine refit of the tiny synthetic model, in 1 MiB buffers so that it moves several
 # chunks, with every received tensor checked against the producer's checksums.
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         cfg = compose("config", overrides=[*DEFAULT_OVERRIDES, *args.overrides])
     try:
         metrics = run(cfg, output_dir=args.output_dir)

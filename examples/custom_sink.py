@@ -18,13 +18,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from refit_app import run
 from refit_app.errors import RefitError, SinkError
 from refit_app.manifest import Manifest
 from refit_app.safetensors_io import save_tensors
-from refit_app.schema import CONF_DIR
+from refit_app.schema import CONF_MODULE
 
 
 def make_network(seed: int) -> torch.nn.Module:
@@ -81,7 +81,7 @@ def main() -> int:
         producer = subprocess.Popen([sys.executable, "-m", "refit_app", "role=producer", "source=safetensors",
                                      f"source.path={checkpoint}", "hydra.run.dir=" + tmp, *group])
         try:
-            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
                 cfg = compose("config", overrides=["role=consumer", "sink=custom", "sink._target_=__main__.ModuleSink",
                                                    *group])
             metrics = run(cfg)

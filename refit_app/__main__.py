@@ -11,15 +11,17 @@ from omegaconf import DictConfig  # noqa: E402
 
 from refit_app.app import run  # noqa: E402
 from refit_app.cli import run_with_one_line_errors  # noqa: E402
-from refit_app.schema import CONF_DIR, CONFIG_NAME  # noqa: E402
+from refit_app.schema import CONF_PATH, CONFIG_NAME  # noqa: E402
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=CONFIG_NAME)
-def _main(cfg: DictConfig) -> None:
-    run(cfg)
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name=CONFIG_NAME)
+def _main(cfg: DictConfig) -> float | None:
+    # The run's throughput is the task's value, which a sweeper (hparams_search=buffers_optuna) maximizes.
+    return run(cfg).get("gb_per_s")
 
 
 def main() -> None:
+    """``python -m refit_app`` and the ``refit-app`` console script."""
     run_with_one_line_errors(_main)
 
 

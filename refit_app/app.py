@@ -10,10 +10,10 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from refit_app.config import RunSettings, resolved_yaml, validate
-from refit_app.errors import RefitError, one_line
+from refit_app.config import RunSettings, validate
+from refit_app.errors import Interrupted, RefitError, one_line
 from refit_app.files import write_atomic
 from refit_app.metrics import summary_line, write_metrics
 
@@ -49,14 +49,24 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     """
     settings = _with_job_port(validate(cfg))
     # Imported here, not at the top: roles pulls in torch (seconds on a small machine), which `--help`, `--cfg`
-    # and a refused config never need.
-    from refit_app.roles import run_role
+    # and a refused config never need, and neither does role=local's supervising process: its ranks get torch
+    # from the fork server (refit_app.launch), so it never pays for it itself.
+    if settings.role == "local":
+        from refit_app.local import run_local as run_role
+    else:
+        from refit_app.roles import run_role
+
+    if settings.group.port is None:
+        # role=local's free port, picked here rather than by its launcher so that the saved config names it.
+        from refit_app.launch import free_port
+
+        settings = replace(settings, group=replace(settings.group, port=free_port()))
 
     if output_dir is None and HydraConfig.initialized():
         output_dir = HydraConfig.get().runtime.output_dir
     if output_dir is not None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(output_dir) / RESOLVED_CONFIG_FILE, resolved_yaml(cfg).encode())
+        _write_used_config(output_dir, cfg, settings)
     try:
         metrics = run_role(settings)
     except RefitError as e:
@@ -64,11 +74,31 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
         metrics.update(status="failed", error=str(e))
         _report(metrics, output_dir)
         raise
+    except KeyboardInterrupt as e:
+        # Ctrl-C or SIGTERM: a failed run like any other (role=local's launcher has stopped its ranks by now).
+        reason = str(e) if isinstance(e, Interrupted) else "interrupted by SIGINT"
+        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": reason}, output_dir)
+        raise
     except Exception as e:
         _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": one_line(e, with_type=True)}, output_dir)
         raise
+    if output_dir is not None:
+        _write_used_config(output_dir, cfg, settings, metrics)
     _report(metrics, output_dir)
     return metrics
+
+
+def _write_used_config(output_dir: str | Path, cfg: DictConfig, s: RunSettings,
+                       metrics: dict[str, Any] | None = None) -> None:
+    """config_resolved.yaml: the config as this run used it, so that passing it back repeats the run. Interpolations
+    are resolved, and keys left null are replaced by what the run resolved them to: the port and world size
+    (before the run), the buffer size and packing mode that the producer chose (after it)."""
+    used = OmegaConf.to_container(cfg, resolve=True)
+    used["group"].update(port=s.group.port, world_size=s.group.world_size)
+    for key in ("buffer_size_bytes", "use_legacy_packing"):
+        if metrics is not None and metrics.get(key) is not None:
+            used["refit"][key] = metrics[key]
+    write_atomic(Path(output_dir) / RESOLVED_CONFIG_FILE, OmegaConf.to_yaml(used).encode())
 
 
 def _report(metrics: dict[str, Any], output_dir: str | Path | None) -> None:

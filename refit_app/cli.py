@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -28,7 +29,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from refit_app.errors import RefitError
+from refit_app.errors import Interrupted, RefitError
 
 PROG = "refit_app"
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
@@ -54,6 +55,8 @@ def run_with_one_line_errors(main_fn: Callable[[], Any]) -> None:
     gate = _StderrGate(sys.stderr)
     sys.stderr = gate
     status = 0
+    # SIGTERM (a scheduler, `kill`) ends the run as Ctrl-C does: metrics.json says why, children are stopped.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         main_fn()
     except SystemExit as e:
@@ -61,7 +64,7 @@ def run_with_one_line_errors(main_fn: Callable[[], Any]) -> None:
         if isinstance(e.code, str):
             gate.reported(_ExitMessage(e.code))
     except KeyboardInterrupt as e:
-        status = 130
+        status = e.exit_status if isinstance(e, Interrupted) else 128 + signal.SIGINT
         gate.reported(e)
     except Exception as e:
         # Escaped Hydra's own report (it re-raises under a debugger): still one line.
@@ -69,13 +72,18 @@ def run_with_one_line_errors(main_fn: Callable[[], Any]) -> None:
         gate.reported(e)
     finally:
         sys.stderr = gate.target
+        signal.signal(signal.SIGTERM, previous)
     if status == 0:
         gate.release()
         return
     line = describe_failure(gate.exception, gate.held_text(), sys.argv[1:])
     gate.target.write(f"{PROG}: error: {line}\n")
     gate.target.flush()
-    raise SystemExit(130 if status == 130 else 1)
+    raise SystemExit(status if status > 128 else 1)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
 
 
 class _ExitMessage(Exception):
@@ -140,7 +148,7 @@ def describe_failure(exc: BaseException | None, report: str, argv: Sequence[str]
     if isinstance(exc, (RefitError, _ExitMessage)):
         return _squeeze(str(exc))
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
+        return str(exc) if isinstance(exc, Interrupted) else "interrupted by SIGINT"
     if isinstance(exc, MissingConfigException):
         return _missing_option(exc)
     if isinstance(exc, OverrideParseException):

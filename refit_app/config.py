@@ -29,12 +29,6 @@ from refit_app.settings import (
 )
 from refit_app.sizes import parse_size
 
-
-def resolved_yaml(cfg: DictConfig) -> str:
-    """The config actually used, interpolations resolved, as saved beside metrics.json."""
-    return OmegaConf.to_yaml(cfg, resolve=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,7 +212,8 @@ def _size(c: _Checker, key: str) -> int | None:
 
 def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
     """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
-    values = {key: c.get(f"group.{key}") for key in ("backend", "host", "port", "world_size", "rank", "timeout_s")}
+    values = {key: c.get(f"group.{key}") for key in ("backend", "host", "port", "world_size", "rank", "timeout_s",
+                                                      "interface")}
     if _ABSENT in values.values() or role is _ABSENT:
         # Which ranks are valid depends on the role; its own error already tells the user what to fix.
         return None

@@ -31,6 +31,21 @@ class SinkError(RefitError):
     """The received weights cannot be stored."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal (Ctrl-C, SIGTERM): it fails like any other run, with this reason."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's convention for a process ended by a signal: 128 + its number."""
+        return 128 + self.signum
+
+
 MAX_ERROR_CHARS = 500
 """Longest error line that metrics, summaries and logs show; the rest is elided."""
 

@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,10 @@ from refit_app.errors import ConfigError, PeerError, RefitError, one_line
 from refit_app.settings import PRODUCER_RANK, GroupSpec
 
 logger = logging.getLogger(__name__)
+
+WAITING_NOTICE_INTERVAL_S = 10.0
+"""How often a consumer that cannot reach its producer yet says that it is still waiting, and where: on its
+first failed try, then at this interval, so that a consumer started first is neither silent nor noisy."""
 
 _K_PRODUCER = "refit/rdzv/producer"
 _K_OUTCOME = "refit/rdzv/outcome"
@@ -76,7 +81,22 @@ def start_store(spec: GroupSpec) -> dist.TCPStore:
         raise ConfigError(f"cannot listen on group.port={spec.port}: {one_line(e)}") from e
 
 
-def join_store(spec: GroupSpec, deadline: float) -> dist.TCPStore:
+@dataclass(frozen=True)
+class Route:
+    """How a consumer reaches the producer: the addresses that gloo's connections must use on both ends.
+
+    Gloo binds to the address its host name resolves to unless told otherwise; in containers, VMs and network
+    namespaces that is often 127.0.0.1, and a mesh across hosts cannot form. The store connection already found a
+    working route, so both sides take their gloo addresses from it.
+    """
+
+    local: str
+    """This consumer's address on the route."""
+    producer: str
+    """The producer's address as this consumer reached it."""
+
+
+def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
     # Probe with a plain socket first: a TCPStore client retrying a closed port floods stderr with C++
     # stack traces, and a consumer routinely starts before its producer.
     unreachable = PeerError(
@@ -84,10 +104,13 @@ def join_store(spec: GroupSpec, deadline: float) -> dist.TCPStore:
         "(group.rank=0) or check group.host and group.port"
     )
     poller = Poller()
+    next_notice = time.monotonic()
     while True:
         remaining = deadline - time.monotonic()
         try:
-            with socket.create_connection((spec.host, spec.port), timeout=max(0.05, min(remaining, 2.0))):
+            with socket.create_connection((spec.host, spec.port), timeout=max(0.05, min(remaining, 2.0))) as probe:
+                # The route to the producer: this rank's address on it, and the producer's as seen from here.
+                route = Route(local=probe.getsockname()[0], producer=probe.getpeername()[0])
                 break
         except socket.gaierror as e:
             raise ConfigError(
@@ -95,8 +118,13 @@ def join_store(spec: GroupSpec, deadline: float) -> dist.TCPStore:
                 "or IP address"
             ) from e
         except OSError:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise unreachable from None
+            if now >= next_notice:
+                logger.info("rank %d: waiting for the producer at %s (%.0fs left of group.timeout_s=%g)",
+                            spec.rank, spec.address, deadline - now, spec.timeout_s)
+                next_notice = now + WAITING_NOTICE_INTERVAL_S
             poller.sleep(deadline)
     try:
         store = dist.TCPStore(
@@ -108,10 +136,12 @@ def join_store(spec: GroupSpec, deadline: float) -> dist.TCPStore:
     except dist.DistError as e:
         raise unreachable from e
     store.set_timeout(timedelta(seconds=spec.timeout_s))
-    return store
+    return store, route
 
 
-def producer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> str:
+def producer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> tuple[str, str]:
+    """Wait for every consumer's check-in; returns the backend and this producer's address as the consumers reached
+    it (where its gloo connections must listen)."""
     store.set(_K_PRODUCER, json.dumps({"world_size": spec.world_size, "backend": spec.backend}))
     infos = {PRODUCER_RANK: capabilities(spec.backend)}
     pending = list(range(1, spec.world_size))
@@ -152,7 +182,8 @@ def producer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> str
     current = store.compare_set(_K_OUTCOME, "", ready).decode()
     if current != ready:
         raise outcome_error(json.loads(current))
-    return backend
+    # Where consumers reached this producer; with several routes, the first consumer's (gloo listens on one).
+    return backend, str(infos[PRODUCER_RANK + 1].get("producer_address") or spec.host)
 
 
 def _wait_key(store: dist.Store, key: str, deadline: float, late: RefitError, spec: GroupSpec) -> None:
@@ -166,7 +197,8 @@ def _wait_key(store: dist.Store, key: str, deadline: float, late: RefitError, sp
         ) from e
 
 
-def consumer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> str:
+def consumer_checkin(store: dist.Store, spec: GroupSpec, deadline: float, route: Route) -> tuple[str, str]:
+    """Check in with the producer; returns the backend and this consumer's address on its route to the producer."""
     _wait_key(
         store,
         _K_PRODUCER,
@@ -195,7 +227,7 @@ def consumer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> str
                 f"in 1..{producer_size - 1}"
             ),
         )
-    store.set(_k_checkin(spec.rank), json.dumps(capabilities(spec.backend)))
+    store.set(_k_checkin(spec.rank), json.dumps({**capabilities(spec.backend), "producer_address": route.producer}))
     _wait_key(
         store,
         _K_OUTCOME,
@@ -209,4 +241,4 @@ def consumer_checkin(store: dist.Store, spec: GroupSpec, deadline: float) -> str
     outcome = json.loads(store.get(_K_OUTCOME))
     if not outcome["ok"]:
         raise outcome_error(outcome)
-    return str(outcome["backend"])
+    return str(outcome["backend"]), route.local

@@ -1,28 +1,38 @@
 """The typed schema of ``python -m refit_app``: one dataclass per config group option, registered with Hydra's
 ConfigStore as ``base_*``. Every YAML file under conf/ names its schema first in its defaults list (Hydra's "Config
 Store + YAML" pattern), so a misspelled key or a value of the wrong type is refused while the config is composed.
-The field docstrings are the reference for every key; :mod:`refit_app.config` checks what types cannot express.
+The field docstrings are the reference for every key (``--help`` prints them, through :mod:`refit_app.reference`);
+:mod:`refit_app.config` checks what types cannot express.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, OmegaConf
 
 from refit_app.environment import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.presets import PRESETS, SYNTHETIC_DTYPES
+from refit_app.settings import BACKENDS
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-"""Absolute path of the top-level conf/ directory (the project is installed editable, so it sits beside the
-package)."""
-
+CONF_MODULE = "refit_app.conf"
+"""The package that holds the configs: the top-level conf/ directory, installed under this name (pyproject.toml),
+so that a checkout, an editable install and a wheel read the same files. For ``initialize_config_module``."""
+CONF_PATH = f"pkg://{CONF_MODULE}"
+"""The same, as a ``config_path`` for ``@hydra.main``."""
 CONFIG_NAME = "config"
 
+CHOICES = "choices"
+"""Field metadata: the values a key takes, from their one home; ``--help`` lists them after the key's meaning."""
+
+HELP_RESOLVER = "refit_app.help"
+"""``${refit_app.help:}`` in conf/config.yaml's help template: the reference of every key and option, generated
+from this schema when ``--help`` prints it (:mod:`refit_app.reference`)."""
+
 # ---------------------------------------------------------------------------------------------------------------
-# Schema. Field docstrings are the reference for every key; README lists the same keys.
+# Schema. Field docstrings are the reference for every key: `--help` prints each one on one line.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -39,6 +49,8 @@ class Role:
 
 @dataclass
 class LocalRole(Role):
+    """One producer and role.num_consumers consumers as processes on this machine; ranks and port are picked."""
+
     name: str = "local"
     output_name: str = "local"
     num_consumers: int = 1
@@ -47,12 +59,16 @@ class LocalRole(Role):
 
 @dataclass
 class ProducerRole(Role):
+    """Rank 0, the trainer's side, that consumers on other hosts join at this host's group.host/group.port."""
+
     name: str = "producer"
     output_name: str = "producer"
 
 
 @dataclass
 class ConsumerRole(Role):
+    """An inference worker: joins the producer at group.host/group.port as group.rank."""
+
     name: str = "consumer"
     output_name: str = "consumer${group.rank}"
 
@@ -86,8 +102,8 @@ class Refit:
 class Group:
     """The process group: who talks to whom, over what, with which deadline."""
 
-    backend: str = "auto"
-    """auto (NCCL where every rank has a GPU, gloo otherwise), gloo, nccl or pynccl (needs vLLM)."""
+    backend: str = field(default="auto", metadata={CHOICES: BACKENDS})
+    """The collective backend; auto: NCCL where every rank has a GPU, gloo otherwise; pynccl needs vLLM."""
     host: str = "127.0.0.1"
     """Address of the producer (rank 0) that every rank rendezvouses at."""
     port: Optional[int] = None
@@ -98,6 +114,8 @@ class Group:
     """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local."""
     timeout_s: float = 60.0
     """Deadline in seconds for the rendezvous and for every collective; a lost peer fails the run after it."""
+    interface: Optional[str] = None
+    """Network interface gloo uses (eth0, ...); null: the one on the route to the producer."""
 
 
 @dataclass
@@ -113,20 +131,24 @@ class Source:
 
 @dataclass
 class SyntheticSource(Source):
+    """A model-shaped state dict generated lazily, chunk by chunk."""
+
     _target_: str = "refit_app.sources.SyntheticSource"
     kind: str = "synthetic"
-    preset: str = "tiny"
-    """Model shape: tiny, llama-1b, llama-8b, qwen-0.5b or lora (thousands of small adapter matrices)."""
+    preset: str = field(default="tiny", metadata={CHOICES: tuple(PRESETS)})
+    """Model shape: a decoder-only transformer, or lora (thousands of small adapter matrices)."""
     size: Optional[str] = None
     """Scale the preset to this total size (e.g. 2GiB); null keeps the preset's own size."""
     seed: int = 0
     """Seed of the generated values, so that two runs send identical bytes."""
-    dtype: str = "bfloat16"
-    """Element type of the generated tensors: bfloat16, float16, float32 or float64."""
+    dtype: str = field(default="bfloat16", metadata={CHOICES: SYNTHETIC_DTYPES})
+    """Element type of the generated tensors."""
 
 
 @dataclass
 class SafetensorsSource(Source):
+    """A checkpoint on disk, read tensor by tensor."""
+
     _target_: str = "refit_app.sources.SafetensorsSource"
     kind: str = "safetensors"
     path: str = MISSING
@@ -135,6 +157,8 @@ class SafetensorsSource(Source):
 
 @dataclass
 class ModelSource(Source):
+    """A trainer: a transformers causal LM that takes optimizer steps between rounds."""
+
     _target_: str = "refit_app.hf_model.ModelSource"
     kind: str = "model"
     path: str = MISSING
@@ -166,12 +190,16 @@ class Sink:
 
 @dataclass
 class VerifySink(Sink):
+    """Check every received tensor bit for bit against the producer's checksums."""
+
     _target_: str = "refit_app.sinks.VerifySink"
     kind: str = "verify"
 
 
 @dataclass
 class SaveSink(Sink):
+    """Write a Hugging Face layout checkpoint."""
+
     _target_: str = "refit_app.sinks.SaveSink"
     kind: str = "save"
     path: str = MISSING
@@ -180,6 +208,8 @@ class SaveSink(Sink):
 
 @dataclass
 class ModelSink(Sink):
+    """An inference model built from the producer's config.json, loaded in place as tensors arrive."""
+
     _target_: str = "refit_app.hf_model.ModelSink"
     kind: str = "model"
     probe_tokens: int = 16
@@ -193,6 +223,8 @@ class ModelSink(Sink):
 
 @dataclass
 class DiscardSink(Sink):
+    """Keep nothing: a pure transfer benchmark."""
+
     _target_: str = "refit_app.sinks.DiscardSink"
     kind: str = "discard"
 
@@ -227,6 +259,15 @@ def register_schemas() -> None:
     for group, options in GROUP_SCHEMAS.items():
         for option, schema in options.items():
             store.store(group=group, name=f"base_{option}", node=schema)
+    if not OmegaConf.has_resolver(HELP_RESOLVER):
+        OmegaConf.register_new_resolver(HELP_RESOLVER, _help_reference)
+
+
+def _help_reference() -> str:
+    # Imported on use: only `--help` reads the template, and the reference parses this module's source.
+    from refit_app.reference import help_reference
+
+    return help_reference()
 
 
 register_schemas()

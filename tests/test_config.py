@@ -7,16 +7,17 @@ import os
 import subprocess
 import sys
 import textwrap
+from importlib import resources
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from refit_app.config import RunSettings, resolved_yaml, validate
+from refit_app.config import RunSettings, validate
 from refit_app.errors import ConfigError
-from refit_app.schema import CONF_DIR, CONFIG_NAME
+from refit_app.schema import CONF_MODULE, CONFIG_NAME
 from refit_app.settings import DEFAULT_PORT, GroupSpec, SinkSpec, SourceSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ def _no_env_num_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         return compose(config_name=CONFIG_NAME, overrides=overrides)
 
 
@@ -50,10 +51,10 @@ def refused(*overrides: str) -> str:
 # --- every group option composes to the documented values and types ------------------------------------------
 
 
-def test_conf_dir_is_the_top_level_conf() -> None:
-    assert Path(CONF_DIR).is_absolute()
-    assert Path(CONF_DIR) == REPO_ROOT / "conf"
-    assert (Path(CONF_DIR) / "config.yaml").is_file()
+def test_the_config_package_is_the_top_level_conf() -> None:
+    # pyproject.toml maps the package refit_app.conf to conf/: an editable install reads the checkout's files.
+    assert Path(str(resources.files(CONF_MODULE))) == REPO_ROOT / "conf"
+    assert resources.files(CONF_MODULE).joinpath(f"{CONFIG_NAME}.yaml").is_file()
 
 
 def test_defaults_are_a_local_synthetic_verified_refit() -> None:
@@ -145,7 +146,7 @@ def test_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "3")
     cfg = compose_config([])
     assert settings().refit.num_buffers == 3
-    assert "num_buffers: 3\n" in resolved_yaml(cfg)
+    assert OmegaConf.to_container(cfg, resolve=True)["refit"]["num_buffers"] == 3
     # An explicit value wins over the environment.
     assert settings("refit.num_buffers=5").refit.num_buffers == 5
 
@@ -179,7 +180,7 @@ def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
      (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2")],
 )
 def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> None:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
         run_dir, sweep_dir = cfg.hydra.run.dir, cfg.hydra.sweep.dir
     assert run_dir.startswith("outputs/") and run_dir.endswith(suffix)
@@ -271,11 +272,11 @@ APP = textwrap.dedent(
 
     from refit_app.cli import run_with_one_line_errors
     from refit_app.config import validate
-    from refit_app.schema import CONF_DIR
+    from refit_app.schema import CONF_PATH
     from refit_app.errors import SinkError
 
 
-    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+    @hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
     def main(cfg):
         settings = validate(cfg)
         warnings.warn(f"validated num_buffers={settings.refit.num_buffers}")

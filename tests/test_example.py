@@ -7,18 +7,21 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from refit_app import run
+from refit_app.app import RESOLVED_CONFIG_FILE
+from refit_app.config import validate
 from refit_app.errors import ConfigError
-from refit_app.schema import CONF_DIR
+from refit_app.schema import CONF_MODULE
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compose_run.py"
 MiB = 2**20
 
 
 def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         return compose("config", overrides=overrides)
 
 
@@ -34,6 +37,20 @@ def test_run_composed_config_in_process(tmp_path, monkeypatch):
     assert consumer["verified"] is True and consumer["num_chunks"] == metrics["num_chunks"]
     # Outside @hydra.main and without output_dir, a run leaves nothing behind in the working directory.
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_saved_config_is_the_one_the_run_used(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config(["sink=discard"])
+    metrics = run(cfg, output_dir="out")
+    saved = OmegaConf.load(tmp_path / "out" / RESOLVED_CONFIG_FILE)
+    # What the run resolved where the config said null: the library's buffer size, role=local's port and size.
+    assert saved.refit.buffer_size_bytes == metrics["buffer_size_bytes"] > 0
+    assert isinstance(saved.group.port, int) and saved.group.world_size == metrics["world_size"] == 2
+    assert saved.refit.num_buffers == metrics["num_buffers"]  # the environment default, resolved
+    # Given back, it is the same run's config, and a valid one.
+    again = validate(OmegaConf.merge(cfg, saved))
+    assert (again.refit.buffer_size_bytes, again.group.port) == (metrics["buffer_size_bytes"], saved.group.port)
 
 
 def test_run_refuses_a_bad_composed_config():

@@ -1,0 +1,87 @@
+"""Ctrl-C and SIGTERM end a run like any other failure: one stderr line, metrics.json with status "failed" and the
+reason, an exit status of 128 + the signal, and no rank left running (nor one that could still publish)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+STARTUP_S = 180.0
+"""A hang limit for the run to reach its second round on a loaded machine; never a deadline under test."""
+EXIT_S = 30.0
+"""From the signal to the exit: the launcher stops its ranks at once (SIGKILL), then writes metrics.json."""
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc (children of children included)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for k in kids:
+                if k not in found:
+                    found.add(k)
+                    todo.append(k)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().split()[2]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(p)
+    return alive
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_ends_the_run_with_metrics_and_no_rank_left(tmp_path: Path, sig: signal.Signals, status: int):
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "refit_app", "refit.rounds=1000000", "source.size=16MiB",
+             "refit.buffer_size_bytes=4MiB", f"group.timeout_s={STARTUP_S:g}", f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=tmp_path, stdout=o, stderr=e, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not re.search(r"round 3/1000000", out.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:] + err.read_text()
+            time.sleep(0.05)
+        ranks = _descendants(proc.pid)
+        assert ranks, "role=local should have rank processes"
+        os.kill(proc.pid, sig)  # the launcher only, as a scheduler or `kill` does
+        sent = time.monotonic()
+        code = proc.wait(EXIT_S)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert code == status, err.read_text()
+    assert took <= EXIT_S
+    lines = [line for line in err.read_text().splitlines() if line.strip() and not line.startswith("[")]
+    assert lines == [f"refit_app: error: interrupted by {sig.name}"], err.read_text()
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (metrics["status"], metrics["error"]) == ("failed", f"interrupted by {sig.name}")
+    # Ranks die with their launcher; give the kernel a moment to reap what it killed.
+    deadline = time.monotonic() + 10
+    while _alive(ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(ranks), f"left running: {_alive(ranks)}"
