@@ -218,10 +218,38 @@ def _make_pynccl_group(store: dist.Store, spec: GroupSpec, control: Control) -> 
     return PyNcclBroadcastGroup(comm, device, control)
 
 
-def make_group(backend: str, store: dist.Store, spec: GroupSpec, control: Control) -> BackendGroup:
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def gloo_device(spec: GroupSpec, address: str | None) -> Any:
+    """The network device this rank's gloo connections use, or None for torch's default.
+
+    ``group.interface`` (a NIC name) wins, then the user's ``GLOO_SOCKET_IFNAME``; otherwise the address on the route
+    the rendezvous found (``address``), since gloo's default, the address the host name resolves to, is often
+    127.0.0.1 in containers, VMs and network namespaces, where a mesh across hosts then cannot form.
+    """
+    if spec.interface:
+        return dist.ProcessGroupGloo.create_device(interface=spec.interface)
+    if os.environ.get(GLOO_IFNAME_ENV) or not address:
+        return None
+    return dist.ProcessGroupGloo.create_device(hostname=address)
+
+
+def make_group(
+    backend: str, store: dist.Store, spec: GroupSpec, control: Control, *, address: str | None = None
+) -> BackendGroup:
+    """This rank's broadcast group; ``address``: this rank's address on the route between producer and consumers."""
     timeout = timedelta(seconds=spec.timeout_s)
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("refit/gloo", store), spec.rank, spec.world_size, timeout)
+        prefixed = dist.PrefixStore("refit/gloo", store)
+        device = gloo_device(spec, address)
+        if device is None:
+            pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [device]
+            options._timeout = timeout
+            pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
         return TorchBroadcastGroup(pg, torch.device("cpu"), control)
     if backend == "nccl":
         # Without blocking wait an NCCL work's wait() only orders streams, and a dead peer is caught by torch's

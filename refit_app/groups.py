@@ -120,19 +120,25 @@ def connect(spec: GroupSpec) -> RefitGroup:
     check_backend_here(spec.backend)
     deadline = time.monotonic() + spec.timeout_s
     producer = spec.rank == PRODUCER_RANK
-    store = start_store(spec) if producer else join_store(spec, deadline)
+    if producer:
+        store, route = start_store(spec), None
+    else:
+        store, route = join_store(spec, deadline)
     # The producer's own client talks to a server thread in its own process, which cannot stall apart from it.
     control_store = store if producer else DeadlineStore(store, spec.timeout_s)
     control = Control(control_store, spec.rank, spec.world_size, spec.timeout_s, spec.address)
     try:
         try:
-            backend = (producer_checkin if producer else consumer_checkin)(store, spec, deadline)
+            if producer:
+                backend, address = producer_checkin(store, spec, deadline)
+            else:
+                backend, address = consumer_checkin(store, spec, deadline, route)
         except dist.DistError as e:
             raise PeerError(
                 f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died"
             ) from e
         try:
-            group = make_group(backend, store, spec, control)
+            group = make_group(backend, store, spec, control, address=address)
         except RuntimeError as e:
             message = f"could not set up the {backend} group at {spec.address}: {one_line(e)}"
             control.publish_error(spec.rank, message)

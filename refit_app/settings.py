@@ -63,6 +63,8 @@ class GroupSpec:
     rank: int = PRODUCER_RANK
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Deadline for the rendezvous, for each collective and for each phase gather."""
+    interface: str | None = None
+    """The network interface (NIC name) gloo uses; None: the one on the route the rendezvous found."""
 
     def __post_init__(self) -> None:
         p = Problems()
@@ -77,6 +79,8 @@ class GroupSpec:
                    "must be an integer >= 2 (the producer and at least one consumer)")
         elif not (is_int(self.rank) and 0 <= self.rank < self.world_size):
             p.fail("group.rank", self.rank, f"must be in 0..{self.world_size - 1} (0 is the producer)")
+        if self.interface is not None and not (isinstance(self.interface, str) and self.interface.strip()):
+            p.fail("group.interface", self.interface, "must be a network interface name such as eth0, or null")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             p.fail("group.timeout_s", self.timeout_s, "must be a number of seconds > 0")
         p.raise_any()

@@ -1,0 +1,187 @@
+"""Across hosts for real: the producer and its consumers in separate network namespaces (``scripts/netns_hosts.sh``)
+joined by a bridge, with rate-limited links, a partition and an unreachable host. Each host's name resolves to
+127.0.0.1 inside its namespace, as in many containers and VMs; the README's across-hosts recipe must work as
+written. Needs root (CI runs as root); skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.netns
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "netns_hosts.sh"
+STARTUP_S = 180.0
+"""Covers interpreter and torch start-up of every rank on a loaded 2-core machine (they start ungated here); no
+deadline under test includes it."""
+FAIL_TIMEOUT_S = 10.0
+"""group.timeout_s where a failure is under test."""
+EXIT_BUDGET_S = FAIL_TIMEOUT_S + 30.0
+"""The issue's promise: survivors exit within group.timeout_s + 30 s of the partition."""
+PORT = 29611
+
+
+def _sh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def hosts(request) -> Iterator:
+    """``hosts(n, rate)`` creates n namespace hosts (10.77.0.1..n) and returns their names; all go at the end."""
+    prefix = f"rt{os.getpid() % 10000}x"
+    made = []
+
+    def make(n: int, rate: str = "none") -> list[str]:
+        result = _sh("up", str(n), rate, prefix)
+        if result.returncode == 77:
+            pytest.skip(result.stderr.strip())
+        assert result.returncode == 0, result.stderr
+        made.append(prefix)
+        return [f"{prefix}{k}" for k in range(1, n + 1)]
+
+    yield make
+    for p in made:
+        _sh("down", p)
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in leftover, leftover
+
+
+class Rank:
+    """``python -m refit_app`` in one namespace host, its output in files (a full pipe would stall it)."""
+
+    def __init__(self, ns: str, cwd: Path, name: str, *overrides: str) -> None:
+        self.name = name
+        self.out = cwd / f"{name}.out"
+        self.err = cwd / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "refit_app", *overrides,
+                 f"hydra.run.dir={cwd / name}"],
+                cwd=cwd, stdout=out, stderr=err, start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+    def wait_for(self, pattern: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, self.text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} never printed {pattern!r}:\n{self.text()[-3000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.name} still running after {timeout_s:g}s:\n{self.text()[-3000:]}") from None
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.err.read_text().splitlines() if line.startswith("refit_app: error:")]
+
+    def metrics(self) -> dict:
+        return json.loads((self.out.parent / self.name / "metrics.json").read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+
+
+def _group(world_size: int, timeout_s: float, rank: int | None = None) -> list[str]:
+    rank_args = [] if rank is None else [f"group.rank={rank}"]
+    return [f"group.port={PORT}", f"group.world_size={world_size}", f"group.timeout_s={timeout_s:g}", *rank_args]
+
+
+@pytest.mark.parametrize("consumers", [1, 2, 3])
+def test_verified_refit_across_hosts(hosts, tmp_path: Path, consumers: int) -> None:
+    names = hosts(consumers + 1, "2gbit")
+    world = consumers + 1
+    model = ["source.preset=llama-1b", "source.size=192MiB", "refit.buffer_size_bytes=16MiB"]
+    ranks = [Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *model,
+                  *_group(world, STARTUP_S))]
+    ranks += [Rank(names[k], tmp_path, f"consumer{k}", "role=consumer", "group.host=10.77.0.1", "sink=verify",
+                   *_group(world, STARTUP_S, k)) for k in range(1, world)]
+    try:
+        codes = [r.wait(STARTUP_S * 2) for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    for r, code in zip(ranks, codes):
+        assert code == 0, f"{r.name}:\n{r.text()[-3000:]}"
+    for r in ranks[1:]:
+        assert r.metrics()["verified"] is True
+    assert ranks[0].metrics()["bytes"] > 190 * 2**20
+
+
+def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tmp_path: Path) -> None:
+    names = hosts(2, "1gbit")
+    run = ["refit.rounds=1000", "source.size=32MiB", "refit.buffer_size_bytes=4MiB"]
+    producer = Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run,
+                    *_group(2, FAIL_TIMEOUT_S))
+    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
+                    *_group(2, FAIL_TIMEOUT_S, 1))
+    try:
+        # Both sides are past their start-up once the second round is done: cut the consumer's link then.
+        producer.wait_for(r"round 2/1000", STARTUP_S)
+        assert _sh("link", names[1], "down").returncode == 0
+        cut = time.monotonic()
+        codes = {r.name: r.wait(EXIT_BUDGET_S + 10) for r in (producer, consumer)}
+        took = time.monotonic() - cut
+    finally:
+        producer.kill()
+        consumer.kill()
+    assert codes == {"producer": 1, "consumer1": 1}, producer.text()[-2000:] + consumer.text()[-2000:]
+    assert took <= EXIT_BUDGET_S, f"{took:.1f}s after the partition; budget {EXIT_BUDGET_S:g}s"
+    for r in (producer, consumer):
+        lines = r.error_lines()
+        assert len(lines) == 1, r.text()[-3000:]
+        assert re.search(r"round \d+|lost|no progress|did not report", lines[0]), lines
+    assert producer.metrics()["status"] == "failed"
+
+
+def test_a_link_that_comes_back_within_the_deadline_does_not_fail_the_run(hosts, tmp_path: Path) -> None:
+    names = hosts(2, "1gbit")
+    run = ["refit.rounds=20", "source.size=32MiB", "refit.buffer_size_bytes=4MiB"]
+    producer = Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run,
+                    *_group(2, STARTUP_S))
+    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
+                    *_group(2, STARTUP_S, 1))
+    try:
+        producer.wait_for(r"round 2/20", STARTUP_S)
+        assert _sh("link", names[1], "down").returncode == 0
+        # The outage itself is the event under test: 3 s, far inside the 180 s deadline.
+        timer = threading.Timer(3.0, _sh, ("link", names[1], "up"))
+        timer.start()
+        codes = [r.wait(STARTUP_S) for r in (producer, consumer)]
+        timer.join()
+    finally:
+        producer.kill()
+        consumer.kill()
+    assert codes == [0, 0], producer.text()[-2000:] + consumer.text()[-2000:]
+    assert consumer.metrics()["rounds_done"] == 20 and consumer.metrics()["verified"] is True
+
+
+def test_a_consumer_that_cannot_reach_the_producer_says_so(hosts, tmp_path: Path) -> None:
+    names = hosts(2)
+    assert _sh("link", names[1], "down").returncode == 0
+    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
+                    *_group(2, FAIL_TIMEOUT_S, 1))
+    try:
+        assert consumer.wait(STARTUP_S + EXIT_BUDGET_S) == 1
+    finally:
+        consumer.kill()
+    assert consumer.error_lines() == [
+        f"refit_app: error: could not reach the producer at 10.77.0.1:{PORT} within {FAIL_TIMEOUT_S:g}s; start "
+        "the producer (group.rank=0) or check group.host and group.port"
+    ], consumer.text()[-2000:]
