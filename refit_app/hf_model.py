@@ -38,7 +38,7 @@ from refit_app.probe import (
     logit_tolerance,
     probe_token_ids,
 )
-from refit_app.safetensors_io import Checkpoint
+from refit_app.safetensors_io import Checkpoint, read_companion_files
 from refit_app.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -86,13 +86,28 @@ def _as_dtype(value: torch.dtype | str | None, error: type[RefitError]) -> torch
     return dtype
 
 
-def _main_dtype(metas: list[TensorMeta]) -> torch.dtype | None:
+def main_dtype(metas: list[TensorMeta]) -> torch.dtype | None:
     """The floating-point dtype holding the most bytes: the dtype a model is built in."""
     by_dtype: dict[torch.dtype, int] = {}
     for m in metas:
         if m.dtype.is_floating_point:
             by_dtype[m.dtype] = by_dtype.get(m.dtype, 0) + m.nbytes
     return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
+
+def model_spec(manifest: Manifest, config_json: str | None, *, hint: str) -> tuple[dict, torch.dtype, tuple]:
+    """What an engine builds for a manifest: the model config (``config_json``, else the ``config.json`` the
+    producer sent), the dtype it computes in, and a key that changes exactly when a rebuild is needed."""
+    if config_json is None:
+        config_json = manifest.files.get(CONFIG_FILE_NAME)
+        if config_json is None:
+            raise SinkError(f"the producer sent no {CONFIG_FILE_NAME} to build the model from ({manifest.source}); {hint}")
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as e:
+        raise SinkError(f"the model config is not valid JSON: {e}") from e
+    dtype = main_dtype(list(manifest.tensors)) or torch.float32
+    return config, dtype, (json.dumps(config, sort_keys=True), dtype)
+
 
 
 def _build_model(config_dict: dict, dtype: torch.dtype | None, device: torch.device, error: type[RefitError]):
@@ -188,7 +203,7 @@ def _vocab_rows(model: torch.nn.Module) -> int:
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    return _main_dtype([TensorMeta(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]) or torch.float32
+    return main_dtype([TensorMeta(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]) or torch.float32
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +247,7 @@ class ModelSource:
             raise SourceError(f"{config_path} is not valid JSON: {e}") from e
         checkpoint = Checkpoint(self.path)
         ckpt_metas = checkpoint.metas()
-        self.dtype = _as_dtype(dtype, SourceError) or _main_dtype(ckpt_metas) or torch.float32
+        self.dtype = _as_dtype(dtype, SourceError) or main_dtype(ckpt_metas) or torch.float32
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.train_steps, self.batch_tokens, self.lr, self.seed = train_steps, batch_tokens, lr, seed
 
@@ -245,6 +260,7 @@ class ModelSource:
             for name, t in checkpoint.iter_tensors():
                 self._weights.tensor(name).copy_(t)
         self._metadata = checkpoint.metadata()
+        self._files = read_companion_files(self.path)
         shards = {m.name: m.shard for m in ckpt_metas}
         self._metas = []
         for name in self._weights.names:
@@ -276,6 +292,11 @@ class ModelSource:
     def model_config(self) -> str:
         """The checkpoint's config.json text, verbatim: all a consumer needs to build the same model."""
         return self._config_text
+
+    def companion_files(self) -> dict[str, str | bytes]:
+        """config.json (as :meth:`model_config` gives it) and the directory's tokenizer files, for a consumer
+        that saves the model (``sink=save``)."""
+        return {**self._files, CONFIG_FILE_NAME: self._config_text}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The live weights (detached views): read them before the next ``advance``, never write them."""
@@ -370,20 +391,8 @@ class ModelSink:
 
     def begin(self, manifest: Manifest, config_json: str | None = None) -> None:
         """Build (or keep) the model for ``config_json``, by default the ``config.json`` the manifest carries."""
-        if config_json is None:
-            config_json = manifest.files.get(CONFIG_FILE_NAME)
-            if config_json is None:
-                raise SinkError(
-                    f"the producer sent no {CONFIG_FILE_NAME} to build the model from ({manifest.source}); "
-                    "use source=model"
-                )
-        try:
-            config_dict = json.loads(config_json)
-        except json.JSONDecodeError as e:
-            raise SinkError(f"the producer's model config is not valid JSON: {e}") from e
+        config_dict, dtype, key = model_spec(manifest, config_json, hint="use source=model")
         metas = list(manifest.tensors)
-        dtype = _main_dtype(metas) or torch.float32
-        key = (json.dumps(config_dict, sort_keys=True), dtype)
         if self._built_for != key:
             self.model = None  # free the old model before building the new one
             self.model = _build_model(config_dict, dtype, self.device, SinkError)

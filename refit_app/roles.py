@@ -112,9 +112,11 @@ def _run_metrics(
     )
 
 
-def _companion_files(source: Source) -> dict[str, str]:
-    config = getattr(source, "model_config", None)
-    return {} if config is None else {"config.json": config()}
+def _companion_files(source: Source) -> dict[str, str | bytes]:
+    """The small files that belong with the weights (a model's config.json, tokenizer files), sent with the
+    manifest; read once per run."""
+    files = getattr(source, "companion_files", None)
+    return {} if files is None else files()
 
 
 def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
@@ -131,6 +133,7 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                                   use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk)
         progress.session = session
         extra_for = _probe_encoder(probe, session.probe_tokens, source)
+        files = _companion_files(source)
         for k in range(1, s.refit.rounds + 1):
             facts = advance(k) if advance is not None and k > 1 else {}
             metas = source.manifest_tensors()
@@ -138,7 +141,7 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             with PeakMemory() as memory:
                 try:
                     r = session.send(source.tensors(), metas=metas, metadata=source.metadata(),
-                                     files=_companion_files(source), source=source.describe(), extra=extra)
+                                     files=files, source=source.describe(), extra=extra)
                 finally:
                     progress.stop()
             r.facts.update(facts)

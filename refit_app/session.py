@@ -33,10 +33,16 @@ from typing import Any
 
 import torch
 
-from refit_app.checksum import tensor_checksum
+from refit_app.checksum import checksum_function, default_algorithm, host_bytes
 from refit_app.errors import HandshakeError, PeerError, RefitError, SourceError
 from refit_app.groups import RefitGroup
-from refit_app.handshake import accept_manifest, finish, recv_checksums, send_checksums, send_manifest
+from refit_app.handshake import (
+    accept_manifest,
+    finish,
+    recv_checksums,
+    send_checksums,
+    send_manifest,
+)
 from refit_app.manifest import Manifest, TensorMeta, tensor_list_changes
 from refit_app.packed_tensor import (
     ChunkCallback,
@@ -135,10 +141,15 @@ class _Session:
         self._plan = PackedPlan()
         """The chunk plan of the manifest in force: the first round records it, later rounds follow it (one fused
         copy per chunk on the producer, precomputed views on the consumer)."""
+        self._broadcasts = 0
+        """Chunks of the manifest in force that go over the wire."""
 
     def _new_plan(self) -> None:
+        """A fresh manifest is in force: plan it anew."""
         self._plan.release()
         self._plan = PackedPlan()
+        assert self.manifest is not None
+        self._broadcasts = count_broadcasts(self.manifest)
 
     def _broadcast_header(self, header: torch.Tensor) -> None:
         self.group.group.broadcast(header, PRODUCER_RANK)
@@ -191,6 +202,8 @@ class ProducerSession(_Session):
             :func:`~refit_app.packed_tensor.packed_broadcast_producer`; the buffer size and packing mode travel in
             the manifest, so consumers that leave theirs unset adopt them.
         on_chunk: called with (bytes, tensors) as each chunk is handed to the group (progress, metrics).
+        checksum_algorithm: how to checksum for verifying consumers (:mod:`refit_app.checksum`); None picks the
+            fastest installed. It travels in the manifest; a consumer that cannot compute it refuses at the handshake.
 
     Construct it on every rank at the same point: the consumers' needs are exchanged here.
     """
@@ -203,8 +216,11 @@ class ProducerSession(_Session):
         num_buffers: int | None = None,
         use_legacy_packing: bool = False,
         on_chunk: ChunkCallback | None = None,
+        checksum_algorithm: str | None = None,
     ) -> None:
         super().__init__(group)
+        self.checksum_algorithm = checksum_algorithm or default_algorithm()
+        self._checksum = checksum_function(self.checksum_algorithm)
         if group.rank != PRODUCER_RANK:
             raise ValueError(f"a ProducerSession runs on rank {PRODUCER_RANK}, this is rank {group.rank}")
         self.buffer_size_bytes = get_target_packed_tensor_size() if buffer_size_bytes is None else buffer_size_bytes
@@ -220,7 +236,7 @@ class ProducerSession(_Session):
         *,
         metas: list[TensorMeta] | None = None,
         metadata: dict[str, str] | None = None,
-        files: dict[str, str] | None = None,
+        files: dict[str, str | bytes] | None = None,
         source: str = "",
         extra: bytes = b"",
     ) -> Round:
@@ -246,11 +262,12 @@ class ProducerSession(_Session):
                 self.buffer_size_bytes,
                 self.use_legacy_packing,
                 checksums=self.checksums_needed,
+                checksum_algorithm=self.checksum_algorithm,
                 metadata=dict(metadata or {}),
                 source=source,
                 files=dict(files or {}),
             )
-            fresh = self.manifest is None or manifest.to_bytes() != self.manifest.to_bytes()
+            fresh = self.manifest != manifest  # field by field: no re-encoding of the model every round
             flags = _MANIFEST if fresh else 0
             self._broadcast_header(torch.tensor([ROUND_MAGIC, k, flags, len(extra)], dtype=torch.int64,
                                                 device=self.device))
@@ -269,22 +286,26 @@ class ProducerSession(_Session):
             def post(item: tuple[str, torch.Tensor]) -> torch.Tensor:
                 if manifest.checksums:
                     # Checksummed here, from the exact tensor that is packed: no second pass over the model.
-                    checksums.append(tensor_checksum(item[1]))
+                    checksums.append(self._checksum(host_bytes(item[1])))
                 return item[1]
 
-            result.num_broadcasts = count_broadcasts(manifest)
+            result.num_broadcasts = self._broadcasts
+            # Once the plan is recorded it checks every tensor against it itself; the first round checks here.
+            tensors = named_tensors if self._plan.ready else _checked(named_tensors, manifest.tensors)
             started = time.perf_counter()
-            packed_broadcast_producer(
-                _checked(named_tensors, manifest.tensors),
-                self.group.group,
-                PRODUCER_RANK,
-                post,
-                buffer_size_bytes=manifest.buffer_size_bytes,
-                num_buffers=self.num_buffers,
-                use_legacy_packing=manifest.use_legacy_packing,
-                on_chunk=_Counter(result, self.on_chunk),
-                plan=self._plan,
-            )
+            # Parameters require grad; packing only reads their values, which must not join an autograd graph.
+            with torch.no_grad():
+                packed_broadcast_producer(
+                    tensors,
+                    self.group.group,
+                    PRODUCER_RANK,
+                    post,
+                    buffer_size_bytes=manifest.buffer_size_bytes,
+                    num_buffers=self.num_buffers,
+                    use_legacy_packing=manifest.use_legacy_packing,
+                    on_chunk=_Counter(result, self.on_chunk),
+                    plan=self._plan,
+                )
             if manifest.checksums:
                 send_checksums(self.group, checksums)
                 result.checksums = checksums
@@ -297,14 +318,17 @@ class ProducerSession(_Session):
         self.rounds += 1
         return result
 
-    def close(self) -> None:
-        """Tell every consumer that the session is over (their :meth:`~ConsumerSession.receive` returns None)."""
+    def close(self, *, notify: bool = True) -> None:
+        """Tell every consumer that the session is over (their :meth:`~ConsumerSession.receive` returns None), and
+        free the send buffers. ``notify=False`` skips the end-of-session header, for consumers that only receive
+        when asked to (a vLLM worker inside ``update_weights``): closing the group ends their session instead."""
         if self.closed:
             return
         self.closed = True
         self._plan.release()
-        self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, _END, 0], dtype=torch.int64,
-                                            device=self.device))
+        if notify:
+            self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, _END, 0], dtype=torch.int64,
+                                                device=self.device))
 
 
 def _checked(named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> Iterator:
@@ -318,8 +342,7 @@ def _checked(named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[Tens
                 "list, to have it taken from the tensors)"
             )
         count += 1
-        # Parameters require grad; packing only reads their values, which must not join an autograd graph.
-        yield name, t.detach()
+        yield name, t
     if count != len(metas):
         raise SourceError(f"{count} tensors were sent, but the tensor list has {len(metas)}")
 
@@ -413,7 +436,7 @@ class ConsumerSession(_Session):
             self._fail(k, e)
         manifest = self.manifest
         assert manifest is not None
-        result.num_broadcasts = count_broadcasts(manifest)
+        result.num_broadcasts = self._broadcasts
         started = time.perf_counter()
         try:
             stream = packed_broadcast_consumer(
@@ -455,6 +478,8 @@ class ConsumerSession(_Session):
         def prepare(manifest: Manifest) -> None:
             if self.verify and not manifest.checksums:
                 raise HandshakeError("this consumer verifies, but the producer's manifest says it sends no checksums")
+            if self.verify:
+                checksum_function(manifest.checksum_algorithm)  # refuses, naming it, when this host lacks it
             if previous is not None:
                 changes = tensor_list_changes(previous.tensors, manifest.tensors)
                 logger.info("rank %d: round %d brings a fresh manifest (%s)", self.group.rank, self.rounds + 1,
@@ -472,7 +497,7 @@ class ConsumerSession(_Session):
             use_legacy_packing=self.use_legacy_packing,
             prepare=prepare,
         )
-        self._verifier = Verifier(self.manifest.tensors) if self.verify else None
+        self._verifier = Verifier(self.manifest.tensors, self.manifest.checksum_algorithm) if self.verify else None
         self._new_plan()
 
     def _iterate(

@@ -20,9 +20,13 @@ COVER_STARTUP = "group.timeout_s=180"
 """role=local starts its ranks ungated; on a loaded machine their start-ups can differ by tens of seconds, inside
 the rendezvous deadline. No test here is about that deadline."""
 MiB = 2**20
-FLAT_MEMORY_SLACK = 4 * MiB
-"""How much more resident memory the 50th round may peak at than the 2nd: page-cache and allocator noise. A buffer
-leaked per round (16 MiB here) or a growing per-round list would exceed it within a few rounds."""
+BUFFER = 16 * MiB
+NOISE = 4 * MiB
+"""Allocator and page-cache noise between two rounds' peaks."""
+SPARES = 2 * BUFFER
+"""What the buffer-lifetime rule may add once: a receive buffer still referenced when its slot is refilled (a loop
+variable holding the previous batch, at an unlucky moment on a loaded machine) makes the slot take a spare, and at
+most num_buffers (2) spares are kept. Bounded, not growing: a buffer leaked per round would add 16 MiB x 48."""
 
 
 def _metrics(root: Path) -> dict:
@@ -68,7 +72,7 @@ def test_save_writes_the_last_rounds_weights(cli, tmp_path: Path) -> None:
     source.advance(3)
     expected = dict(source.tensors())
     saved = dict(Checkpoint(out).iter_tensors())
-    assert list(saved) == list(expected)
+    assert sorted(saved) == sorted(expected)  # the file is laid out as the reference writer does, not in send order
     first = dict(SyntheticSource("tiny", None, 0, "bfloat16").tensors())
     changed = 0
     for name, t in expected.items():
@@ -83,5 +87,7 @@ def test_memory_is_flat_over_50_rounds(cli) -> None:
     m = _metrics(cli.cwd)
     for side in (m, m["consumers"][0]):
         peaks = [r["peak_rss_bytes"] for r in side["rounds"]]
+        shown = (side["role"], [p // MiB for p in peaks])
         assert len(peaks) == 50
-        assert max(peaks[1:]) - peaks[1] <= FLAT_MEMORY_SLACK, (side["role"], [p // MiB for p in peaks])
+        # Bounded: never more than the spares above the second round (the first faults the buffers in).
+        assert max(peaks[1:]) - peaks[1] <= SPARES + NOISE, shown

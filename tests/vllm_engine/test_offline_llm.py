@@ -1,0 +1,86 @@
+"""vLLM's offline ``LLM`` in this process as the consumer, a spawned trainer process as the producer.
+
+The trainer takes an optimizer step and refits the engine through the ``refit_app`` backend, three rounds, with
+16 KiB buffers (a layer spans several chunks, so buffers are reused while vLLM's layerwise reload holds a layer's
+earlier tensors); after every round vLLM's greedy
+tokens must equal transformers' greedy tokens on the trainer's updated weights. Round 2 is driven through
+``llm.collective_rpc``, the others through ``LLM``'s RL methods.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+from mp_utils import free_port
+
+ROUNDS = 3
+TEST_DEADLINE_S = 600.0
+"""Whole-test deadline: engine start (~25 s here), the trainer's start-up and three rounds, on a loaded 2-core box."""
+
+
+def _start_llm(model_dir: Path) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        weight_transfer_config={"backend": "refit_app"},
+    )
+
+
+def _stop_llm(llm: Any) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Path) -> None:
+    from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, serve, trainer_main, vllm_greedy
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    llm = _start_llm(tiny_llama_dir)
+    trainer = None
+    try:
+        before = vllm_greedy(llm)
+        assert before == hf_greedy(load_trainer_model(tiny_llama_dir)), (
+            "vLLM disagrees with transformers before any refit"
+        )
+
+        settings = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES,
+            "num_buffers": 2,
+            "group_backend": "gloo",
+            "timeout_s": 120.0,
+            "checksums": True,  # every worker checks every tensor it received against the trainer's checksums
+        }
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        trainer = ctx.Process(target=trainer_main, args=(theirs, str(tiny_llama_dir), settings, ROUNDS), daemon=True)
+        trainer.start()
+        rounds = serve(llm, ours, deadline=deadline, collective_rpc_rounds={2})
+        trainer.join(max(1.0, deadline - time.monotonic()))
+        assert trainer.exitcode == 0, f"trainer exit code {trainer.exitcode}"
+    finally:
+        if trainer is not None and trainer.is_alive():
+            trainer.kill()
+            trainer.join(10)
+        _stop_llm(llm)
+
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    mismatched = [r for r in rounds if r["vllm"] != r["expected"]]
+    assert not mismatched, "vLLM served other weights than the trainer's after " + "; ".join(
+        f"round {r['round']}: vLLM {r['vllm']} vs transformers {r['expected']}" for r in mismatched
+    )
+    # A refit that changed nothing would also match; the trainer's steps must show in the tokens.
+    assert rounds[-1]["expected"] != before, "training did not change the greedy tokens; the test proves nothing"
+    assert len({r["loss"] for r in rounds}) == ROUNDS
