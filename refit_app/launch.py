@@ -131,12 +131,18 @@ def _watch_lifeline(lifeline: Any) -> None:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, args: tuple, results: Any, lifeline: Any, env: dict[str, str], cwd: str
+    fn: Callable[..., Any], rank: int, args: tuple, results: Any, lifeline: Any, env: dict[str, str], cwd: str,
+    start: tuple[Any, Any] | None,
 ) -> None:
     _die_with_parent()
     _watch_lifeline(lifeline)
     try:
         _adopt_launcher_state(env, cwd)
+        if start is not None:
+            # Unpickling ``fn`` imported its module: start-up is over. Wait for every peer's, then run together.
+            ready, go = start
+            ready.put(rank)
+            go.wait()
         value = fn(rank, *args)
         pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
         outcome = RankOutcome(rank, True, value)
@@ -166,6 +172,7 @@ def run_ranks(
     grace_s: float | None = None,
     name: str = "rank",
     preload: Sequence[str] = (),
+    startup_s: float | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, *args)`` for ranks ``0..world_size-1``, each in its own process; outcomes in rank order.
 
@@ -173,6 +180,9 @@ def run_ranks(
     ``preload``: modules the fork server imports once for every rank (see :func:`prestart`).
     ``timeout_s``: every rank still running then is killed. ``grace_s``: after the first failure, how long the
     others may take to exit with their own errors before they are killed (None: until ``timeout_s``).
+    ``startup_s``: start the ranks together: ``fn`` runs nowhere until every rank has started up (imports done),
+    and ``timeout_s`` counts from then, so a deadline inside ``fn`` never includes a peer's start-up on a loaded
+    machine. A rank that has not started within ``startup_s`` fails every rank, and nothing runs.
     """
     # fn's module, unless it is the launcher's __main__: each rank re-runs that as __mp_main__ anyway, and
     # finding it preloaded under its own name makes runpy warn.
@@ -181,18 +191,21 @@ def run_ranks(
     results = ctx.Queue()
     lifeline, lifeline_writer = ctx.Pipe(duplex=False)
     launcher_state = (dict(os.environ), os.getcwd())
+    start = None if startup_s is None else (ctx.Queue(), ctx.Event())
     procs = [
-        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state),
+        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state, start),
                     name=f"{name}{r}", daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     outcomes: dict[int, RankOutcome] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first_failure: tuple[float, int] | None = None
     cause = ""
     try:
+        if start is not None:
+            outcomes.update(_start_together(procs, start, startup_s))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(outcomes) < world_size:
             try:
                 outcome = results.get(timeout=0.1)
@@ -232,6 +245,36 @@ def run_ranks(
     for r in range(world_size):
         outcomes.setdefault(r, RankOutcome(r, False, error=f"rank {r} {cause or 'was killed'}", exc_type="Timeout"))
     return [outcomes[r] for r in range(world_size)]
+
+
+def _start_together(procs: list[Any], start: tuple[Any, Any], startup_s: float) -> dict[int, RankOutcome]:
+    """Wait until every rank has started up, then let all run; if one dies or hangs starting, nothing runs and
+    every rank gets a failure saying why."""
+    ready_queue, go = start
+    ready: set[int] = set()
+    deadline = time.monotonic() + startup_s
+    while len(ready) < len(procs) and time.monotonic() < deadline:
+        try:
+            ready.add(ready_queue.get(timeout=0.1))
+            continue
+        except queue.Empty:
+            pass
+        if any(not p.is_alive() for r, p in enumerate(procs) if r not in ready):
+            break
+    if len(ready) == len(procs):
+        go.set()
+        return {}
+    failed = {}
+    for r, p in enumerate(procs):
+        if r in ready:
+            failed[r] = RankOutcome(r, False, error=f"rank {r} started, but a peer did not; stopped", exc_type="Stopped")
+        elif not p.is_alive():
+            failed[r] = RankOutcome(r, False, error=f"rank {r} died during start-up (exit code {p.exitcode})",
+                                    exc_type="Died")
+        else:
+            failed[r] = RankOutcome(r, False, error=f"rank {r} did not start within {startup_s:g}s; killed",
+                                    exc_type="Timeout")
+    return failed
 
 
 def _drain(results: Any, outcomes: dict[int, RankOutcome], timeout: float) -> None:

@@ -21,6 +21,8 @@ RANK_MODULES = ("refit_app.roles",)
 """What every rank imports (torch with it): once, in the fork server, not once per rank. This process never
 imports them: it only supervises."""
 
+STARTUP_LIMIT_S = 300.0
+"""How long the ranks of role=local may take to start (fork, imports) before the run fails; only a hang nears it."""
 LOCAL_EXIT_GRACE_S = 5.0
 """How long ``role=local`` waits, after one rank failed, for the others to exit with their own errors before it
 stops them. Not the group deadline: a rank that fails before the rendezvous (a bad source, say) would leave its
@@ -60,8 +62,9 @@ def run_local(s: RunSettings) -> dict[str, Any]:
     if s.group.port is None:
         s = replace(s, group=replace(s.group, port=free_port()))
     log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    # Started together: the rendezvous deadline (group.timeout_s) never includes a rank's start-up.
     outcomes = run_ranks(_rank_main, s.group.world_size, (s, log_files), grace_s=LOCAL_EXIT_GRACE_S,
-                         name="refit-rank", preload=RANK_MODULES)
+                         name="refit-rank", preload=RANK_MODULES, startup_s=STARTUP_LIMIT_S)
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     metrics = [
         o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}
