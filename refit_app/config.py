@@ -212,8 +212,9 @@ def _size(c: _Checker, key: str) -> int | None:
 
 def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
     """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
-    values = {key: c.get(f"group.{key}") for key in ("backend", "host", "port", "world_size", "rank", "timeout_s",
-                                                      "interface")}
+    # Every field of GroupSpec comes from the key of the same name: a new group knob is a schema field and a
+    # GroupSpec field (with its rule), nothing here.
+    values = {f.name: c.get(f"group.{f.name}") for f in dataclasses.fields(GroupSpec)}
     if _ABSENT in values.values() or role is _ABSENT:
         # Which ranks are valid depends on the role; its own error already tells the user what to fix.
         return None

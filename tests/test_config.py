@@ -368,7 +368,7 @@ def test_success_passes_stderr_through(app: Path) -> None:
 def test_interrupt_is_one_line(app: Path) -> None:
     result = run_app(app, TEST_APP_FAILURE="interrupt")
     assert result.returncode == 130
-    assert result.stderr.splitlines()[-1] == "refit_app: error: interrupted"
+    assert result.stderr.splitlines()[-1] == "refit_app: error: interrupted by SIGINT"
     assert "Traceback" not in result.stderr
 
 
