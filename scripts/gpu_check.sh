@@ -32,4 +32,11 @@ status=${PIPESTATUS[0]}
 set -e
 grep '^\[gpu\]' "$LOG_DIR/gpu_check.log" > "$LOG_DIR/gpu_throughput.txt" || true
 echo "gpu_check: pytest exited $status; log in $LOG_DIR/gpu_check.log"
+# The vLLM backend over NCCL and pynccl (issue 10) needs vLLM's GPU build, in its own venv:
+#   python3 -m venv /tmp/vllm-gpu && /tmp/vllm-gpu/bin/pip install -e '.[vllm,test]'
+#   /tmp/vllm-gpu/bin/python -m pytest -m gpu -v tests/vllm_engine
+if "$PY" -c 'import vllm' 2>/dev/null; then
+    timeout 540 "$PY" -m pytest -m gpu -v -s -p no:cacheprovider tests/vllm_engine 2>&1 | tee -a "$LOG_DIR/gpu_check.log"
+    status=$(( status || PIPESTATUS[0] ))
+fi
 exit "$status"

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 from mp_utils import free_port
 
 ROUNDS = 3
@@ -42,6 +44,19 @@ def _stop_llm(llm: Any) -> None:
 
 
 def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Path) -> None:
+    _refit_offline_llm(tiny_llama_dir, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL path of the backend needs a CUDA GPU (vllm extra)")
+@pytest.mark.parametrize("backend", ["nccl", "pynccl"])
+def test_offline_llm_on_a_gpu(tiny_llama_dir: Path, backend: str) -> None:
+    """The same loop on a GPU with vLLM 0.33 (`pip install -e '.[vllm]'`): trainer and engine on one device, the
+    group over NCCL or vLLM's PyNcclCommunicator. Never run here (no GPU was lent); it runs wherever CUDA is."""
+    _refit_offline_llm(tiny_llama_dir, backend)
+
+
+def _refit_offline_llm(tiny_llama_dir: Path, backend: str) -> None:
     from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, serve, trainer_main, vllm_greedy
 
     deadline = time.monotonic() + TEST_DEADLINE_S
@@ -59,7 +74,7 @@ def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Pat
             "world_size": 2,
             "buffer_size_bytes": BUFFER_BYTES,
             "num_buffers": 2,
-            "group_backend": "gloo",
+            "group_backend": backend,
             "timeout_s": 120.0,
             "checksums": True,  # every worker checks every tensor it received against the trainer's checksums
         }
