@@ -643,7 +643,13 @@ class CheckpointWriter:
                 doc = None
             weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if isinstance(weight_map, dict):
-                found |= {self.directory / s for s in weight_map.values() if isinstance(s, str) and Path(s).name == s}
+                # Only shards: an index that names config.json or a tokenizer file (hand-edited, or hostile) must
+                # not make a save delete them.
+                found |= {
+                    self.directory / s
+                    for s in weight_map.values()
+                    if isinstance(s, str) and Path(s).name == s and s.endswith(".safetensors")
+                }
         return {p for p in found if p.is_file()}
 
     def abort(self) -> None:

@@ -439,3 +439,25 @@ def test_saved_files_get_ordinary_permissions(tmp_path):
     finally:
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_save_removes_only_shards_that_the_old_index_named(tmp_path):
+    # An old sharded checkpoint whose index also names config.json (hand-edited, or hostile).
+    old = [TensorMeta("a", (2,), torch.float32, "model-00001-of-00002.safetensors"),
+           TensorMeta("b", (2,), torch.float32, "model-00002-of-00002.safetensors")]
+    writer = CheckpointWriter(tmp_path, old, {"format": "pt"})
+    writer.open()
+    for m in old:
+        writer.write(m.name, torch.ones(m.shape))
+    writer.commit()
+    index = json.loads((tmp_path / INDEX_FILE_NAME).read_text())
+    index["weight_map"]["c"] = "config.json"
+    (tmp_path / INDEX_FILE_NAME).write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text("{}")
+
+    new = [TensorMeta("a", (2,), torch.float32, SINGLE_FILE_NAME)]
+    writer = CheckpointWriter(tmp_path, new, {"format": "pt"})
+    writer.open()
+    writer.write("a", torch.zeros(2))
+    writer.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", SINGLE_FILE_NAME]
