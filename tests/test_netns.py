@@ -28,6 +28,8 @@ FAIL_TIMEOUT_S = 10.0
 EXIT_BUDGET_S = FAIL_TIMEOUT_S + 30.0
 """The issue's promise: survivors exit within group.timeout_s + 30 s of the partition."""
 PORT = 29611
+"""Fixed on purpose: every test makes its own namespaces, each with a network stack of its own, so nothing else can
+hold this port there (and the machine's own ports are untouched)."""
 
 
 def _sh(*args: str) -> subprocess.CompletedProcess:
