@@ -34,6 +34,7 @@ from refit_app.manifest import Manifest, TensorMeta, dtype_to_str
 from refit_app.probe import (
     DEFAULT_PROBE_TOKENS,
     MAX_PROBE_COLUMNS,
+    decisive_token_mismatch,
     forward_logits,
     logit_tolerance,
     probe_token_ids,
@@ -495,17 +496,9 @@ class ModelSink:
                 problems.append(
                     f"max |logit difference| {diff:.3g} exceeds the {dtype_to_str(dtype)} tolerance {tolerance:.3g}"
                 )
-            decisive = [
-                i
-                for i, (a, b, m) in enumerate(zip(next_tokens, expected, probe["margins"]))
-                if a != b and m > 2 * tolerance
-            ]
-            if decisive:
-                i = decisive[0]
-                problems.append(
-                    f"greedy tokens differ at {len(decisive)} of {probe_tokens} position(s) (first: position {i}, "
-                    f"producer {expected[i]}, consumer {next_tokens[i]}, producer margin {probe['margins'][i]:.3g})"
-                )
+            mismatch = decisive_token_mismatch(next_tokens, expected, probe["margins"], 2 * tolerance, "consumer")
+            if mismatch is not None:
+                problems.append(mismatch)
             if problems:
                 raise VerificationError("model check failed: " + "; ".join(problems))
         return result

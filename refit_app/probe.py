@@ -103,3 +103,18 @@ def decode_probe(data: bytes) -> dict:
         raise VerificationError(f"the producer's model probe is malformed ({e})") from e
     header["logits"] = logits
     return header
+
+
+def decisive_token_mismatch(mine: list[int], expected: list[int], margins: list[float], min_margin: float,
+                            who: str) -> str | None:
+    """Where ``mine`` (the consumer's greedy tokens) differs from the producer's at a position the producer decided
+    by more than ``min_margin`` (top-1 minus top-2 logit): a near-tie may round either way, a clear win may not.
+    Returns the problem as a phrase naming ``who``, or None."""
+    decisive = [i for i, (a, b, m) in enumerate(zip(mine, expected, margins)) if a != b and m > min_margin]
+    if not decisive:
+        return None
+    i = decisive[0]
+    return (
+        f"greedy tokens differ at {len(decisive)} of {len(expected)} position(s) (first: position {i}, "
+        f"producer {expected[i]}, {who} {mine[i]}, producer margin {margins[i]:.3g})"
+    )

@@ -34,7 +34,12 @@ import torch
 from refit_app.errors import SinkError, VerificationError
 from refit_app.hf_model import model_spec
 from refit_app.manifest import Manifest, dtype_to_str
-from refit_app.probe import DEFAULT_PROBE_TOKENS, MAX_PROBE_COLUMNS, logit_tolerance
+from refit_app.probe import (
+    DEFAULT_PROBE_TOKENS,
+    MAX_PROBE_COLUMNS,
+    decisive_token_mismatch,
+    logit_tolerance,
+)
 from refit_app.vllm_backend import BACKEND, register
 
 logger = logging.getLogger(__name__)
@@ -235,15 +240,9 @@ class VllmSink:
                 f"max |log-probability difference| {diff:.3g} exceeds the {dtype_to_str(self._dtype)} tolerance "
                 f"{tolerance:.3g}"
             )
-        decisive = [
-            i for i, (a, b, m) in enumerate(zip(mine, expected, probe["margins"])) if a != b and m > tolerance
-        ]
-        if decisive:
-            i = decisive[0]
-            problems.append(
-                f"greedy tokens differ at {len(decisive)} of {len(expected)} position(s) (first: position {i}, "
-                f"producer {expected[i]}, vLLM {mine[i]}, producer margin {probe['margins'][i]:.3g})"
-            )
+        mismatch = decisive_token_mismatch(mine, expected, probe["margins"], tolerance, "vLLM")
+        if mismatch is not None:
+            problems.append(mismatch)
         if problems:
             raise VerificationError("vLLM model check failed: " + "; ".join(problems))
 
