@@ -23,7 +23,7 @@ from refit_app.errors import ConfigError, RefitError
 from refit_app.groups import RefitGroup, connect
 from refit_app.manifest import Manifest
 from refit_app.metrics import PeakMemory, RoundMetrics, RunMetrics, gb_per_s
-from refit_app.packed_tensor import get_target_packed_tensor_size, plan_chunks
+from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.progress import Progress
 from refit_app.session import ConsumerSession, ProducerSession, Round
 from refit_app.sinks import Sink, make_sink
@@ -49,9 +49,7 @@ class _RoundProgress:
             manifest, k = self.session.manifest, self.session.rounds + 1
             of = f"/{self._rounds}" if self._rounds else ""
             label = self._label if self._rounds == 1 else f"{self._label} round {k}{of}"
-            chunks = plan_chunks((t.nbytes for t in manifest.tensors), manifest.buffer_size_bytes,
-                                 manifest.use_legacy_packing)
-            self._current = Progress(manifest.total_bytes, len(chunks), label, stream=sys.stderr)
+            self._current = Progress(manifest.total_bytes, self.session.num_chunks, label, stream=sys.stderr)
         self._current.update(nbytes)
 
     def stop(self) -> None:

@@ -110,10 +110,11 @@ class _Counter:
             self._forward(nbytes, ntensors)
 
 
-def count_broadcasts(manifest: Manifest) -> int:
-    """How many chunks of ``manifest`` go over the wire, as the chunk planner decides."""
+def count_chunks(manifest: Manifest) -> tuple[int, int]:
+    """``manifest``'s chunks, and how many of them go over the wire, as the chunk planner decides."""
     sizes = (t.nbytes for t in manifest.tensors)
-    return sum(c.broadcast for c in iter_chunks(sizes, manifest.buffer_size_bytes, manifest.use_legacy_packing))
+    chunks = list(iter_chunks(sizes, manifest.buffer_size_bytes, manifest.use_legacy_packing))
+    return len(chunks), sum(c.broadcast for c in chunks)
 
 
 def _round_error(round_index: int, exc: BaseException) -> str:
@@ -141,6 +142,8 @@ class _Session:
         self._plan = PackedPlan()
         """The chunk plan of the manifest in force: the first round records it, later rounds follow it (one fused
         copy per chunk on the producer, precomputed views on the consumer)."""
+        self.num_chunks = 0
+        """Chunks of the manifest in force (planned once per manifest, not per round)."""
         self._broadcasts = 0
         """Chunks of the manifest in force that go over the wire."""
 
@@ -149,7 +152,7 @@ class _Session:
         self._plan.release()
         self._plan = PackedPlan()
         assert self.manifest is not None
-        self._broadcasts = count_broadcasts(self.manifest)
+        self.num_chunks, self._broadcasts = count_chunks(self.manifest)
 
     def _broadcast_header(self, header: torch.Tensor) -> None:
         self.group.group.broadcast(header, PRODUCER_RANK)
