@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import logging
 from pathlib import Path
 
@@ -31,18 +32,27 @@ def _touch(nbytes: int) -> torch.Tensor:
     return torch.ones(nbytes, dtype=torch.uint8)
 
 
+def _fresh_pages(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of newly mapped, resident memory, whatever the allocator did before.
+
+    torch's allocator goes through malloc, which may serve a block from pages an earlier test left resident in
+    the heap (then RSS does not grow and there is no peak to see); an anonymous mapping is always fresh, and
+    ``close()`` unmaps it.
+    """
+    pages = mmap.mmap(-1, nbytes)
+    pages[:: mmap.PAGESIZE] = b"\x01" * (nbytes // mmap.PAGESIZE)
+    return pages
+
+
 @linux_only
 def test_peak_memory_sees_a_freed_allocation_and_restarts_from_the_new_baseline() -> None:
     _touch(MiB)  # torch's first-use allocations are not part of what is measured
     with PeakMemory() as first:
-        t = _touch(200 * MiB)
-        del t
+        _fresh_pages(200 * MiB).close()
     assert first.peak_extra_bytes == pytest.approx(200 * MiB, rel=0.05)
 
-    # Above glibc's largest mmap threshold (32 MiB), so these pages are fresh, not reused from the heap.
     with PeakMemory() as second:
-        t = _touch(48 * MiB)
-        del t
+        _fresh_pages(48 * MiB).close()
     # Without the reset the high-water mark would still hold the 200 MiB from before.
     assert second.peak_extra_bytes == pytest.approx(48 * MiB, rel=0.05)
     assert second.baseline_rss < first.peak_rss - 150 * MiB
