@@ -95,6 +95,8 @@ def _write_used_config(output_dir: str | Path, cfg: DictConfig, s: RunSettings,
     (before the run), the buffer size and packing mode that the producer chose (after it)."""
     used = OmegaConf.to_container(cfg, resolve=True)
     used["group"].update(port=s.group.port, world_size=s.group.world_size)
+    # The secret never goes to disk; left out, a run from this file takes group.token's default (the environment).
+    used["group"].pop("token", None)
     for key in ("buffer_size_bytes", "use_legacy_packing"):
         if metrics is not None and metrics.get(key) is not None:
             used["refit"][key] = metrics[key]

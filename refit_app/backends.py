@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refit_app.chain import ChainBroadcastGroup
 from refit_app.control import Control, Poller, ranks_text
 from refit_app.errors import ConfigError, PeerError
 from refit_app.packed_tensor import Work
-from refit_app.settings import GroupSpec
+from refit_app.settings import DEFAULT_TOPOLOGY, GroupSpec
 
 
 class _TorchWork:
@@ -134,7 +135,7 @@ class PyNcclBroadcastGroup:
         self._comm = None
 
 
-BackendGroup = TorchBroadcastGroup | PyNcclBroadcastGroup
+BackendGroup = TorchBroadcastGroup | PyNcclBroadcastGroup | ChainBroadcastGroup
 """The groups :func:`connect` builds; each satisfies :class:`refit_app.packed_tensor.BroadcastGroup`."""
 
 
@@ -156,16 +157,25 @@ def check_backend_here(backend: str) -> None:
         raise ConfigError(f"group.backend=pynccl needs {vllm_hint}")
 
 
-def capabilities(backend: str) -> dict[str, Any]:
-    return {"backend": backend, "cuda": has_cuda(), "vllm": has_vllm()}
+def capabilities(spec: GroupSpec) -> dict[str, Any]:
+    """What a rank reports at check-in: its group settings that all ranks must share, and what this host has."""
+    return {"backend": spec.backend, "topology": spec.topology, "cuda": has_cuda(), "vllm": has_vllm()}
 
 
 def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
-    """One backend for every rank, or a ConfigError naming the ranks that disagree or lack what it needs.
+    """One backend for every rank, or a ConfigError naming the ranks that disagree (on the backend or on
+    ``group.topology``) or lack what it needs. Under ``topology=chain``, ``auto`` resolves to gloo.
 
     Also valid on a partial set of ranks: adding ranks can only add problems, so the producer calls it as
     each consumer checks in and stops at the first conflict instead of waiting for the rest.
     """
+    # A rank that reports no topology predates the setting and broadcasts along the tree.
+    topologies = {r: info.get("topology", DEFAULT_TOPOLOGY) for r, info in sorted(infos.items())}
+    if len(set(topologies.values())) > 1:
+        listed = ", ".join(f"rank {r} {t!r}" for r, t in topologies.items())
+        raise ConfigError(
+            f"group.topology differs between ranks ({listed}); set the same group.topology on every rank"
+        )
     explicit = {r: info["backend"] for r, info in sorted(infos.items()) if info["backend"] != "auto"}
     if len(set(explicit.values())) > 1:
         listed = ", ".join(f"rank {r} {b!r}" for r, b in explicit.items())
@@ -176,7 +186,8 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     if explicit:
         backend = next(iter(explicit.values()))
     else:
-        backend = "nccl" if all(info["cuda"] for info in infos.values()) else "gloo"
+        relay = "chain" in topologies.values()  # chain runs on gloo only (GroupSpec refuses an explicit NCCL)
+        backend = "nccl" if not relay and all(info["cuda"] for info in infos.values()) else "gloo"
     no_gpu = [r for r, info in sorted(infos.items()) if not info["cuda"]]
     if backend in ("nccl", "pynccl") and no_gpu:
         raise ConfigError(
@@ -250,6 +261,8 @@ def make_group(
             options._devices = [device]
             options._timeout = timeout
             pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
+        if spec.topology == "chain":
+            return ChainBroadcastGroup(pg, spec.rank, spec.world_size, control)
         return TorchBroadcastGroup(pg, torch.device("cpu"), control)
     if backend == "nccl":
         # Without blocking wait an NCCL work's wait() only orders streams, and a dead peer is caught by torch's

@@ -85,7 +85,12 @@ class _Checker:
             return _ABSENT
         except OmegaConfBaseException as e:
             env = self._env_var(key)
-            if env is not None:
+            cause = _config_error_in(e)
+            if cause is not None:
+                # role=auto's launcher lookup: its message names the variable; several keys share it, so once.
+                if str(cause) not in self.errors:
+                    self.errors.append(str(cause))
+            elif env is not None:
                 raw = os.environ.get(env)
                 problem = " is not set" if raw is None else f"={raw!r} is invalid"
                 self.errors.append(f"{key}: environment variable {env}{problem}: {allowed or one_line(e)}")
@@ -149,6 +154,16 @@ class _Checker:
         return match.group(1) if match else None
 
 
+def _config_error_in(e: BaseException) -> ConfigError | None:
+    """The ConfigError a resolver raised (OmegaConf wraps it), or None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _one_of(options: tuple[str, ...]) -> str:
     return "choose one of " + ", ".join(options)
 
@@ -168,6 +183,9 @@ def validate(cfg: DictConfig) -> RunSettings:
 
     refit = _check_refit(c)
     group = _check_group(c, role, num_consumers)
+    if role == "auto" and group is not None:
+        # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
+        role = "producer" if group.is_producer else "consumer"
     source = _check_source(c, needed=role in ("local", "producer"))
     sink, sink_name = _check_sink(c, needed=role in ("local", "consumer"))
 
@@ -227,6 +245,9 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
                    f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null")
         if rank is not None:
             c.fail("group.rank", rank, "role=local assigns ranks itself; leave it null")
+        if values.get("local_rank") is not None:
+            c.fail("group.local_rank", values["local_rank"],
+                   "role=local gives each rank its own (its rank); leave it null")
         values.update(world_size=expected or 2, rank=0)
     else:
         if values["port"] is None:
@@ -241,7 +262,7 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
                 c.fail("group.rank", rank,
                        f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
                        f"{show(known_size)})")
-        if role == "producer" or not (is_int(rank) and known_size and 1 <= rank < known_size):
+        if role == "producer" or role == "consumer" and not (is_int(rank) and known_size and 1 <= rank < known_size):
             values["rank"] = 0  # refused above where it matters; GroupSpec checks the rest
     try:
         return GroupSpec(**values)

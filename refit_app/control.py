@@ -2,7 +2,9 @@
 
 Collectives only say *that* a peer went away; this channel carries *why*, so every rank can fail with the reason
 from the rank that failed first. A consumer reaches the store through a :class:`DeadlineStore`, so that a stopped
-producer cannot freeze it, and every phase gather has the group's deadline.
+producer cannot freeze it, and every phase gather has the group's deadline. Anyone who reaches the store can write
+to it: the first error is a signed record and a phase report a key only a rank can name (:mod:`refit_app.auth`);
+what does not check is ignored and logged once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from refit_app.auth import RecordError, RunAuth, need
 from refit_app.errors import PeerError, RefitError, one_line
 from refit_app.settings import PRODUCER_RANK
 
@@ -30,6 +33,8 @@ _SHORT_STORE_TIMEOUT_S = 2.0
 _STORE_CALL_MIN_S = 1.0
 """Least time a consumer's store call gets before the store counts as lost, however little of a deadline is left:
 a live producer answers in milliseconds, a loaded one may not answer in the last 0.1 s of a gather."""
+_REPLACE_TRIES = 5
+"""How often a rank replaces an error record that is not its peers' before it gives up on a flooded store."""
 _POLL_START_S = 0.005
 _POLL_MAX_S = 0.1
 
@@ -122,9 +127,18 @@ class Control:
     """
 
     def __init__(
-        self, store: dist.Store | DeadlineStore, rank: int, world_size: int, timeout_s: float, address: str
+        self,
+        store: dist.Store | DeadlineStore,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        address: str,
+        auth: RunAuth | None = None,
     ) -> None:
         self._store = store
+        self.auth = auth if auth is not None else RunAuth.derive(None, "", "", rank)
+        """Signs what this rank publishes and checks what it reads (:mod:`refit_app.auth`); unsigned without a
+        token."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -133,6 +147,11 @@ class Control:
         self.failed = False
         """Set once this rank published, reported or observed an error; ``RefitGroup.close`` then lingers."""
         self._explained = False
+
+    def _k_report(self, phase: str, seq: int, rank: int) -> str:
+        # A report is a key whose presence is the message; with a token only a rank can name it, so a client that
+        # lists the store can neither forge a report nor complete a gather early.
+        return _k_report(phase, seq, rank) + self.auth.tag(phase, seq, rank)
 
     @contextmanager
     def _short_timeout(self) -> Iterator[None]:
@@ -148,10 +167,15 @@ class Control:
         ``phase`` ties the failure to a phase gather, which then raises its own error type for it.
         """
         self.failed = True
-        payload = json.dumps({"rank": rank, "message": message, "phase": phase})
+        payload = self.auth.seal("error", {"rank": rank, "message": message, "phase": phase})
         try:
             with self._short_timeout():
-                self._store.compare_set(_K_ERROR, "", payload)
+                current = self._store.compare_set(_K_ERROR, "", payload)
+                # A value that is not this run's ranks' (a malformed or forged one) must not hide the real reason.
+                for _ in range(_REPLACE_TRIES):
+                    if current == payload.encode() or self._open_error(current) is not None:
+                        break
+                    current = self._store.compare_set(_K_ERROR, current, payload)
         except dist.DistError as e:
             # The producer's store is gone; peers will see the broken collective instead of the reason.
             logger.warning("rank %d: could not publish its error to %s: %s", self.rank, self._address, one_line(e))
@@ -160,9 +184,21 @@ class Control:
         """The first published failure as ``("rank N failed: ...", phase)``, or None."""
         if not self._store.check([_K_ERROR]):
             return None
-        doc = json.loads(self._store.get(_K_ERROR))
+        doc = self._open_error(self._store.get(_K_ERROR))
+        if doc is None:
+            return None
         self.failed = True
-        return f"rank {doc['rank']} failed: {doc['message']}", doc.get("phase")
+        return f"rank {doc['rank']} failed: {doc['message']}", doc["phase"]
+
+    def _open_error(self, raw: bytes) -> dict[str, Any] | None:
+        """The error record, checked; None (logged once) for one that is malformed or not from this run's ranks."""
+        try:
+            doc = self.auth.open("error", raw)
+            need(doc, "rank", int), need(doc, "message", str), need(doc, "phase", (str, type(None)))
+            return doc
+        except RecordError as e:
+            self.auth.distrust("an error report", self._address, e)
+            return None
 
     def error(self) -> str | None:
         """The first published failure as ``"rank N failed: ..."``, or None; does not wait."""
@@ -187,7 +223,7 @@ class Control:
         seq = self._reported.get(phase, 0)
         self._reported[phase] = seq + 1
         try:
-            self._store.set(_k_report(phase, seq, self.rank), json.dumps({"error": error}))
+            self._store.set(self._k_report(phase, seq, self.rank), json.dumps({"error": error}))
         except dist.DistError as e:
             if error is None:
                 raise PeerError(
@@ -210,7 +246,7 @@ class Control:
             raise ValueError(f"gather({phase!r}) before report({phase!r}) on rank {self.rank}")
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        keys = [_k_report(phase, seq, r) for r in range(self.world_size)]
+        keys = [self._k_report(phase, seq, r) for r in range(self.world_size)]
         poller = Poller()
         try:
             while True:

@@ -18,13 +18,18 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from refit_app.auth import check_exposure
 from refit_app.backends import BackendGroup, check_backend_here, make_group
 from refit_app.control import Control, DeadlineStore
 from refit_app.errors import PeerError, one_line
 from refit_app.rendezvous import (
+    announce,
+    await_producer,
+    backend_store,
     consumer_checkin,
     join_store,
     producer_checkin,
+    run_store,
     start_store,
 )
 from refit_app.settings import PRODUCER_RANK, GroupSpec
@@ -108,6 +113,10 @@ class RefitGroup:
             self.close()
 
 
+def _lost_producer(spec: GroupSpec, e: Exception) -> PeerError:
+    return PeerError(f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died")
+
+
 def connect(spec: GroupSpec) -> RefitGroup:
     """Rendezvous as ``spec.rank`` and return a connected group, or raise a one-line RefitError.
 
@@ -118,27 +127,33 @@ def connect(spec: GroupSpec) -> RefitGroup:
     if spec.port is None:
         raise ValueError("GroupSpec.port is None: pick a port (role=local does it for its ranks)")
     check_backend_here(spec.backend)
+    check_exposure(spec.host, spec.port, spec.rank, spec.token, spec.allow_unauthenticated)
     deadline = time.monotonic() + spec.timeout_s
     producer = spec.rank == PRODUCER_RANK
     if producer:
         store, route = start_store(spec), None
+        auth, producer_size = announce(store, spec), spec.world_size
     else:
         store, route = join_store(spec, deadline)
+        try:
+            auth, producer_size = await_producer(store, spec, deadline)
+        except dist.DistError as e:
+            raise _lost_producer(spec, e) from e
+    # Everything after the greeting (control records, the backend's own keys) under this run's prefix.
+    rstore = run_store(store, auth)
     # The producer's own client talks to a server thread in its own process, which cannot stall apart from it.
-    control_store = store if producer else DeadlineStore(store, spec.timeout_s)
-    control = Control(control_store, spec.rank, spec.world_size, spec.timeout_s, spec.address)
+    control_store = rstore if producer else DeadlineStore(rstore, spec.timeout_s)
+    control = Control(control_store, spec.rank, spec.world_size, spec.timeout_s, spec.address, auth)
     try:
         try:
             if producer:
-                backend, address = producer_checkin(store, spec, deadline)
+                backend, address = producer_checkin(store, rstore, spec, auth, deadline)
             else:
-                backend, address = consumer_checkin(store, spec, deadline, route)
+                backend, address = consumer_checkin(store, rstore, spec, auth, producer_size, deadline, route)
         except dist.DistError as e:
-            raise PeerError(
-                f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died"
-            ) from e
+            raise _lost_producer(spec, e) from e
         try:
-            group = make_group(backend, store, spec, control, address=address)
+            group = make_group(backend, backend_store(rstore, auth, backend), spec, control, address=address)
         except RuntimeError as e:
             message = f"could not set up the {backend} group at {spec.address}: {one_line(e)}"
             control.publish_error(spec.rank, message)

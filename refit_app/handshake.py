@@ -11,7 +11,9 @@ Sequence, over one :class:`~refit_app.groups.RefitGroup`::
     finish(rg, error)      <--- "done" ------> finish(rg, error)
 
 A consumer that rejects the manifest makes every rank stop before any tensor moves, each naming the setting
-and both values; ``finish`` makes sure no rank reports success for a refit that did not fully happen.
+and both values; ``finish`` makes sure no rank reports success for a refit that did not fully happen. With
+``group.token`` the manifest and each checksum trailer carry the run's signature (:mod:`refit_app.auth`), which a
+consumer checks before it believes them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from refit_app.auth import MAC_BYTES
 from refit_app.errors import HandshakeError, RefitError
 from refit_app.groups import RefitGroup
 from refit_app.manifest import Manifest
@@ -35,11 +38,16 @@ MAX_MANIFEST_BYTES = 1 << 30
 
 HANDSHAKE = "handshake"
 DONE = "done"
+_MANIFEST = "manifest"
+_CHECKSUMS = "checksums"
+"""What the run's key signs the manifest and each checksum trailer as (:meth:`refit_app.auth.RunAuth.mac`)."""
 
 
 def send_manifest(rg: RefitGroup, manifest: Manifest) -> None:
     """Producer: send the manifest to every consumer and wait until all of them accepted it."""
+    # Signed with the run's key (nothing without a token): only this run's producer can make a consumer prepare.
     data = manifest.to_bytes()
+    data += rg.control.auth.mac(_MANIFEST, data)
     length = torch.tensor([len(data)], dtype=torch.int64, device=rg.group.device)
     rg.group.broadcast(length, PRODUCER_RANK)
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(rg.group.device)
@@ -73,8 +81,13 @@ def recv_manifest(rg: RefitGroup) -> Manifest:
         raise error
     payload = torch.empty(n, dtype=torch.uint8, device=rg.group.device)
     rg.group.broadcast(payload, PRODUCER_RANK)
+    data = payload.cpu().numpy().tobytes()
     try:
-        return Manifest.from_bytes(payload.cpu().numpy().tobytes())
+        if rg.control.auth.signed:
+            data, mac = data[:-MAC_BYTES], data[-MAC_BYTES:]
+            if len(mac) < MAC_BYTES or not rg.control.auth.check_mac(_MANIFEST, data, mac):
+                raise HandshakeError("the producer's manifest is not signed with this run's key; refusing it")
+        return Manifest.from_bytes(data)
     except HandshakeError as e:
         rg.control.report(HANDSHAKE, str(e))
         raise
@@ -150,6 +163,9 @@ def send_checksums(rg: RefitGroup, checksums: list[int]) -> None:
     """
     if checksums:
         words = np.array(checksums, dtype=np.uint64).view(np.int64)
+        mac = rg.control.auth.mac(_CHECKSUMS, words.tobytes())
+        if mac:
+            words = np.concatenate([words, np.frombuffer(mac, dtype=np.int64)])
         rg.group.broadcast(torch.from_numpy(words).to(rg.group.device), PRODUCER_RANK)
 
 
@@ -157,9 +173,13 @@ def recv_checksums(rg: RefitGroup, n: int) -> list[int]:
     """Consumer: receive the ``n`` checksums the producer sends after the data, as unsigned integers."""
     if n == 0:
         return []
-    trailer = torch.empty(n, dtype=torch.int64, device=rg.group.device)
+    auth = rg.control.auth
+    trailer = torch.empty(n + (MAC_BYTES // 8 if auth.signed else 0), dtype=torch.int64, device=rg.group.device)
     rg.group.broadcast(trailer, PRODUCER_RANK)
-    return trailer.cpu().numpy().view(np.uint64).tolist()
+    words = trailer.cpu().numpy()
+    if auth.signed and not auth.check_mac(_CHECKSUMS, words[:n].tobytes(), words[n:].tobytes()):
+        raise HandshakeError("the producer's checksums are not signed with this run's key; refusing them")
+    return words[:n].view(np.uint64).tolist()
 
 
 def finish(rg: RefitGroup, error: str | None) -> None:

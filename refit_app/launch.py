@@ -18,11 +18,16 @@ end-of-file. (The server alone would not do: it exits once every holder of its "
 hold one too.) The supervisor never waits without a deadline: a rank that dies without a word is
 reported as such, and once one rank has failed the others get ``grace_s`` to exit with their own errors before
 they are killed.
+
+Each rank's latest step (its last log line, through :class:`ActivityHandler`, or :func:`note_activity`) sits in
+shared memory, so a rank that is killed or dies is reported with what it was doing, and :func:`root_cause` can
+say "rank 1 gave up waiting while rank 0 was still reading its source" instead of "rank 0 was killed".
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +51,11 @@ START_METHOD = "forkserver"
 """How ranks are started; ``spawn`` (a fresh interpreter per rank) is the slow, dependency-free alternative."""
 BASE_PRELOAD = ("torch",)
 """Imported once by the fork server, before any rank is forked."""
+ACTIVITY_BYTES = 240
+"""Room for each rank's latest step in shared memory (UTF-8, cut to fit)."""
+
+_activity: tuple[Any, int] | None = None
+"""In a rank: the shared activity array and this rank's slot."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -71,9 +81,76 @@ class RankOutcome:
     traceback: str = ""
     exc: BaseException | None = None
     """The exception itself when it survived pickling."""
+    activity: str = ""
+    """The rank's latest step as it last reported it (its last log line), for any rank that did not succeed."""
+    failed_at: float | None = None
+    """When the supervisor learned of the failure (``time.monotonic()``): which rank failed first."""
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.exc_type}: {self.error}" if not self.ok else f"rank {self.rank}: ok"
+
+
+def note_activity(text: str) -> None:
+    """Record what this rank is doing now, for the supervisor to report should it fail or be killed; a no-op
+    outside a rank started by :func:`run_ranks`."""
+    if _activity is None:
+        return
+    array, rank = _activity
+    data = " ".join(text.split()).encode("utf-8")[: ACTIVITY_BYTES - 1]
+    array[rank * ACTIVITY_BYTES : (rank + 1) * ACTIVITY_BYTES] = data.ljust(ACTIVITY_BYTES, b"\0")
+
+
+class ActivityHandler(logging.Handler):
+    """Passes each INFO-or-higher log line of a rank to :func:`note_activity`: its last line is its latest step."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            note_activity(record.getMessage())
+        except Exception:  # noqa: BLE001 - a log line must never fail the rank
+            self.handleError(record)
+
+
+def _read_activity(array: Any, rank: int) -> str:
+    raw = bytes(array[rank * ACTIVITY_BYTES : (rank + 1) * ACTIVITY_BYTES]).split(b"\0", 1)[0]
+    return raw.decode("utf-8", errors="replace")
+
+
+def root_cause(
+    outcomes: Sequence[RankOutcome], labels: Sequence[str], secondary: Sequence[str] = (), stopped_hint: str = ""
+) -> str:
+    """One line for a failed run: the failure that caused the others, with what any rank that had to be stopped
+    was doing then.
+
+    The cause is the first failure (in the order the supervisor learned of them) that is neither a rank stopped by
+    the supervisor nor one of the ``secondary`` exception types (errors that only report a peer's failure); failing
+    that, the first failure. A rank that gave up waiting for a slow peer is the first to fail, so the slow peer's
+    step ("reading the tensor list of ...") goes with it: the line names both sides. ``labels``: each rank's name;
+    ``stopped_hint``: advice added when a rank had to be stopped.
+    """
+    failures = sorted((o for o in outcomes if not o.ok), key=lambda o: (o.exc_type == "Timeout",
+                                                                         o.failed_at or float("inf"), o.rank))
+    if not failures:
+        return ""
+    root = next((f for f in failures if f.exc_type != "Timeout" and f.exc_type not in secondary), failures[0])
+    # A rank's own failure (a bad sink, a disk full) explains itself, and the ranks stopped after it only waited
+    # for it; when the first failure merely reports a peer, what the stopped ranks were doing is the clue.
+    own_failure = root.exc_type not in ("Timeout", "Died", *secondary)
+    stopped = [] if own_failure else [f for f in failures if f.exc_type == "Timeout" and f is not root]
+    message = root.error
+    if stopped and not message.startswith(f"rank {root.rank}"):
+        message = f"{labels[root.rank]} (rank {root.rank}) failed first: {message}"
+    for f in stopped:
+        doing = f"its last step: {f.activity}" if f.activity else "it had logged nothing yet"
+        message += f"; {labels[f.rank]} (rank {f.rank}) was still running ({doing}) and was stopped"
+    if root.exc_type in ("Timeout", "Died") and root.activity:
+        # No exception to say why: its last step is the best clue (a rank OOM-killed while loading, say).
+        message += f" (its last step: {root.activity})"
+    if stopped and stopped_hint:
+        message += f"; {stopped_hint}"
+    return message
 
 
 def _die_with_parent() -> None:
@@ -132,10 +209,12 @@ def _watch_lifeline(lifeline: Any) -> None:
 
 def _child(
     fn: Callable[..., Any], rank: int, args: tuple, results: Any, lifeline: Any, env: dict[str, str], cwd: str,
-    start: tuple[Any, Any] | None,
+    start: tuple[Any, Any] | None, activity: Any,
 ) -> None:
+    global _activity
     _die_with_parent()
     _watch_lifeline(lifeline)
+    _activity = (activity, rank)
     try:
         _adopt_launcher_state(env, cwd)
         if start is not None:
@@ -192,8 +271,9 @@ def run_ranks(
     lifeline, lifeline_writer = ctx.Pipe(duplex=False)
     launcher_state = (dict(os.environ), os.getcwd())
     start = None if startup_s is None else (ctx.Queue(), ctx.Event())
+    activity = ctx.Array(ctypes.c_char, world_size * ACTIVITY_BYTES, lock=False)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state, start),
+        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state, start, activity),
                     name=f"{name}{r}", daemon=True)
         for r in range(world_size)
     ]
@@ -213,8 +293,9 @@ def run_ranks(
                 outcome = None
             if outcome is not None:
                 outcomes[outcome.rank] = outcome
-                if not outcome.ok and first_failure is None:
-                    first_failure = (time.monotonic(), outcome.rank)
+                if not outcome.ok:
+                    outcome.failed_at = time.monotonic()
+                    first_failure = first_failure or (outcome.failed_at, outcome.rank)
                 continue
             silent_dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
             if silent_dead:
@@ -222,7 +303,7 @@ def run_ranks(
                 for r in silent_dead:
                     if r not in outcomes:
                         outcomes[r] = RankOutcome(r, False, error=f"rank {r} died (exit code {procs[r].exitcode})",
-                                                  exc_type="Died")
+                                                  exc_type="Died", failed_at=time.monotonic())
                         first_failure = first_failure or (time.monotonic(), r)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -244,6 +325,8 @@ def run_ranks(
         lifeline_writer.close()  # any rank still alive now kills itself
     for r in range(world_size):
         outcomes.setdefault(r, RankOutcome(r, False, error=f"rank {r} {cause or 'was killed'}", exc_type="Timeout"))
+        if not outcomes[r].ok:
+            outcomes[r].activity = _read_activity(activity, r)
     return [outcomes[r] for r in range(world_size)]
 
 
@@ -281,6 +364,7 @@ def _drain(results: Any, outcomes: dict[int, RankOutcome], timeout: float) -> No
     try:
         while True:
             outcome = results.get(timeout=timeout)
+            outcome.failed_at = None if outcome.ok else time.monotonic()
             outcomes[outcome.rank] = outcome
     except queue.Empty:
         return

@@ -11,9 +11,10 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from refit_app.auth import new_run_id, new_secret
 from refit_app.config import RunSettings
 from refit_app.errors import PeerError, RefitError
-from refit_app.launch import free_port, prestart, run_ranks
+from refit_app.launch import ActivityHandler, free_port, prestart, root_cause, run_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ class LocalRunError(RefitError):
         super().__init__(message)
         self.metrics = metrics
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A launcher that runs jobs in other processes (hydra/launcher=submitit_local) pickles a job's exception;
+        # the default rebuilds it from args alone and fails on the missing metrics, replacing the real error.
+        return (type(self), (str(self), self.metrics))
+
 
 def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any]:
     """One spawned rank: the producer (rank 0) or a consumer, with this run's settings."""
@@ -45,8 +51,11 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     # The parent's log files (Hydra's job log) get the ranks' lines too; appends of whole lines interleave cleanly.
     handlers += [logging.FileHandler(path, mode="a") for path in log_files]
+    handlers.append(ActivityHandler())  # its last line says what it was doing, should it be stopped
     logging.basicConfig(level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{label}] %(message)s")
-    ranked = replace(s, role="producer" if rank == 0 else "consumer", group=replace(s.group, rank=rank))
+    # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
+    group = replace(s.group, rank=rank, local_rank=rank)
+    ranked = replace(s, role="producer" if rank == 0 else "consumer", group=group)
     # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
     return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
 
@@ -61,6 +70,9 @@ def run_local(s: RunSettings) -> dict[str, Any]:
         make_source(s.source.target, s.source.params)
     if s.group.port is None:
         s = replace(s, group=replace(s.group, port=free_port()))
+    # Its own secret and id per run: no other process can join these ranks, and no rank joins another run's.
+    # They reach the ranks as arguments, never through the environment or a file.
+    s = replace(s, group=replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id()))
     log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     # Started together: the rendezvous deadline (group.timeout_s) never includes a rank's start-up.
     outcomes = run_ranks(_rank_main, s.group.world_size, (s, log_files), grace_s=LOCAL_EXIT_GRACE_S,
@@ -73,10 +85,13 @@ def run_local(s: RunSettings) -> dict[str, Any]:
     combined = {**metrics[0], "role": "local", "consumers": metrics[1:]}
     failures = [o for o in outcomes if not o.ok]
     if failures:
-        # The root cause is the failure that is not just "a peer failed", if there is one.
-        root = next((f for f in failures if f.exc_type not in (PeerError.__name__, "Timeout")), failures[0])
-        combined.update(status="failed", error=root.error)
-        raise LocalRunError(root.error, combined)
+        # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
+        # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
+        error = root_cause(outcomes, ["producer"] + [f"consumer {r}" for r in range(1, len(outcomes))],
+                           secondary=(PeerError.__name__,),
+                           stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)")
+        combined.update(status="failed", error=error)
+        raise LocalRunError(error, combined)
     verified = [c.get("verified") for c in combined["consumers"]]
     combined["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
     return combined

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refit_app.config import RunSettings
+from refit_app.devices import use_local_gpu
 from refit_app.errors import ConfigError, RefitError
 from refit_app.groups import RefitGroup, connect
 from refit_app.manifest import Manifest
@@ -119,6 +120,7 @@ def _companion_files(source: Source) -> dict[str, str | bytes]:
 
 def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
     """Send the configured source to every consumer, ``refit.rounds`` times; returns this rank's metrics."""
+    use_local_gpu(s.group.local_rank)  # before the source: a model on device=cuda goes to this rank's GPU
     source = make_source(s.source.target, s.source.params)
     target = s.refit.buffer_size_bytes if s.refit.buffer_size_bytes is not None else get_target_packed_tensor_size()
     progress = _RoundProgress("producer", show_progress, s.refit.rounds)
@@ -170,6 +172,7 @@ def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, sourc
 
 def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
     """Receive every round of the producer's weights into the configured sink; returns this rank's metrics."""
+    use_local_gpu(s.group.local_rank)  # before the sink: a model on device=cuda goes to this rank's GPU
     sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk)
     verify = bool(getattr(sink, "verifies", False))
     probe_tokens = int(getattr(sink, "probe_tokens", 0))

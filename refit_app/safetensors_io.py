@@ -10,16 +10,31 @@ a refit receives tensors one chunk at a time, and a checkpoint may be larger tha
 file out as the reference writer does (tensors sorted by dtype, widest first, then by name; the header padded
 to 8 bytes), so every tensor starts aligned for its dtype and a file loads with ``safetensors`` and
 ``transformers`` exactly as one they wrote. It writes to hidden temporary files that are renamed into place only
-once every tensor is on disk, so an interrupted run never leaves a file that looks like a complete checkpoint.
+once every tensor is on disk, so an interrupted run never leaves a file that looks like a complete checkpoint;
+a checkpoint directory is published as a whole (see :class:`CheckpointWriter`).
+
+Every header is checked by :func:`read_header` before the library sees it: the file must be a regular file (a FIFO
+would block the open forever), its header a JSON object within the format's limits, with no duplicate key, no
+number longer than an int64, no nesting deeper than a real header has, and no shape torch could not describe. A
+hostile or damaged file is refused with one line, not with a crash deep inside the library or torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fcntl
+import gc
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
+import stat
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -118,21 +133,231 @@ def _file_shape(code: str, shape: Sequence[int]) -> list[int]:
     return list(shape[:-1]) + [shape[-1] * per] if per > 1 and shape else list(shape)
 
 
-def _size_problem(path: Path) -> str:
+# ---------------------------------------------------------------------------------------------------------
+# Header checks, before the library (or torch) sees a header
+
+MAX_HEADER_BYTES = 100_000_000
+"""The reference implementation's limit on the JSON header."""
+INT64_MAX = 2**63 - 1
+_MAX_NUMBER_CHARS = 20
+"""Longer than any int64 (19 digits and a sign): a longer number is refused before Python builds a huge int."""
+
+
+class HeaderProblem(ValueError):
+    """What makes a JSON document unacceptable as a header or an index, in words for the one-line error."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        # json.loads would keep the last silently, and the library may keep another: refuse the ambiguity.
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise HeaderProblem(f"key {key[:80]!r} appears twice in one object")
+    return obj
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > _MAX_NUMBER_CHARS:  # "-" and 19 digits at most; Python would build any int up to 4300 digits
+        raise HeaderProblem(f"it holds a number of {len(text)} digits, longer than any int64")
+    return int(text)
+
+
+def _bounded_float(text: str) -> float:
+    if len(text) > 40:
+        raise HeaderProblem(f"it holds a number of {len(text)} characters")
+    return float(text)
+
+
+def _no_float(text: str) -> int:
+    raise HeaderProblem(f"it holds the number {text[:40]}, where a safetensors header has only integers")
+
+
+def _no_constant(text: str) -> float:
+    raise HeaderProblem(f"it holds {text}, which is not JSON")
+
+
+_LONG_DIGITS = re.compile(rf"[0-9]{{{_MAX_NUMBER_CHARS + 1}}}")
+
+
+def load_json(text: str, *, floats: bool = True) -> object:
+    """``json.loads`` for files that may be hostile: duplicate keys, numbers of thousands of digits, NaN and nesting
+    past Python's recursion limit each raise :class:`HeaderProblem` (JSON syntax errors raise ``ValueError``)."""
+    # A hook per integer costs a Python call each (millions in a header of 600k tensors): only worth it when a
+    # run of digits long enough to be refused appears somewhere (perhaps only in a string).
+    long_digits = _LONG_DIGITS.search(text)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_bounded_int if long_digits else None,
+                          parse_float=_bounded_float if floats else _no_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise HeaderProblem("it nests objects or arrays thousands deep, far deeper than any real file") from None
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a header's objects are built: a header of 600k tensors makes
+    millions of acyclic dicts and lists, and the collections their creation triggers double the parse time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= INT64_MAX
+
+
+def _tensor_problem(name: str, spec: object) -> str | None:
+    """Why one header entry cannot describe a tensor torch can hold; offsets against the data are the library's."""
+    if not isinstance(spec, dict):
+        return f"entry {name[:80]!r} is {_json_kind(spec)}, not an object"
+    missing = [field for field in ("dtype", "shape", "data_offsets") if field not in spec]
+    if missing:
+        return f"tensor {name[:80]!r} is missing field(s) {', '.join(missing)}"
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str):
+        return f"tensor {name[:80]!r} has dtype {_json_kind(dtype)}, not a string"
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        return f"tensor {name[:80]!r} has shape {str(shape)[:80]}, not a list of sizes from 0 to int64's maximum"
+    # Torch describes even a zero-element tensor with strides, the products of the later sizes taken as at least
+    # 1: [0, 2**40, 2**40] holds nothing but overflows int64 (and C++ frames from torch would say so).
+    extent = 1
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > INT64_MAX:  # at once: a hostile list of a million sizes never builds a huge int
+            return (f"tensor {name[:80]!r} has shape {str(shape)[:80]}, whose sizes multiply past int64 (zero "
+                    "elements or not)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        return f"tensor {name[:80]!r} has data_offsets that are not [begin, end] int64 offsets"
+    return None
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value in words, as the library's errors put it (``integer `7```)."""
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "sequence", dict: "map"}
+    kind = kinds.get(type(value), "null")
+    return f"{kind} `{value}`" if isinstance(value, (int, float)) else kind
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def regular_file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a regular file, from ``stat`` alone: opening a FIFO would block forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    if stat.S_ISREG(mode):
+        return None
+    return f"{path} is {_file_kind(mode)}, not a regular file; give a .safetensors file or a model directory"
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    chunks = []
+    while n > 0:
+        chunk = os.read(fd, min(n, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_header(path: Path) -> dict[str, object]:
+    """The header of the safetensors file at ``path``, checked as the module docstring says; raises one
+    :class:`SourceError` line naming the file, the problem and what to do."""
+    problem = regular_file_problem(path)
+    if problem:
+        raise SourceError(problem)
+    try:
+        # O_NONBLOCK: should a FIFO take the file's place after the stat, the open returns instead of blocking.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(f"{path} is {_file_kind(st.st_mode)}, not a regular file; give a .safetensors file")
+        if st.st_size < 8:
+            raise SourceError(
+                f"{path} is not a safetensors file: it has {st.st_size} bytes, fewer than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", _read_exactly(fd, 8))
+        if header_len > INT64_MAX:
+            raise SourceError(f"{path} is not a safetensors file: its first 8 bytes give a negative header length")
+        if header_len > MAX_HEADER_BYTES:
+            raise SourceError(
+                f"{path} is not a safetensors file: its first 8 bytes give a header of {header_len} bytes, above the "
+                f"format's limit of {MAX_HEADER_BYTES}")
+        if header_len > st.st_size - 8:
+            raise SourceError(
+                f"{path} is truncated: header length is {header_len} bytes, file has {st.st_size - 8} after "
+                "the length field; re-download or re-save it")
+        raw = _read_exactly(fd, header_len)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    try:
+        with _no_gc():
+            header = load_json(raw.decode("utf-8"), floats=False)
+    except HeaderProblem as e:
+        raise SourceError(f"{path} has a corrupt header: {e}; it was not written by a safetensors writer, "
+                          "re-download or re-save it") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SourceError(f"{path} has a corrupt header: invalid JSON in header: {e}; re-download or "
+                          "re-save it") from None
+    if not isinstance(header, dict):
+        kind = "sequence" if isinstance(header, list) else "single value"
+        raise SourceError(f"{path} has a corrupt header: it is a JSON {kind}, not an object; re-download or "
+                          "re-save it")
+    with _no_gc():
+        problems = _header_problems(header)
+    if problems:
+        raise SourceError(f"{path} has a corrupt header: {_summarize(problems)}; re-download or re-save it")
+    return header
+
+
+def _header_problems(header: dict[str, object]) -> list[str]:
+    problems = []
+    metadata = header.get(METADATA_KEY, {})
+    if not isinstance(metadata, dict):
+        problems.append(f"{METADATA_KEY} is {_json_kind(metadata)}, not an object of strings")
+    else:
+        problems += [f"{METADATA_KEY} value {k[:80]!r} is {_json_kind(v)}, not a string"
+                     for k, v in metadata.items() if not isinstance(v, str)]
+    for name, spec in header.items():
+        if name != METADATA_KEY:
+            problem = _tensor_problem(name, spec)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _size_problem(path: Path, header: dict[str, object]) -> str:
     """Why a file whose header parses is not the size its tensors need (the library says only "not covered")."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    header.pop(METADATA_KEY, None)
-    needed = max((spec["data_offsets"][1] for spec in header.values()), default=0)
+    tensors = [spec for name, spec in header.items() if name != METADATA_KEY]
+    needed = max((spec["data_offsets"][1] for spec in tensors), default=0)
     present = path.stat().st_size - 8 - header_len
     if needed > present:
         return f"is truncated: header says {needed} data bytes, file has {present}; re-download or re-save it"
     return f"has {present - needed} bytes after its last tensor, which the format forbids; was it appended to?"
 
 
-def _explain(path: Path, error: Exception) -> SourceError:
-    """The library's error as one line naming the file and what is wrong with it."""
+def _explain(path: Path, error: Exception, header: dict[str, object] | None = None) -> SourceError:
+    """The library's error as one line naming the file and what is wrong with it (``header``: as
+    :func:`read_header` returned it, for the size a truncated file should have)."""
     if isinstance(error, OSError):
         return SourceError(f"cannot read {path}: {error.strerror or error}")
     text = " ".join(str(error).split()).removeprefix("Error while deserializing header: ")
@@ -149,9 +374,9 @@ def _explain(path: Path, error: Exception) -> SourceError:
             f"{path} is truncated: header length is {header_len} bytes, file has {path.stat().st_size - 8} after "
             "the length field; re-download or re-save it"
         )
-    if "not fully covered" in text:
+    if "not fully covered" in text and header is not None:
         try:
-            return SourceError(f"{path} {_size_problem(path)}")
+            return SourceError(f"{path} {_size_problem(path, header)}")
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
             pass
     if text.startswith("invalid JSON in header"):
@@ -162,13 +387,13 @@ def _explain(path: Path, error: Exception) -> SourceError:
 
 
 @contextlib.contextmanager
-def _opened(path: Path) -> Iterator:
+def _opened(path: Path, header: dict[str, object] | None = None) -> Iterator:
     """``safe_open(path)``; any error it (or a read through it) raises becomes one SourceError line."""
     try:
         with safe_open(path, framework="pt") as f:
             yield f
     except (SafetensorError, OSError) as e:
-        raise _explain(path, e) from e
+        raise _explain(path, e, header) from e
 
 
 class SafetensorsFile:
@@ -176,21 +401,29 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        problems = []
+        problems: list[str] = []
         self.metas: list[TensorMeta] = []
         """Every tensor, in the file's data order (the order :meth:`iter_tensors` yields them)."""
-        with _opened(self.path) as f:
-            self.metadata: dict[str, str] = dict(f.metadata() or {})
-            for name in f.offset_keys():
-                view = f.get_slice(name)
-                code = view.get_dtype()
-                dtype = DTYPE_CODES.get(code)
-                if dtype is None:
-                    problems.append(f"tensor {name!r} has dtype {code}, which torch {torch.__version__} cannot hold")
-                    continue
-                self.metas.append(TensorMeta(name, _torch_shape(code, view.get_shape()), dtype))
+        header = read_header(self.path)
+        # The library checks what read_header leaves to it (dtype codes, offsets against shapes and the data);
+        # dtypes and shapes then come from the parsed header, not from one library call per tensor.
+        with _opened(self.path, header) as f:
+            order = f.offset_keys()
+        self.metadata: dict[str, str] = dict(header.get(METADATA_KEY) or {})  # type: ignore[arg-type]
+        with _no_gc():
+            self._read_metas(header, order, problems)
         if problems:
             raise SourceError(f"{self.path} cannot be read: {_summarize(problems)}")
+
+    def _read_metas(self, header: dict[str, object], order: Sequence[str], problems: list[str]) -> None:
+        for name in order:
+            spec = header[name]
+            code, shape = spec["dtype"], spec["shape"]  # type: ignore[index]
+            dtype = DTYPE_CODES.get(code)
+            if dtype is None:
+                problems.append(f"tensor {name!r} has dtype {code}, which torch {torch.__version__} cannot hold")
+                continue
+            self.metas.append(TensorMeta(name, _torch_shape(code, shape), dtype))
 
     @property
     def total_bytes(self) -> int:
@@ -199,6 +432,9 @@ class SafetensorsFile:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors in data order, each backed by the file's pages (copy-on-write, so writable; the mapping lives
         as long as a tensor from it does)."""
+        problem = regular_file_problem(self.path)  # replaced since the header was read: never open a FIFO
+        if problem:
+            raise SourceError(problem)
         with _opened(self.path) as f:
             for meta in self.metas:
                 yield meta.name, _aligned(f.get_tensor(meta.name))
@@ -258,7 +494,20 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     if not path.exists():
         raise SourceError(f"checkpoint path {path} does not exist; expected a .safetensors file or a model directory")
     if not path.is_dir():
+        problem = regular_file_problem(path)
+        if problem:
+            raise SourceError(problem)
         return [path], None
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+    odd = sorted(n for n in names
+                 if (n.endswith(".safetensors") or n == INDEX_FILE_NAME) and regular_file_problem(path / n))
+    if odd:
+        # Skipping them would load another file than the user meant; opening a FIFO would block forever.
+        raise SourceError(f"{path} holds checkpoint file(s) that are not regular files (a FIFO, a device, a "
+                          f"directory or a broken link): {_summarize(odd)}; remove them or point at a file")
     if (path / SINGLE_FILE_NAME).is_file():
         # Transformers prefers the single file over an index, so a directory holding both loads the same here.
         return [path / SINGLE_FILE_NAME], None
@@ -282,10 +531,12 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 def _read_index(index_path: Path) -> tuple[list[Path], dict[str, str]]:
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = load_json(index_path.read_text(encoding="utf-8"))
     except OSError as e:
         raise SourceError(f"cannot read {index_path}: {e.strerror or e}") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except HeaderProblem as e:
+        raise SourceError(f"{index_path} is not a valid index: {e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise SourceError(f"{index_path} is not valid JSON ({e})") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not (
@@ -298,6 +549,10 @@ def _read_index(index_path: Path) -> tuple[list[Path], dict[str, str]]:
     bad = [s for s in shard_names if Path(s).name != s]
     if bad:
         raise SourceError(f"{index_path} names shards outside its directory: {_summarize(bad)}")
+    odd = [s for s in shard_names if (index_path.parent / s).exists() and not (index_path.parent / s).is_file()]
+    if odd:
+        raise SourceError(f"{index_path} names shard(s) that are not regular files (a FIFO or a device would block "
+                          f"the read): {_summarize(odd)}")
     missing = [s for s in shard_names if not (index_path.parent / s).is_file()]
     if missing:
         raise SourceError(f"{index_path} names {len(missing)} missing shard file(s): {_summarize(missing)}")
@@ -519,14 +774,129 @@ def shard_layout(metas: Sequence[TensorMeta]) -> list[tuple[str, list[TensorMeta
     return list(groups.items())
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_STAGING_INFIX = ".refit-save-"
+_OUR_TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+"""Names :func:`~refit_app.files.create_temp` gives: a killed save's temporary files, never carried forward."""
+
+
+def _staging_pattern(target: Path) -> re.Pattern[str]:
+    return re.compile(rf"^\.{re.escape(target.name)}{re.escape(_STAGING_INFIX)}[0-9a-f]{{12}}$")
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    this system or file system cannot (no such call, or EINVAL/ENOTSUP from the file system)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+, musl 1.2.5+
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def switch_dirs(staging: Path, target: Path) -> None:
+    """Make ``staging`` the directory at ``target``; the previous one, if any, ends up at ``staging``'s name.
+
+    One atomic step where ``target`` does not exist yet (a rename) or where the system can exchange two
+    directories; elsewhere two renames, between which ``target`` is briefly missing (never a mix of old and new).
+    """
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return
+    if exchange_dirs(staging, target):
+        return
+    logger.warning("this system cannot exchange two directories in one step; replacing %s with two renames",
+                   target)
+    aside = staging.with_name(f".{target.name}{_STAGING_INFIX}{secrets.token_hex(6)}")
+    os.rename(target, aside)
+    os.rename(staging, target)
+    os.rename(aside, staging)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` at ``dst`` (free, same file system), or copy it where links are refused."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            logger.warning("not carrying %s into the new checkpoint: not a regular file", src)
+            return
+        shutil.copy2(src, dst)
+
+
+def carry_over(old: Path, new: Path, skip: set[str]) -> None:
+    """Bring every entry of ``old`` that is not in ``skip`` into ``new``: the user's own files (a tokenizer, a
+    README, a subdirectory) survive a save that replaces the directory holding them."""
+    for entry in os.scandir(old):
+        if entry.name in skip or _OUR_TEMP_FILE.match(entry.name):
+            continue
+        dst = new / entry.name
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), dst)
+        elif entry.is_dir():
+            shutil.copytree(entry.path, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry.path, str(dst))
+
+
+def _locked_dir(path: Path) -> int | None:
+    """An open descriptor of the directory ``path`` holding its exclusive lock, or None if a live process holds
+    it (a save in progress). The lock dies with its process, so a killed save's directory is free to take."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_leftovers(target: Path) -> None:
+    """Remove what saves into ``target`` that were killed left beside it: directories named as this module names
+    its staging directories and locked by no live process."""
+    pattern = _staging_pattern(target)
+    try:
+        names = [n for n in os.listdir(target.parent) if pattern.match(n)]
+    except OSError:
+        return
+    for name in names:
+        path = target.parent / name
+        fd = _locked_dir(path)
+        if fd is None:
+            continue
+        try:
+            logger.info("removing %s, left by an interrupted save", path)
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
 class CheckpointWriter:
     """Writes a Hugging Face checkpoint directory: ``model.safetensors``, or shards plus the index, and the
-    companion ``files`` (config.json, tokenizer files) beside them.
+    companion ``files`` (config.json, tokenizer files) beside them, published all at once.
 
-    No file appears under a final name until every shard is complete and flushed; the companion files follow,
-    and the index, which is what makes a sharded directory look loadable, is renamed into place last. Files of
-    a previous checkpoint that the new one does not overwrite are removed only after that, so a failed run
-    leaves the old checkpoint intact.
+    Everything is written into a new hidden directory beside the target (``.<name>.refit-save-<random>``, locked
+    while this writer lives). :meth:`commit` completes and flushes it, hard-links in the files of the old directory
+    that this checkpoint does not replace (the user's own files; not the old weights, index or shards), then
+    exchanges the two directories with one ``renameat2(RENAME_EXCHANGE)`` and removes the old one. So a reader, or
+    a crash at any moment, sees the old checkpoint or the new one, never a mix; and the target stays a real
+    directory (a versioned directory behind a switched symlink would also be atomic, but would turn the user's
+    directory into a link and leave the versions to manage). Where the exchange is unavailable (not Linux, or a
+    file system without it) two renames replace the directory, and a crash between them leaves none at the target.
+    Staging directories of killed saves are removed by the next save into the same place.
     """
 
     def __init__(
@@ -543,7 +913,6 @@ class CheckpointWriter:
         self._files = {
             name: data.encode() if isinstance(data, str) else bytes(data) for name, data in (files or {}).items()
         }
-        self._file_temps: dict[str, Path] = {}
         self._layout = shard_layout(metas)
         self._writers = {
             name: SafetensorsWriter(self.directory / name, group, metadata) for name, group in self._layout
@@ -551,43 +920,60 @@ class CheckpointWriter:
         self._shard_of = {m.name: name for name, group in self._layout for m in group}
         self.sharded = len(self._layout) > 1
         self.total_bytes = sum(m.nbytes for m in metas)
+        self.staging: Path | None = None
+        """The hidden directory being written, between :meth:`open` and :meth:`commit` or :meth:`abort`."""
+        self._lock: int | None = None
 
     @property
     def file_names(self) -> list[str]:
         return list(self._writers) + list(self._files) + ([INDEX_FILE_NAME] if self.sharded else [])
 
+    @property
+    def _target(self) -> Path:
+        # A symlinked sink.path stays a link: the directory it points to is the one replaced.
+        return Path(os.path.realpath(self.directory))
+
     def open(self) -> None:
+        target = self._target
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # Created now, empty, so that an unusable path fails before any transfer.
+            target.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SinkError(f"cannot create directory {self.directory}: {e.strerror or e}") from e
-        if not self.directory.is_dir():
+        if not target.is_dir():
             raise SinkError(f"{self.directory} exists and is not a directory")
+        if os.path.ismount(target):
+            raise SinkError(f"{self.directory} is a mount point, which a save cannot replace as a whole; save into "
+                            f"a directory inside it (for example {self.directory / 'model'})")
+        remove_leftovers(target)
+        staging = target.parent / f".{target.name}{_STAGING_INFIX}{secrets.token_hex(6)}"
         try:
-            for w in self._writers.values():
+            staging.mkdir()
+        except OSError as e:
+            raise SinkError(f"cannot create a directory in {target.parent}: {e.strerror or e} (a checkpoint is "
+                            "written beside its directory and swapped in whole, so the parent must be writable)"
+                            ) from e
+        self.staging = staging
+        self._lock = _locked_dir(staging)
+        try:
+            for name, w in self._writers.items():
+                w.path = staging / name
                 w.open()
             for name, data in self._files.items():
-                self._file_temps[name] = self._write_temp(name, data)
+                self._write_file(staging / name, data)
         except BaseException:
             self.abort()
             raise
 
-    def _write_temp(self, name: str, data: bytes) -> Path:
-        """A companion file, complete and flushed under a hidden name, for :meth:`commit` to rename."""
-        final = self.directory / name
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> None:
         try:
-            fd, tmp = create_temp(final)
-        except OSError as e:
-            raise SinkError(f"cannot create a file in {self.directory}: {e.strerror or e}") from e
-        try:
-            with os.fdopen(fd, "wb") as f:
+            with open(path, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise SinkError(f"cannot write {tmp}: {e.strerror or e}") from e
-        return tmp
+            raise SinkError(f"cannot write {path}: {e.strerror or e}") from e
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         shard = self._shard_of.get(name)
@@ -601,63 +987,78 @@ class CheckpointWriter:
             w.end_round()
 
     def commit(self) -> list[Path]:
-        """Seal every file, rename them into place, write the index last; returns the final paths."""
-        previous = self._previous_files()
+        """Seal every file, complete the staging directory, swap it in for the old one; returns the final paths."""
+        staging, target = self.staging, self._target
+        if staging is None:
+            raise RuntimeError("CheckpointWriter.commit() before open()")
         try:
             for w in self._writers.values():
                 w.seal()
             for w in self._writers.values():
                 w.publish()
-            for name in list(self._file_temps):
-                os.replace(self._file_temps[name], self.directory / name)
-                del self._file_temps[name]
             if self.sharded:
                 index = {
                     "metadata": {"total_size": self.total_bytes},
                     "weight_map": dict(sorted(self._shard_of.items())),
                 }
-                write_atomic(self.directory / INDEX_FILE_NAME, json.dumps(index, indent=2).encode() + b"\n", durable=True)
+                write_atomic(staging / INDEX_FILE_NAME, json.dumps(index, indent=2).encode() + b"\n", durable=True)
+            if target.is_dir():
+                stale = {p.name for p in self._previous_files(target)}
+                carry_over(target, staging, stale | set(self.file_names))
+                os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
+            fsync_dir(staging)
+            switch_dirs(staging, target)
         except OSError as e:
             self.abort()
             raise SinkError(f"cannot publish the checkpoint in {self.directory}: {e.strerror or e}") from e
         except BaseException:
             self.abort()
             raise
+        with contextlib.suppress(OSError):
+            fsync_dir(target.parent)  # the switch survives a power loss
+        # The staging name now holds the previous checkpoint, if there was one.
+        shutil.rmtree(staging, ignore_errors=True)
+        self._release()
         final = [self.directory / n for n in self.file_names]
-        for stale in sorted(previous - set(final)):
-            logger.info("removing %s, left from the checkpoint this one replaces", stale)
-            stale.unlink(missing_ok=True)
-        fsync_dir(self.directory)
         logger.info("saved %s in %d file(s) to %s", format_size(self.total_bytes), len(final), self.directory)
         return final
 
-    def _previous_files(self) -> set[Path]:
-        """Files of an existing checkpoint in the directory, which a loader could confuse with ours."""
-        found = {p for p in (self.directory / SINGLE_FILE_NAME, self.directory / INDEX_FILE_NAME) if p.is_file()}
-        index_path = self.directory / INDEX_FILE_NAME
+    @staticmethod
+    def _previous_files(directory: Path) -> set[Path]:
+        """Weight files of the checkpoint in ``directory``, which a loader could confuse with ours: not carried
+        into the new one."""
+        found = {p for p in (directory / SINGLE_FILE_NAME, directory / INDEX_FILE_NAME) if p.is_file()}
+        index_path = directory / INDEX_FILE_NAME
         if index_path.is_file():
             try:
-                doc = json.loads(index_path.read_text(encoding="utf-8"))
+                doc = load_json(index_path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 logger.warning("cannot read the existing %s (%s); its shards stay in place", index_path, e)
                 doc = None
             weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if isinstance(weight_map, dict):
                 # Only shards: an index that names config.json or a tokenizer file (hand-edited, or hostile) must
-                # not make a save delete them.
+                # not make a save drop them.
                 found |= {
-                    self.directory / s
+                    directory / s
                     for s in weight_map.values()
                     if isinstance(s, str) and Path(s).name == s and s.endswith(".safetensors")
                 }
         return {p for p in found if p.is_file()}
 
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+        self.staging = None
+
     def abort(self) -> None:
+        """Remove the staging directory; the target is untouched. Safe to call at any point and more than once."""
         for w in self._writers.values():
             w.abort()
-        for tmp in self._file_temps.values():
-            tmp.unlink(missing_ok=True)
-        self._file_temps.clear()
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self._release()
 
 
 def save_tensors(

@@ -12,10 +12,12 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from refit_app.environment import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.auth import TOKEN_DEFAULT
+from refit_app.environment import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV, launcher_setting
 from refit_app.presets import PRESETS, SYNTHETIC_DTYPES
-from refit_app.settings import BACKENDS
+from refit_app.settings import BACKENDS, DEFAULT_TOPOLOGY, TOPOLOGIES
 
 CONF_MODULE = "refit_app.conf"
 """The package that holds the configs: the top-level conf/ directory, installed under this name (pyproject.toml),
@@ -30,6 +32,12 @@ CHOICES = "choices"
 HELP_RESOLVER = "refit_app.help"
 """``${refit_app.help:}`` in conf/config.yaml's help template: the reference of every key and option, generated
 from this schema when ``--help`` prints it (:mod:`refit_app.reference`)."""
+RANK_LABEL_RESOLVER = "refit_app.rank_label"
+"""``${refit_app.rank_label:}``: group.rank for role=auto's run directory, or nothing where it cannot be read yet,
+so that Hydra makes the directory and the one-line error about the launcher comes from the config check."""
+LAUNCHER_RESOLVER = "refit_app.launcher"
+"""``${refit_app.launcher:rank}`` (conf/role/auto.yaml): a group setting read from the launcher's environment
+(:func:`refit_app.environment.launcher_setting`); an explicit ``group.rank=...`` replaces it."""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Schema. Field docstrings are the reference for every key: `--help` prints each one on one line.
@@ -41,7 +49,7 @@ class Role:
     """Which part of a refit this process plays (the ``role`` config group)."""
 
     name: str = MISSING
-    """local, producer or consumer; set by the chosen ``role=`` option."""
+    """local, producer, consumer or auto; set by the chosen ``role=`` option."""
     output_name: str = MISSING
     """Suffix of this process's Hydra output directories: the role and rank, so that a producer and a consumer
     started in the same second never share one."""
@@ -71,6 +79,15 @@ class ConsumerRole(Role):
 
     name: str = "consumer"
     output_name: str = "consumer${group.rank}"
+
+
+@dataclass
+class AutoRole(Role):
+    """Under a launcher (torchrun, SLURM, submitit): rank 0 is the producer, every other rank a consumer; rank,
+    world size and the producer's address come from the launcher's environment unless group.* gives them."""
+
+    name: str = "auto"
+    output_name: str = f"auto${{{RANK_LABEL_RESOLVER}:}}"
 
 
 @dataclass
@@ -112,10 +129,25 @@ class Group:
     """Number of ranks: the producer plus the consumers. null: 1 + role.num_consumers (role=local)."""
     rank: Optional[int] = None
     """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local."""
+    local_rank: Optional[int] = None
+    """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
+    current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
     timeout_s: float = 60.0
     """Deadline in seconds for the rendezvous and for every collective; a lost peer fails the run after it."""
     interface: Optional[str] = None
     """Network interface gloo uses (eth0, ...); null: the one on the route to the producer."""
+    token: Optional[str] = TOKEN_DEFAULT
+    """Shared secret every rank must hold (same on all; never printed); null: anyone reaching the port can join, so
+    only a loopback host is allowed. role=local makes one up."""
+    run_id: Optional[str] = None
+    """This run's id; a consumer refuses another run's producer. null: the producer makes one up and logs it."""
+    allow_unauthenticated: bool = False
+    """Allow a non-loopback group.host without group.token (on a network where every host is trusted)."""
+    topology: str = field(default=DEFAULT_TOPOLOGY, metadata={CHOICES: TOPOLOGIES})
+    """How each buffer travels: tree, the backend's own broadcast; chain, each consumer relays every chunk to the
+    next rank while receiving the next one, so every link carries each byte once (faster with 2+ consumers). chain
+    is for gloo (CPU hosts, CI, debugging): NCCL pipelines its own broadcast, so nccl is refused and auto picks gloo.
+    Same on every rank."""
 
 
 @dataclass
@@ -243,7 +275,7 @@ class Config:
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole},
+    "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole, "auto": AutoRole},
     "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource, "model": ModelSource},
     "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink},
 }
@@ -261,6 +293,16 @@ def register_schemas() -> None:
             store.store(group=group, name=f"base_{option}", node=schema)
     if not OmegaConf.has_resolver(HELP_RESOLVER):
         OmegaConf.register_new_resolver(HELP_RESOLVER, _help_reference)
+    if not OmegaConf.has_resolver(LAUNCHER_RESOLVER):
+        OmegaConf.register_new_resolver(LAUNCHER_RESOLVER, launcher_setting)
+        OmegaConf.register_new_resolver(RANK_LABEL_RESOLVER, _rank_label)
+
+
+def _rank_label(*, _root_: Any) -> str:
+    try:
+        return str(_root_.group.rank)
+    except OmegaConfBaseException:
+        return ""
 
 
 def _help_reference() -> str:

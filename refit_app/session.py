@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -45,6 +46,7 @@ from refit_app.handshake import (
 )
 from refit_app.manifest import Manifest, TensorMeta, tensor_list_changes
 from refit_app.packed_tensor import (
+    Chunk,
     ChunkCallback,
     PackedPlan,
     get_target_packed_tensor_size,
@@ -284,14 +286,8 @@ class ProducerSession(_Session):
                 result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
                 self.manifest = manifest
                 self._new_plan()
-            checksums: list[int] = []
-
-            def post(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-                if manifest.checksums:
-                    # Checksummed here, from the exact tensor that is packed: no second pass over the model.
-                    checksums.append(self._checksum(host_bytes(item[1])))
-                return item[1]
-
+            hasher = _SendHasher(self._checksum) if manifest.checksums else None
+            post = hasher.post if hasher is not None else _tensor_of
             result.num_broadcasts = self._broadcasts
             # Once the plan is recorded it checks every tensor against it itself; the first round checks here.
             tensors = named_tensors if self._plan.ready else _checked(named_tensors, manifest.tensors)
@@ -307,9 +303,11 @@ class ProducerSession(_Session):
                     num_buffers=self.num_buffers,
                     use_legacy_packing=manifest.use_legacy_packing,
                     on_chunk=_Counter(result, self.on_chunk),
+                    on_chunk_done=None if hasher is None else hasher.chunk_sent,
                     plan=self._plan,
                 )
-            if manifest.checksums:
+            if hasher is not None:
+                checksums = hasher.checksums()
                 send_checksums(self.group, checksums)
                 result.checksums = checksums
             result.seconds = time.perf_counter() - started
@@ -332,6 +330,41 @@ class ProducerSession(_Session):
         if notify:
             self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, _END, 0], dtype=torch.int64,
                                                 device=self.device))
+
+
+def _tensor_of(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    return item[1]
+
+
+class _SendHasher:
+    """The producer's per-tensor checksums, each computed while its chunk is on the wire.
+
+    ``post`` keeps each tensor exactly as it is packed (the ``post_iter_func`` output: the bytes that travel);
+    ``chunk_sent`` runs once the chunk's broadcast has started (the packed broadcast's ``on_chunk_done``) and hashes
+    that chunk's tensors then, so the hash overlaps the send (gloo sends on its own threads, the hash releases the
+    GIL) instead of delaying it; the consumers hash what they received as it arrives. Only references are held, to
+    about one chunk's tensors (those of the chunk being packed and the next tensor: the planner closes a chunk when
+    the tensor after it arrives). Hashing the tensors rather than the send buffer also covers the packing copy."""
+
+    def __init__(self, checksum: Callable[[memoryview], int]) -> None:
+        self._checksum = checksum
+        self._pending: deque[torch.Tensor] = deque()
+        self._done: list[int] = []
+
+    def post(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        self._pending.append(item[1])
+        return item[1]
+
+    def chunk_sent(self, chunk: Chunk) -> None:
+        checksum, pending, done = self._checksum, self._pending, self._done
+        for _ in range(chunk.count):
+            done.append(checksum(host_bytes(pending.popleft())))
+
+    def checksums(self) -> list[int]:
+        """Every tensor's checksum, in order, once the packed broadcast has returned."""
+        while self._pending:  # none left when every chunk was reported; kept exact if one was not
+            self._done.append(self._checksum(host_bytes(self._pending.popleft())))
+        return self._done
 
 
 def _checked(named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> Iterator:

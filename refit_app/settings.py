@@ -6,6 +6,7 @@ Nothing here imports torch, so checking a config stays fast.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,14 @@ from refit_app.errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl", "pynccl")
 """``auto`` resolves, at the rendezvous, to NCCL where every rank has a CUDA GPU and to gloo otherwise."""
+TOPOLOGIES = ("tree", "chain")
+"""How a broadcast travels: ``tree``, the backend's own collective (gloo: a binomial tree, the whole buffer per hop;
+NCCL: pipelined rings); ``chain``, each consumer relays every chunk to the next rank (:mod:`refit_app.chain`), gloo
+only."""
+DEFAULT_TOPOLOGY = "tree"
+RELAY_BACKENDS = ("auto", "gloo")
+"""The backends ``chain`` runs on: NCCL pipelines its own broadcast, and ``auto`` resolves to gloo under ``chain``."""
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 PRODUCER_RANK = 0
 DEFAULT_PORT = 29500
 """Rendezvous port of a producer and its consumers when ``group.port`` is null (``role=local`` picks a free one)."""
@@ -56,15 +65,28 @@ class GroupSpec:
     backend: str = "auto"
     """``auto`` (NCCL if every rank has a CUDA GPU, else gloo), ``gloo``, ``nccl`` or ``pynccl``."""
     host: str = "127.0.0.1"
-    """The producer's address; the producer's store listens on every interface."""
+    """The producer's address; the producer's store listens on it alone (``0.0.0.0``: on every interface)."""
     port: int | None = DEFAULT_PORT
     """None only before ``role=local`` has picked a free port for its ranks."""
     world_size: int = 2
     rank: int = PRODUCER_RANK
+    local_rank: int | None = None
+    """This rank's index on its host, which picks its GPU (:func:`refit_app.devices.local_cuda_device`); None: the
+    current CUDA device is kept."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Deadline for the rendezvous, for each collective and for each phase gather."""
     interface: str | None = None
     """The network interface (NIC name) gloo uses; None: the one on the route the rendezvous found."""
+    topology: str = DEFAULT_TOPOLOGY
+    """``tree`` or ``chain`` (:data:`TOPOLOGIES`); every rank must name the same one."""
+    token: str | None = field(default=None, repr=False)
+    """The shared secret every rank proves at check-in and signs control records with (:mod:`refit_app.auth`); never
+    shown. None: anyone who reaches the port can join, so only a loopback ``host`` is allowed without opting in."""
+    run_id: str | None = None
+    """This run's id: a consumer refuses a producer of another run. None: the producer makes one up and logs it, a
+    consumer accepts any run."""
+    allow_unauthenticated: bool = False
+    """Opt in to a group without a token on a non-loopback address (a network where every host is trusted)."""
 
     def __post_init__(self) -> None:
         p = Problems()
@@ -79,10 +101,25 @@ class GroupSpec:
                    "must be an integer >= 2 (the producer and at least one consumer)")
         elif not (is_int(self.rank) and 0 <= self.rank < self.world_size):
             p.fail("group.rank", self.rank, f"must be in 0..{self.world_size - 1} (0 is the producer)")
+        if self.local_rank is not None and not (is_int(self.local_rank) and self.local_rank >= 0):
+            p.fail("group.local_rank", self.local_rank,
+                   "must be an integer >= 0 (the rank's index on its host), or null")
         if self.interface is not None and not (isinstance(self.interface, str) and self.interface.strip()):
             p.fail("group.interface", self.interface, "must be a network interface name such as eth0, or null")
+        if self.topology not in TOPOLOGIES:
+            p.fail("group.topology", self.topology, "choose one of " + ", ".join(TOPOLOGIES))
+        elif self.topology == "chain" and self.backend not in RELAY_BACKENDS:
+            p.fail("group.topology", self.topology,
+                   f"chain relays over gloo only, and group.backend={self.backend} already pipelines its broadcast "
+                   "on GPUs; use group.topology=tree or group.backend=gloo")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             p.fail("group.timeout_s", self.timeout_s, "must be a number of seconds > 0")
+        if self.token is not None and not (isinstance(self.token, str) and self.token.strip()):
+            p.fail("group.token", "<hidden>", "must be a non-empty string (the same on every rank), or null")
+        if self.run_id is not None and not (isinstance(self.run_id, str) and _RUN_ID.fullmatch(self.run_id)):
+            p.fail("group.run_id", self.run_id, "must be 1-64 letters, digits, '.', '_' or '-', or null")
+        if not isinstance(self.allow_unauthenticated, bool):
+            p.fail("group.allow_unauthenticated", self.allow_unauthenticated, "must be true or false")
         p.raise_any()
 
     @property

@@ -75,8 +75,9 @@ class SaveSink:
     """Saves the received weights as a Hugging Face checkpoint directory at ``path``, with the companion files
     the producer sent (a model directory's config.json and tokenizer files), so ``from_pretrained`` opens it.
 
-    Written through hidden temporary files renamed into place only when every tensor is on disk, so a
-    killed or failed run leaves no file under a final name and an existing checkpoint there intact.
+    Written into a hidden directory beside ``path`` that replaces it as a whole only when every tensor is on
+    disk (see :class:`~refit_app.safetensors_io.CheckpointWriter`): a killed or failed run leaves the existing
+    checkpoint there intact, and the user's other files in ``path`` are carried into the new one.
     """
 
     def __init__(self, path: str):
@@ -91,7 +92,7 @@ class SaveSink:
         # Creates the directory and the temporary files: an unwritable path fails now, before any transfer.
         writer.open()
         self._writer = writer
-        free = shutil.disk_usage(self.path).free
+        free = shutil.disk_usage(writer.staging or self.path).free
         if free < writer.total_bytes:
             self.abort()
             raise SinkError(

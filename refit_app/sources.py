@@ -52,6 +52,8 @@ class SafetensorsSource:
     """A ``.safetensors`` file or a Hugging Face model directory, streamed from mmap'd files."""
 
     def __init__(self, path: str):
+        # The step a slow source (a header of 600k tensors) is stuck in, should a peer give up waiting meanwhile.
+        logger.info("reading the tensor list of %s", path)
         self._checkpoint = Checkpoint(path)
         self._metas = self._checkpoint.metas()
         # Read once: every round's manifest then carries the same files, and a file edited mid-run cannot make

@@ -229,10 +229,15 @@ class Launcher:
         self._procs.append(proc)
         return proc
 
-    def start_together(self, ranks: dict[str, list[str]], startup_limit_s: float) -> dict[str, RefitProcess]:
+    def start_together(
+        self, ranks: dict[str, list[str]], startup_limit_s: float, envs: dict[str, dict[str, str]] | None = None
+    ) -> dict[str, RefitProcess]:
         """Start one gated process per ``name: overrides`` and let them all into the rendezvous at once, when every
-        one has started up (each within ``startup_limit_s``, a hang limit: no deadline under test includes it)."""
-        procs = {name: RefitProcess(name, self.cwd, overrides, gated=True) for name, overrides in ranks.items()}
+        one has started up (each within ``startup_limit_s``, a hang limit: no deadline under test includes it).
+        ``envs``: extra environment variables of the process of that name."""
+        envs = envs or {}
+        procs = {name: RefitProcess(name, self.cwd, overrides, envs.get(name), gated=True)
+                 for name, overrides in ranks.items()}
         self._procs.extend(procs.values())
         for proc in procs.values():
             proc.wait_ready(startup_limit_s)

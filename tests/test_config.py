@@ -321,7 +321,7 @@ def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
          "use_legacy_packing, rounds, debug"),
         (["role=consumer", "role.num_consumers=2"], {},
          "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name"),
-        (["role=foo"], {}, "role=foo is not an option; choose one of consumer, local, producer"),
+        (["role=foo"], {}, "role=foo is not an option; choose one of auto, consumer, local, producer"),
         (["refit.num_buffers=abc"], {}, "refit.num_buffers=abc is invalid: must be an integer"),
         (["refit.use_legacy_packing=maybe"], {}, "refit.use_legacy_packing=maybe is invalid: must be true or false"),
         (["refit.num_buffers=0"], {}, "refit.num_buffers=0 is invalid: must be an integer >= 1"),

@@ -586,6 +586,8 @@ def save_killed_midway(cwd: Path) -> Result:
         res.outcomes = wait_all([producer], event_at)
     res.after = snapshot(target, only=res.before)
     res.extra["new_files"] = sorted(listing(target) - set(res.before))
+    # A save writes into a hidden directory beside its target, swapped in whole only once complete.
+    res.extra["staged"] = sorted(str(p.relative_to(cwd)) for p in cwd.glob(".ckpt.refit-save-*/*"))
     _record("sink=save consumer SIGKILLed mid-transfer", *res.outcomes.values())
     return res
 
@@ -595,10 +597,12 @@ def test_save_killed_midway(results: dict[str, Future]) -> None:
     res = outcome_of(results, "save_killed_midway")
     assert_failed_cleanly(res.outcomes["producer"])
     assert_within_deadline(res.outcomes["producer"])
-    new = res.extra["new_files"]
-    # The killed consumer was writing: its temporary file is there, under a hidden name no loader picks up.
-    assert new, "no temporary file: the consumer was not killed while saving"
-    assert all(re.fullmatch(r"\.model\.safetensors\.[0-9a-f]+\.tmp", n) for n in new), new
+    assert res.extra["new_files"] == [], "the killed save left files in the checkpoint's directory"
+    # The killed consumer was writing: its temporary file is there, in a hidden directory beside the target.
+    staged = res.extra["staged"]
+    assert staged, "no temporary file: the consumer was not killed while saving"
+    assert all(re.fullmatch(r"\.ckpt\.refit-save-[0-9a-f]{12}/\.model\.safetensors\.[0-9a-f]+\.tmp", n)
+               for n in staged), staged
     assert res.after == res.before
 
 

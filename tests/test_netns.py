@@ -36,6 +36,12 @@ def _sh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.fixture(autouse=True)
+def _token(monkeypatch) -> None:
+    """The recipe's hosts talk over non-loopback addresses, where a group needs a token (README, "Security")."""
+    monkeypatch.setenv("REFIT_APP_TOKEN", "netns-test-token")
+
+
 @pytest.fixture
 def hosts(request) -> Iterator:
     """``hosts(n, rate)`` creates n namespace hosts (10.77.0.1..n) and returns their names; all go at the end."""
@@ -105,15 +111,16 @@ def _group(world_size: int, timeout_s: float, rank: int | None = None) -> list[s
     return [f"group.port={PORT}", f"group.world_size={world_size}", f"group.timeout_s={timeout_s:g}", *rank_args]
 
 
-@pytest.mark.parametrize("consumers", [1, 2, 3])
-def test_verified_refit_across_hosts(hosts, tmp_path: Path, consumers: int) -> None:
+def _verified_refit(hosts, tmp_path: Path, consumers: int, *extra: str) -> list[Rank]:
+    """A producer host and ``consumers`` consumer hosts on 2 Gbit/s links refit 192 MiB; every consumer verifies.
+    Returns the finished ranks, producer first."""
     names = hosts(consumers + 1, "2gbit")
     world = consumers + 1
     model = ["source.preset=llama-1b", "source.size=192MiB", "refit.buffer_size_bytes=16MiB"]
-    ranks = [Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *model,
+    ranks = [Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *model, *extra,
                   *_group(world, STARTUP_S))]
     ranks += [Rank(names[k], tmp_path, f"consumer{k}", "role=consumer", "group.host=10.77.0.1", "sink=verify",
-                   *_group(world, STARTUP_S, k)) for k in range(1, world)]
+                   *extra, *_group(world, STARTUP_S, k)) for k in range(1, world)]
     try:
         codes = [r.wait(STARTUP_S * 2) for r in ranks]
     finally:
@@ -124,6 +131,12 @@ def test_verified_refit_across_hosts(hosts, tmp_path: Path, consumers: int) -> N
     for r in ranks[1:]:
         assert r.metrics()["verified"] is True
     assert ranks[0].metrics()["bytes"] > 190 * 2**20
+    return ranks
+
+
+@pytest.mark.parametrize("consumers", [1, 2, 3])
+def test_verified_refit_across_hosts(hosts, tmp_path: Path, consumers: int) -> None:
+    _verified_refit(hosts, tmp_path, consumers)
 
 
 def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tmp_path: Path) -> None:
@@ -187,3 +200,12 @@ def test_a_consumer_that_cannot_reach_the_producer_says_so(hosts, tmp_path: Path
         f"refit_app: error: could not reach the producer at 10.77.0.1:{PORT} within {FAIL_TIMEOUT_S:g}s; start "
         "the producer (group.rank=0) or check group.host and group.port"
     ], consumer.text()[-2000:]
+
+
+def test_a_chain_over_three_consumer_hosts_is_verified(hosts, tmp_path: Path) -> None:
+    """``group.topology=chain`` (issue 13): each consumer host relays every chunk to the next one over its own
+    rate-limited link; every consumer checks every byte."""
+    ranks = _verified_refit(hosts, tmp_path, 3, "group.topology=chain", "group.backend=gloo")
+    for k, r in enumerate(ranks[1:], start=1):
+        relays = f"forwards to rank {k + 1}" if k < 3 else "forwards to nobody"
+        assert f"rank {k}: chain topology: receives from rank {k - 1}, {relays}" in r.text(), r.text()[-3000:]

@@ -613,3 +613,74 @@ def test_plan_producer_copies_into_its_own_buffers_every_round():
         packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200, num_buffers=2, plan=plan)
         ptrs.append(sender.data_ptrs)
     assert len(set(ptrs[1])) == 2 and ptrs[1] == ptrs[2]  # the plan's two buffers, the same every round
+
+
+# ------------------------------------------------------------------------------- receive buffers: sizes and late release
+
+
+class _LateWork:
+    def __init__(self, group: _LateReleaseGroup, tensor: torch.Tensor) -> None:
+        self._group = group
+        self._tensor: torch.Tensor | None = tensor
+
+    def wait(self) -> None:
+        self._group.held, self._tensor = self._tensor, None  # the previous receive's tensor is released only now
+
+
+class _LateReleaseGroup(ReplayGroup):
+    """Replays chunks like ReplayGroup, and lets go of a finished receive's tensor late, as gloo's worker thread
+    does: only when the next receive is waited for. Records each receive's buffer (address and capacity)."""
+
+    def __init__(self, chunks: list[torch.Tensor]) -> None:
+        super().__init__(chunks)
+        self.held: torch.Tensor | None = None
+        self.ptrs: list[int] = []
+        self.capacities: list[int] = []
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int):
+        self.broadcast(tensor, src)
+        self.ptrs.append(tensor.data_ptr())
+        self.capacities.append(tensor.untyped_storage().nbytes())
+        return _LateWork(self, tensor)
+
+
+def test_consumer_receives_into_two_target_sized_buffers_and_waits_out_a_late_release_without_sleeping(
+        monkeypatch):
+    """Each receive buffer is sized for the target from its first chunk (never grown: a grown buffer leaves the
+    old one behind in the allocator), and a buffer the transport still references just after its receive is
+    reused once the next receive has been waited for, not slept on (TRANSPORT_RELEASE_S) nor replaced."""
+    from refit_app.core import buffers
+
+    def no_sleep(seconds):
+        raise AssertionError(f"the consumer slept {seconds} s waiting for the transport to let go of a buffer")
+
+    monkeypatch.setattr(buffers.time, "sleep", no_sleep)
+    buffers.release_buffers()
+    sizes = [60, 100, 40, 100, 100, 20, 100, 60, 100, 100, 100]  # chunks of 200, 220, 160, 200, 100 bytes
+    tensors = [(f"w{i}", torch.arange(n, dtype=torch.uint8) + i) for i, n in enumerate(sizes)]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=256, num_buffers=2)
+    assert sender.sizes == [200, 220, 160, 200, 100]  # the second is larger than the first
+    buffers.release_buffers()  # the producer's, kept in this process's pool: the consumer allocates its own
+    group = _LateReleaseGroup(sender.sent)
+    got = []
+    packed_broadcast_consumer(iter(metas(tensors)), group, 0, lambda batch: got.extend((n, t.clone()) for n, t in batch),
+                              buffer_size_bytes=256, num_buffers=2)
+    assert [(n, raw_bytes(t)) for n, t in got] == [(n, raw_bytes(t)) for n, t in tensors]
+    assert len(set(group.ptrs)) == 2
+    assert group.capacities == [256] * 5
+    buffers.release_buffers()
+
+
+def test_a_single_chunk_gets_a_buffer_of_its_exact_size():
+    from refit_app.core import buffers
+
+    buffers.release_buffers()
+    tensors = [("a", torch.ones(30, dtype=torch.uint8)), ("b", torch.zeros(20, dtype=torch.uint8))]
+    sender = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=1 << 20)
+    buffers.release_buffers()
+    group = _LateReleaseGroup(sender.sent)
+    packed_broadcast_consumer(iter(metas(tensors)), group, 0, lambda batch: None, buffer_size_bytes=1 << 20)
+    assert group.capacities == [50]
+    buffers.release_buffers()

@@ -364,13 +364,14 @@ def test_sharded_write_then_read_in_order(tmp_path):
 
 def test_writer_abort_removes_temp_files(tmp_path):
     metas = sharded_metas()
-    writer = CheckpointWriter(tmp_path, metas)
+    writer = CheckpointWriter(tmp_path / "ckpt", metas)
     writer.open()
-    assert len(leftover_temp_files(tmp_path)) == 3
+    assert writer.staging is not None and writer.staging.parent == tmp_path
+    assert len(leftover_temp_files(writer.staging)) == 3
     writer.write(metas[0].name, torch.zeros(metas[0].shape, dtype=metas[0].dtype))
     writer.abort()
     writer.abort()
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and list((tmp_path / "ckpt").iterdir()) == []
 
 
 def test_writer_refuses_incomplete_or_wrong_tensors(tmp_path):

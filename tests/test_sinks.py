@@ -327,11 +327,13 @@ def _save_then_die(directory: str, errors) -> None:
 
 
 def test_killed_save_leaves_no_final_file(tmp_path):
-    old = save_tensors(tmp_path / SINGLE_FILE_NAME, {"old": torch.ones(3)})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    old = save_tensors(ckpt / SINGLE_FILE_NAME, {"old": torch.ones(3)})
     old_bytes = old.read_bytes()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    proc = ctx.Process(target=_save_then_die, args=(str(tmp_path), errors))
+    proc = ctx.Process(target=_save_then_die, args=(str(ckpt), errors))
     proc.start()
     proc.join(timeout=120)
     if proc.is_alive():
@@ -340,10 +342,14 @@ def test_killed_save_leaves_no_final_file(tmp_path):
         pytest.fail("the saving child did not finish within 120 s")
     assert errors.empty(), errors.get()
     assert proc.exitcode == -signal.SIGKILL
-    names = files_in(tmp_path)
-    finals = [n for n in names if not (n.startswith(".") and n.endswith(".tmp"))]
-    assert finals == [SINGLE_FILE_NAME] and old.read_bytes() == old_bytes
-    assert len(names) == 3, names  # the two hidden shard temporaries are all the killed run left
+    assert files_in(ckpt) == [SINGLE_FILE_NAME] and old.read_bytes() == old_bytes
+    # The killed run's hidden staging directory, with its two shard temporaries, is all it left.
+    (staging,) = [p for p in tmp_path.iterdir() if p.name != "ckpt"]
+    assert staging.name.startswith(".ckpt.refit-save-") and len(files_in(staging)) == 2
+    sink = SaveSink(str(ckpt))
+    sink.begin(manifest_for([TensorMeta("w", (1,), torch.float32)]))  # the next save clears it away
+    sink.abort()
+    assert not staging.exists() and files_in(tmp_path) == ["ckpt"]
 
 
 # ------------------------------------------------------------------------------------------ discard, factory

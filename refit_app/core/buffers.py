@@ -48,8 +48,15 @@ TRANSPORT_RELEASE_S = 0.02
 """How long a buffer with exactly one other user may take to lose it. gloo's worker thread drops its reference to
 a broadcast's tensor only after ``wait()`` has returned: measured here, 6-17 ms later in about a third of the
 broadcasts on a loaded 2-core machine. Without this grace a receive buffer looked held by a caller and the slot took
-a fresh one (+16 MiB peak, now and then, over a 50-round run)."""
+a fresh one (+16 MiB peak, now and then, over a 50-round run). The consumer sleeps on it only with nothing else in
+flight: otherwise it posts that receive after waiting for the one in flight (by then the transport has let go), since
+sleeping here stalled the pipeline (3-4 waits of 10-30 ms in each 1 GiB, 65-chunk round on the loaded machine)."""
 _SETTLE_POLL_S = 0.0002
+
+
+def extra_users(buffer: torch.Tensor) -> int:
+    """How many tensors other than ``buffer`` use its memory right now (0: nobody else)."""
+    return max(0, _storage_use_count(buffer) - _UNSHARED_USE_COUNT)
 
 
 def is_shared(buffer: torch.Tensor, *, settle: bool = False) -> bool:
@@ -143,6 +150,8 @@ class Slot:
         if self.buffer is None and self.device.type == "cpu":
             self.buffer = HOST_POOL.take()
         if self.buffer is None or self.buffer.numel() < nbytes:
+            if not keep:
+                self.buffer = None  # let the old buffer go before the new one exists: no third buffer at the peak
             grown = torch.empty(max(nbytes, min_capacity), dtype=torch.uint8, device=self.device)
             if keep:
                 grown[:keep].copy_(self.buffer[:keep])

@@ -15,32 +15,45 @@ from typing import Any
 
 import torch
 
-from refit_app.core.buffers import Slot, drain, is_shared, keep_buffers, on_stream
+from refit_app.core.buffers import (
+    Slot,
+    drain,
+    extra_users,
+    is_shared,
+    keep_buffers,
+    on_stream,
+)
 from refit_app.core.chunks import ChunkCallback, ChunkDoneCallback, ChunkPlanner
 from refit_app.core.wire import ChunkLayout, TensorMeta, meta_nbytes
 
 logger = logging.getLogger(__name__)
 
+_END = object()
+"""What :meth:`Receiver._more` found past the plan's last chunk."""
+
 
 def normalize_meta(item: Any) -> TensorMeta:
     """A consumer's ``(name, (shape, dtype))`` item as a :data:`TensorMeta`; shape may be a list, tuple or Size."""
     name, (shape, dtype) = item
-    return name, tuple(int(d) for d in shape), dtype
+    return name, tuple(map(int, shape)), dtype
 
 
 def planned_layouts(metas: Iterable[TensorMeta], target: int, legacy: bool) -> Iterator[ChunkLayout]:
     """Each chunk of the plan with its tensors' layout; the consumer needs a whole chunk's size before receiving."""
     planner = ChunkPlanner(target, legacy)
     members: list[TensorMeta] = []
+    sizes: list[int] = []
     for meta in metas:
-        closed = planner.add(meta_nbytes(meta[1], meta[2]))
+        nbytes = meta_nbytes(meta[1], meta[2])
+        closed = planner.add(nbytes)
         if closed is not None:
-            yield ChunkLayout(closed, members)
-            members = []
+            yield ChunkLayout(closed, members, sizes)
+            members, sizes = [], []
         members.append(meta)
+        sizes.append(nbytes)
     last = planner.finish()
     if last is not None:
-        yield ChunkLayout(last, members)
+        yield ChunkLayout(last, members, sizes)
 
 
 class Receiver:
@@ -51,7 +64,8 @@ class Receiver:
     takes a spare buffer and the old one belongs to whoever holds the views (at most ``num_buffers`` spares are
     kept for reuse once they are free; the pool gets them at the end). A consumer that drops each tensor after
     loading it therefore receives into exactly ``num_buffers`` buffers, one that keeps tensors costs one buffer per
-    chunk it holds, and none is ever overwritten while referenced.
+    chunk it holds, and none is ever overwritten while referenced. Each buffer is allocated once per slot at the
+    target size (at the chunk's size when larger, or for the plan's only or last chunk), so none grows in a call.
     """
 
     def __init__(
@@ -72,9 +86,11 @@ class Receiver:
         self._on_chunk = on_chunk
         self._on_chunk_done = on_chunk_done
         self._next: ChunkLayout | None = None  # taken from the plan, waiting for its slot
+        self._ahead: Any = None  # the plan's layout after _next once looked at: a layout, _END or the error
         self._in_flight: deque[tuple[Slot, ChunkLayout]] = deque()
         self._handed: Slot | None = None  # the slot of the batch handed out last
         self._spares: deque[torch.Tensor] = deque()
+        self._deferred = False  # a forced refill left a slot for after the next wait (see refill)
         self._done = False
 
     def refill(self, *, force: bool) -> None:
@@ -83,16 +99,25 @@ class Receiver:
         last tensor alive until it has the next one, and waiting one step spares a buffer."""
         while len(self._in_flight) + (self._handed is not None) < len(self._slots):
             if self._next is None:
-                self._next = next(self._planned, None)
+                self._next = self._pull()
                 if self._next is None:
                     return
             layout = self._next
             chunk = layout.chunk
             slot = self._slots[chunk.index % len(self._slots)]
-            if chunk.broadcast and slot.buffer is not None and is_shared(slot.buffer, settle=force):
-                if not force:
-                    return
-                self._swap(slot)
+            if chunk.broadcast and slot.buffer is not None:
+                users = extra_users(slot.buffer)
+                if users:
+                    if not force:
+                        return
+                    if users == 1 and self._in_flight:
+                        # One other user is most often the transport letting go late (TRANSPORT_RELEASE_S), not a
+                        # caller's tensor: post this chunk right after the receive in flight has been waited for
+                        # (next_batch), rather than sleep on it or take a spare now.
+                        self._deferred = True
+                        return
+                    if is_shared(slot.buffer, settle=True):
+                        self._swap(slot)
             self._next = None
             self._post(slot, layout)
 
@@ -110,6 +135,13 @@ class Receiver:
             return None
         slot, layout = self._in_flight.popleft()
         slot.wait()
+        self._handed = slot  # from here on: its buffer is this batch's, not to be refilled
+        if self._deferred:
+            self._deferred = False
+            try:
+                self.refill(force=True)
+            except Exception as e:  # noqa: BLE001 - raised by the next _pull: this batch is handed out first
+                self._ahead = e
         chunk = layout.chunk
         if self._on_chunk is not None:
             self._on_chunk(chunk.nbytes, chunk.count)
@@ -135,11 +167,35 @@ class Receiver:
             if slot.stream is not None:
                 # The caller may still be reading the previous batch of this buffer on its stream.
                 slot.stream.wait_stream(torch.cuda.current_stream(slot.device))
-            # Exact size at first; a later, larger chunk grows the buffer to the target so it grows only once.
-            buffer = slot.reserve(chunk.nbytes, min_capacity=self._target if slot.buffer is not None else 0)
+            # A buffer is sized for the target at once (the producer's are too), so it never grows: growing
+            # allocates the new buffer while the old one is still held, and glibc keeps the freed one resident
+            # in its heap (measured: +16 MiB above 2 x 16 MiB for the whole process's life). Only the plan's last
+            # chunk (a model smaller than one target, on CUDA 2% of the device) gets its exact size.
+            buffer = slot.reserve(chunk.nbytes, min_capacity=self._target if self._more() else 0)
             with on_stream(slot):
                 slot.broadcast(self._group, buffer[: chunk.nbytes], self._src)
         self._in_flight.append((slot, layout))
+
+    def _pull(self) -> ChunkLayout | None:
+        """The plan's next layout (None at its end), the one looked at ahead if any."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return next(self._planned, None)
+        if ahead is _END:
+            return None
+        if isinstance(ahead, Exception):
+            raise ahead  # the metadata's error, raised where it would have been without the look-ahead
+        return ahead
+
+    def _more(self) -> bool:
+        """Whether the plan has a chunk after the one being posted (looks one chunk of metadata ahead; an error
+        there is kept for :meth:`_pull`, so the chunks before it are still received)."""
+        if self._ahead is None:
+            try:
+                self._ahead = next(self._planned, _END)
+            except Exception as e:  # noqa: BLE001 - re-raised by _pull when that chunk is due
+                self._ahead = e
+        return self._ahead is not _END
 
     def _swap(self, slot: Slot) -> None:
         """The slot's buffer still backs tensors handed out: leave it to them and receive into another one."""

@@ -18,6 +18,8 @@ from refit_app.core.group import BroadcastGroup
 from refit_app.core.wire import (
     ChunkLayout,
     TensorMeta,
+    is_dense_host,
+    memmove,
     pack_into,
     tensor_bytes,
     tensor_nbytes,
@@ -82,10 +84,19 @@ class Sender:
             # The planner guarantees nothing joins this tensor's chunk: broadcast its own memory, no copy.
             self._whole = tensor_bytes(t)
             return
-        end = self._offset + (tensor_nbytes(t) if nbytes is None else nbytes)
-        buffer = self._buffer = slot.reserve(end, keep=self._offset, min_capacity=self._target)
+        offset = self._offset
+        end = offset + (tensor_nbytes(t) if nbytes is None else nbytes)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < end:
+            buffer = self._buffer = slot.reserve(end, keep=offset, min_capacity=self._target)
         if slot.stream is None:
-            self._offset = pack_into(buffer, self._offset, t)
+            if end > offset and slot.device.type == "cpu" and is_dense_host(t):
+                # The common case, kept lean (it runs once per tensor): one memmove by address into the slot's
+                # own host buffer (uint8, contiguous, at least ``end`` bytes: reserve() made it so).
+                memmove(buffer.data_ptr() + offset, t.data_ptr(), end - offset)
+                self._offset = end
+                return
+            self._offset = pack_into(buffer, offset, t)
             return
         with on_stream(slot):
             self._offset = pack_into(buffer, self._offset, t)

@@ -9,6 +9,8 @@ tensors and on any device's.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from collections.abc import Iterable
 
 import torch
@@ -18,8 +20,9 @@ from refit_app.core.chunks import Chunk
 TensorMeta = tuple[str, tuple[int, ...], torch.dtype]
 """A tensor's name, shape and dtype: what a consumer knows about it before its bytes arrive."""
 
-_memmove = ctypes.memmove
+memmove = ctypes.memmove
 """libc's memmove; ctypes releases the GIL around it, so gloo's threads and the caller's keep running."""
+_memmove = memmove
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -29,10 +32,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 def meta_nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
     """Bytes a tensor of this shape and dtype takes on the wire."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return numel * dtype.itemsize
+    return math.prod(map(int, shape)) * dtype.itemsize
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -85,12 +85,17 @@ def pack_all(buffer: torch.Tensor, spans: Iterable[tuple[int, int]], tensors: It
     for (offset, n), t in zip(spans, tensors):
         if not n:
             continue
-        if t.is_contiguous() and t.device.type == "cpu" and t.layout == torch.strided and not (
-            t.is_conj() or t.is_neg()
-        ):
+        if is_dense_host(t):
             _memmove(base + offset, t.data_ptr(), n)
         else:
             pack_into(buffer, offset, t)
+
+
+def is_dense_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are its bytes as they lie in host memory, in order: on the host, dense, contiguous,
+    with no lazy conjugation or negation (those bits change the values without changing the stored bytes). Such a
+    tensor can be copied by address with one memmove of ``t.nbytes``."""
+    return t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def is_plain_host_copy(buffer: torch.Tensor, t: torch.Tensor) -> bool:
@@ -135,7 +140,10 @@ def pack_tensors(tensors: Iterable[torch.Tensor], device: torch.device | str = "
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # Cached: a model has few distinct shapes (an adapter's 25,000 matrices have a handful), and this runs once per
+    # tensor in every one-shot consumer call.
     strides = []
     step = 1
     for d in reversed(shape):
@@ -154,13 +162,15 @@ class ChunkLayout:
 
     __slots__ = ("aligned", "chunk", "names", "spans", "specs", "unaligned")
 
-    def __init__(self, chunk: Chunk, metas: list[TensorMeta]) -> None:
+    def __init__(self, chunk: Chunk, metas: list[TensorMeta], sizes: list[int] | None = None) -> None:
+        """``sizes``: each tensor's byte size, when the caller has computed them already (the planner needs them)."""
         self.chunk = chunk
         self.names = [name for name, _, _ in metas]
         self.specs = []
         offset = 0
-        for _, shape, dtype in metas:
-            n = meta_nbytes(shape, dtype)
+        if sizes is None:
+            sizes = [meta_nbytes(shape, dtype) for _, shape, dtype in metas]
+        for (_, shape, dtype), n in zip(metas, sizes):
             self.specs.append((shape, _contiguous_strides(shape), dtype, offset, n))
             offset += n
         self.aligned = [i for i, (_, _, dtype, off, n) in enumerate(self.specs) if n and off % dtype.itemsize == 0]

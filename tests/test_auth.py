@@ -1,0 +1,374 @@
+"""Who may join: a rogue client of the producer's store (a plain ``torch.distributed.TCPStore`` client, as anyone who
+reaches the port can make) cannot join, abort or crash a run, never reads the token, and two runs on one port never
+exchange weights; the CLI refuses a wrong token on both sides, warns on loopback and refuses an exposed port."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from failure_utils import Launcher, RefitProcess
+from mp_utils import (
+    STARTUP_LIMIT_S,
+    deadline_budget,
+    free_port,
+    play_scenarios,
+    run_ranks,
+)
+
+from refit_app import launch
+from refit_app.auth import TOKEN_ENV, RecordError, RunAuth
+from refit_app.errors import ConfigError, PeerError
+from refit_app.groups import GroupSpec, connect
+from refit_app.rendezvous import SignedStore, start_store
+from refit_app.session import ConsumerSession, ProducerSession
+
+TIMEOUT_S = 20.0
+"""group.timeout_s where the run must succeed; nothing waits for it."""
+SHORT_S = 4.0
+"""group.timeout_s where a rank is expected to wait out its deadline."""
+TOKEN = "s3cret-token-for-tests-0123456789"
+HANG_S = 120.0
+"""Hard limit on any wait here; only a hang gets near it."""
+
+_GARBAGE = [b"{", b"[]", b"null", b'{"rank": "x"}', b'{"rank": 1, "caps": {}}', b"[" * 100_000,
+            b"1" * 5000, b'{"body": "{}", "mac": "zz"}', b"\xff\xfe", b'{"ok": false, "kind": "ConfigError"}']
+"""Values a rogue writes: malformed JSON, deep nesting, huge numbers, wrong types, missing fields, bad signatures."""
+
+
+def _spec(rank: int, port: int, token: str | None, *, run_id: str | None = None, timeout_s: float = TIMEOUT_S,
+          world_size: int = 2) -> GroupSpec:
+    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token,
+                     run_id=run_id)
+
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    return [("w", torch.arange(1000, dtype=torch.float32)), ("b", torch.ones(7, dtype=torch.bfloat16))]
+
+
+def _round(rg) -> float | None:
+    """One refit round; a consumer returns the sum of what it received."""
+    if rg.is_producer:
+        with ProducerSession(rg) as session:
+            session.send(_weights())
+        return None
+    got: dict[str, float] = {}
+
+    def keep(batch):
+        for name, t in batch:
+            got[name] = float(t.float().sum())
+
+    with ConsumerSession(rg) as session:
+        while session.receive(keep) is not None:  # until the producer ends the session
+            pass
+    return sum(got.values())
+
+
+def _open_client(port: int) -> dist.TCPStore:
+    deadline = time.monotonic() + HANG_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the producer's store never came up"
+            time.sleep(0.05)
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=HANG_S))
+
+
+class Rogue:
+    """A plain store client that attacks the run at ``port`` and records every value it can read."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.seen: list[bytes] = []
+        self.done = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            store = _open_client(self.port)
+            store.wait(["refit/rdzv/hello"])
+            hello = json.loads(store.get("refit/rdzv/hello"))
+            doc = json.loads(hello["body"]) if "body" in hello else hello
+            ns = f"refit/run/{doc['run_id']}/{doc['nonce']}/"  # public: anyone can list the keys anyway
+            for value in _GARBAGE:
+                n = store.add("refit/rdzv/checkins", 1)
+                store.set(f"refit/rdzv/checkin/{n}", value)
+            # A well-formed but unsigned claim to be rank 1 (it joins a run without a token: that is the point).
+            forged = {"rank": 1, "run_id": doc["run_id"], "producer_address": "127.0.0.1",
+                      "caps": {"backend": "gloo", "cuda": False, "vllm": False}}
+            if "body" in hello:
+                n = store.add("refit/rdzv/checkins", 1)
+                store.set(f"refit/rdzv/checkin/{n}", json.dumps({"body": json.dumps(forged), "mac": "00" * 32}))
+            # Abort attempts: a failed outcome and a first error of its choosing, where the ranks look for them.
+            abort = json.dumps({"ok": False, "kind": "ConfigError", "message": "ATTACKER: please run rm -rf"})
+            store.set(ns + "rdzv/outcome", abort if "body" in hello else _GARBAGE[0])
+            store.set(ns + "refit/ctl/error",
+                      json.dumps({"rank": 1, "message": "ATTACKER: please run rm -rf", "phase": None})
+                      if "body" in hello else _GARBAGE[3])
+            self.done.set()
+            while not self.stop.is_set():  # read everything it can while the run goes on
+                for key in store.list_keys():
+                    try:
+                        self.seen.append(store.get(key))
+                    except dist.DistError:
+                        pass
+                time.sleep(0.01)
+        except dist.DistError:
+            pass  # the producer exited: the run is over
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.done.set()
+
+
+def _attacked_run(rank: int, world_size: int, port: int, my_port: int, token: str | None, attacked) -> float | None:
+    if rank == 1:
+        assert attacked.wait(HANG_S), "the rogue never finished its attack"
+    with connect(_spec(rank, my_port, token)) as rg:
+        return _round(rg)
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no_token"])
+def test_rogue_client_cannot_abort_or_crash_the_run(token, caplog):
+    """Garbage check-ins, a forged outcome and a forged error (all before the consumer joins) change nothing: the
+    run succeeds with the real consumer's data; with a token, no value the rogue can read contains the token."""
+    port = free_port()
+    attacked = mp.get_context(launch.START_METHOD).Event()
+    rogue = Rogue(port)
+
+    def relay() -> None:
+        rogue.done.wait(HANG_S)
+        attacked.set()
+
+    threading.Thread(target=relay, daemon=True).start()
+    try:
+        results = run_ranks(_attacked_run, 2, port, token, attacked, timeout=HANG_S)
+    finally:
+        rogue.stop.set()
+        rogue.thread.join(HANG_S)
+    assert rogue.error is None, repr(rogue.error)
+    assert results[1] == pytest.approx(sum(float(t.float().sum()) for _, t in _weights()))
+    assert rogue.seen, "the rogue read nothing: the test did not test"
+    if token is not None:
+        leaked = [v for v in rogue.seen if TOKEN.encode() in v or TOKEN.encode().hex().encode() in v]
+        assert not leaked, leaked[:3]
+
+
+def test_rogue_client_cannot_join_with_a_token():
+    """With a token, a rogue's check-in as rank 1 (unsigned, wrongly signed, garbage) is ignored: the producer does
+    not start a refit with it, and fails at its deadline naming the missing rank and the ignored check-ins."""
+    port = free_port()
+    spec = _spec(0, port, TOKEN, timeout_s=SHORT_S)
+    rogue = Rogue(port)
+    with pytest.raises(PeerError) as info:
+        connect(spec)
+    rogue.stop.set()
+    rogue.thread.join(HANG_S)
+    assert rogue.error is None, repr(rogue.error)
+    message = str(info.value)
+    assert "rank 1 did not join" in message and "check-in(s) were ignored" in message, message
+    assert "\n" not in message
+
+
+def _two_runs(rank: int, world_size: int, port: int, my_port: int, refused) -> object:
+    if rank == 0:
+        with connect(_spec(0, my_port, None, run_id="run-b")) as rg:
+            return _round(rg)
+    if rank == 2:  # a consumer of run A, pointed at run B's port
+        try:
+            connect(_spec(1, my_port, None, run_id="run-a"))
+        except ConfigError as e:
+            return str(e)
+        finally:
+            refused.set()
+        return "joined"
+    assert refused.wait(HANG_S)
+    with connect(_spec(1, my_port, None, run_id="run-b")) as rg:
+        return _round(rg)
+
+
+def test_a_consumer_never_joins_another_runs_producer():
+    """Run B's producer on the port; run A's consumer refuses it in one line and receives nothing, and run B's own
+    consumer then refits as if A's had never been there."""
+    refused = mp.get_context(launch.START_METHOD).Event()
+    results = run_ranks(_two_runs, 3, free_port(), refused, timeout=HANG_S)
+    assert "belongs to run 'run-b', this consumer to run 'run-a'" in results[2], results[2]
+    assert "\n" not in results[2]
+    assert results[1] == pytest.approx(sum(float(t.float().sum()) for _, t in _weights()))
+
+
+def _one_line_error(proc: RefitProcess, limit_s: float, *fragments: str) -> str:
+    outcome = proc.wait(limit_s)
+    details = outcome.describe()
+    assert outcome.returncode == 1, details
+    assert "Traceback" not in outcome.stderr, details
+    assert len(outcome.error_lines) == 1 and outcome.error.startswith("refit_app: error: "), details
+    for fragment in fragments:
+        assert fragment in outcome.error, details
+    return outcome.stdout + outcome.stderr
+
+
+def test_wrong_token_is_refused_on_both_sides_within_the_deadline(tmp_path):
+    port = free_port()
+    common = [f"group.port={port}", "group.world_size=2", f"group.timeout_s={SHORT_S:g}"]
+    with Launcher(tmp_path) as launcher:
+        procs = launcher.start_together(
+            {"producer": ["role=producer", *common], "consumer": ["role=consumer", "sink=discard", *common]},
+            STARTUP_LIMIT_S,
+            {"producer": {TOKEN_ENV: TOKEN}, "consumer": {TOKEN_ENV: "another-token"}},
+        )
+        _one_line_error(procs["consumer"], deadline_budget(SHORT_S), "holds another group.token")
+        output = _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join",
+                                 "check-in(s) were ignored")
+        assert "signature that does not check" in output
+    # Neither the logs nor anything in the run directories (config_resolved.yaml, metrics.json) hold a token.
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert TOKEN.encode() not in data and b"another-token" not in data, path
+
+
+def test_no_token_warns_on_loopback_and_refuses_an_exposed_port_unless_allowed(tmp_path):
+    short = ["role=producer", "group.timeout_s=1"]
+    with Launcher(tmp_path) as launcher:
+        loopback = launcher.start("loopback", *short, f"group.port={free_port()}")
+        exposed = launcher.start("exposed", *short, "group.host=0.0.0.0", f"group.port={free_port()}")
+        allowed = launcher.start("allowed", *short, "group.host=0.0.0.0", f"group.port={free_port()}",
+                                 "group.allow_unauthenticated=true")
+        limit = STARTUP_LIMIT_S + deadline_budget(1)
+        output = _one_line_error(loopback, limit, "rank 1 did not join")
+        assert "group.token is not set: any process on this host can join" in output, output
+        _one_line_error(exposed, limit, "group.host=0.0.0.0 is not a loopback address and group.token is not set",
+                        "group.allow_unauthenticated=true")
+        output = _one_line_error(allowed, limit, "rank 1 did not join")
+        assert "group.allow_unauthenticated=true: any host" in output, output
+
+
+def test_the_store_listens_on_group_host_only():
+    """The default group.host=127.0.0.1 keeps the port off every other interface."""
+    port = free_port()
+    store = start_store(_spec(0, port, None))
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+        addresses |= _own_addresses()
+        others = [a for a in addresses if not a.startswith("127.")]
+        if not others:
+            pytest.skip("this host has no non-loopback IPv4 address to try")
+        for address in others:
+            with pytest.raises(OSError):
+                socket.create_connection((address, port), timeout=2).close()
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        del store
+
+
+def _own_addresses() -> set[str]:
+    """This host's outward IPv4 address, if it has a route (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return {s.getsockname()[0]}
+        except OSError:
+            return set()
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no_token"])
+def test_a_record_is_believed_only_as_its_run_signed_it(token):
+    """Round trip; then every garbage value, a tampered body, another kind and another run's key: each a
+    RecordError (the one exception callers catch), never a JSONDecodeError, KeyError or RecursionError."""
+    auth = RunAuth.derive(token, "run-a", "nonce-1", 0)
+    record = {"rank": 1, "message": "boom", "phase": None}
+    sealed = auth.seal("error", record)
+    assert auth.open("error", sealed) == record
+    if token is not None:
+        assert TOKEN not in sealed
+        tampered = json.loads(sealed)
+        tampered["body"] = tampered["body"].replace("boom", "ATTACKER")
+        forged = [json.dumps(tampered), json.dumps(record)]
+        for other in (RunAuth.derive(TOKEN, "run-a", "nonce-2", 0), RunAuth.derive("other", "run-a", "nonce-1", 0),
+                      RunAuth.derive(TOKEN, "run-b", "nonce-1", 0)):
+            forged.append(other.seal("error", record))
+        forged.append(auth.seal("outcome", record))  # a signature made for another kind of record
+        for value in forged:
+            with pytest.raises(RecordError):
+                auth.open("error", value)
+    for value in _GARBAGE:
+        try:
+            auth.open("error", value)
+        except RecordError:
+            pass
+
+
+def test_a_forged_backend_record_fails_the_set_up_instead_of_redirecting_it():
+    """Gloo reads each rank's address from the store; with a token a value overwritten by a stranger is refused."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    auth = RunAuth.derive(TOKEN, "run-a", "nonce-1", 0)
+    signed = SignedStore(server, auth)
+    signed.set("rank_1", b"10.0.0.2:1234")
+    assert signed.get("rank_1") == b"10.0.0.2:1234"
+    assert TOKEN.encode() not in server.get("rank_1")
+    server.set("rank_1", b"10.6.6.6:1234")
+    with pytest.raises(RuntimeError, match="not signed with this run's key"):
+        signed.get("rank_1")
+
+
+def test_cli_consumer_of_another_run_refuses_the_producer_and_saves_nothing(tmp_path):
+    """Run B's producer holds the port; run A's consumer (given its run id) exits 1 with one line, and its
+    sink.path never appears: no weights of another run land in it."""
+    port = free_port()
+    common = [f"group.port={port}", "group.world_size=2", f"group.timeout_s={SHORT_S:g}"]
+    sink = tmp_path / "run-a-weights"
+    with Launcher(tmp_path) as launcher:
+        procs = launcher.start_together(
+            {"producer": ["role=producer", "group.run_id=run-b", *common],
+             "consumer": ["role=consumer", "group.run_id=run-a", "sink=save", f"sink.path={sink}", *common]},
+            STARTUP_LIMIT_S,
+        )
+        _one_line_error(procs["consumer"], deadline_budget(SHORT_S), "belongs to run 'run-b'",
+                        "this consumer to run 'run-a'")
+        _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join")
+    assert not sink.exists()
+
+
+def _signed_world_size_mismatch(rank: int, port: int):
+    if rank < 2:
+        connect(_spec(rank, port, TOKEN, timeout_s=TIMEOUT_S, world_size=2 if rank == 0 else 3))
+
+
+def _signed_duplicate_rank(rank: int, port: int):
+    connect(_spec(min(rank, 1), port, TOKEN, timeout_s=TIMEOUT_S, world_size=3))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "ranks", "expected"),
+    [
+        ("world_size_mismatch", (0, 1), "group.world_size differs: the producer has 2, consumer rank 1 has 3"),
+        ("duplicate_rank", (0, 1, 2), "group.rank=1 is claimed by two consumers"),
+    ],
+)
+def test_with_a_token_a_checkin_mismatch_still_stops_every_rank_with_one_message(signed_played, scenario, ranks,
+                                                                                 expected):
+    """The signed outcome carries a real rank's failure to every rank, as the unsigned one does."""
+    for rank in ranks:
+        error = signed_played[rank][scenario]
+        assert isinstance(error, ConfigError), (rank, error)
+        assert expected in str(error)
+
+
+@pytest.fixture(scope="module")
+def signed_played() -> list[dict]:
+    return play_scenarios({"world_size_mismatch": _signed_world_size_mismatch,
+                           "duplicate_rank": _signed_duplicate_rank}, 3)
