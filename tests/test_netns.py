@@ -158,8 +158,10 @@ def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tm
         consumer.kill()
     assert codes == {"producer": 1, "consumer1": 1}, producer.text()[-2000:] + consumer.text()[-2000:]
     assert took <= EXIT_BUDGET_S, f"{took:.1f}s after the partition; budget {EXIT_BUDGET_S:g}s"
+    print(f"partition: both ranks exited 1 within {took:.1f}s of the cut (group.timeout_s={FAIL_TIMEOUT_S:g})")
     for r in (producer, consumer):
         lines = r.error_lines()
+        print(f"  {r.name}: {lines}")
         assert len(lines) == 1, r.text()[-3000:]
         assert re.search(r"round \d+|lost|no progress|did not report", lines[0]), lines
     assert producer.metrics()["status"] == "failed"
@@ -192,10 +194,12 @@ def test_a_consumer_that_cannot_reach_the_producer_says_so(hosts, tmp_path: Path
     assert _sh("link", names[1], "down").returncode == 0
     consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
                     *_group(2, FAIL_TIMEOUT_S, 1))
+    started = time.monotonic()
     try:
         assert consumer.wait(STARTUP_S + EXIT_BUDGET_S) == 1
     finally:
         consumer.kill()
+    print(f"unreachable producer: the consumer exited 1 after {time.monotonic() - started:.1f}s")
     assert consumer.error_lines() == [
         f"refit_app: error: could not reach the producer at 10.77.0.1:{PORT} within {FAIL_TIMEOUT_S:g}s; start "
         "the producer (group.rank=0) or check group.host and group.port"
