@@ -1,6 +1,8 @@
 """``python -m refit_app``: resolve the config with Hydra and run it; every failure ends in one line."""
 
+import logging
 import os
+import sys
 
 # c10d prints multi-line C++ warnings when a peer disappears; our own one-line error already says what happened.
 # Set before torch is imported, which reads it once.
@@ -22,7 +24,19 @@ def _main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """``python -m refit_app`` and the ``refit-app`` console script."""
-    run_with_one_line_errors(_main)
+    try:
+        run_with_one_line_errors(_main)
+    except SystemExit as e:
+        if not e.code or "torch.distributed" not in sys.modules:
+            raise
+        # A failed rank can leave a transport thread blocked in a collective (a chain relay's receive from a dead
+        # peer); interpreter teardown would destroy it and abort the process (SIGABRT) after the one-line error
+        # was printed. Everything the run keeps (metrics.json, the run directory, the line) is written by now.
+        # Not in role=local's launcher (it never imports torch): its multiprocessing clean-up must run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
 
 
 if __name__ == "__main__":

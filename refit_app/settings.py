@@ -115,7 +115,8 @@ class GroupSpec:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             p.fail("group.timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if self.token is not None and not (isinstance(self.token, str) and self.token.strip()):
-            p.fail("group.token", "<hidden>", "must be a non-empty string (the same on every rank), or null")
+            p.fail("group.token", "<hidden>", "must be a non-empty string (the same on every rank), or null; "
+                   "an empty REFIT_APP_TOKEN counts as given: unset it for no token")
         if self.run_id is not None and not (isinstance(self.run_id, str) and _RUN_ID.fullmatch(self.run_id)):
             p.fail("group.run_id", self.run_id, "must be 1-64 letters, digits, '.', '_' or '-', or null")
         if not isinstance(self.allow_unauthenticated, bool):

@@ -14,6 +14,8 @@ import importlib.util
 import json
 import os
 import re
+import socket
+from pathlib import Path
 
 import pytest
 from conftest import CLI_TIMEOUT_S, CliProcess
@@ -220,6 +222,25 @@ def test_cli_role_auto_without_a_launcher(cli, launcher_env):
 _MASTER_PORT_LOG = re.compile(r"master_port=(\d+)")
 
 
+def _free_port_pair_below_the_ephemeral_range() -> int:
+    """A port P such that P and P + 1 are free, below the kernel's ephemeral range.
+
+    An OS-assigned port (``--rdzv-endpoint localhost:0``) lies inside that range, where P + 1 (the refit group's
+    port under role=auto) can be the local end of any outgoing connection, torchrun's workers' own among them: seen
+    in CI. Real jobs use a fixed MASTER_PORT (29500, 29501 for the group), outside the range, as this test does.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in range(max(low - 4000, 1025), low - 1, 2):
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    pytest.skip(f"no free pair of ports below the ephemeral range ({low})")
+
+
 @pytest.mark.slow
 def test_torchrun_three_ranks_verified_refit(tmp_path, launcher_env):
     """``torchrun --nproc-per-node 3 -m refit_app role=auto``: rank 0 sends, ranks 1 and 2 verify, all exit 0, one
@@ -227,7 +248,8 @@ def test_torchrun_three_ranks_verified_refit(tmp_path, launcher_env):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["LOGLEVEL"] = "INFO"  # torchrun's agent logs the MASTER_PORT it gives its workers
     proc = CliProcess(["-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", "localhost:0", "--max-restarts", "0",
+                       "--rdzv-endpoint", f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
+                       "--max-restarts", "0",
                        "-m", "refit_app", "role=auto", COVER_STARTUP], tmp_path, env)  # fmt: skip
     result = proc.wait(CLI_TIMEOUT_S)
     assert_ok(result)
