@@ -82,6 +82,12 @@ class TorchBroadcastGroup:
         self._backend = None
 
 
+_EVENT_POLL_START_S = 20e-6
+_EVENT_POLL_MAX_S = 1e-3
+"""Polling a pynccl broadcast's CUDA event: the first query after 20 us, then at most every millisecond (a query
+costs microseconds)."""
+
+
 class _EventWork:
     def __init__(self, event: Any, device: torch.device, control: Control) -> None:
         self._event = event
@@ -91,7 +97,9 @@ class _EventWork:
     def wait(self) -> None:
         # vLLM's communicator has no watchdog: bound the wait here or a dead peer hangs this rank forever.
         deadline = time.monotonic() + self._control.timeout_s
-        poller = Poller()
+        # A chunk's broadcast takes microseconds to milliseconds on a GPU: the store's 5 ms first sleep would cost
+        # more than the broadcast itself.
+        poller = Poller(_EVENT_POLL_START_S, _EVENT_POLL_MAX_S)
         while not self._event.query():
             if time.monotonic() >= deadline:
                 published = self._control.error()
