@@ -6,7 +6,9 @@ import sys
 
 # c10d prints multi-line C++ warnings when a peer disappears; our own one-line error already says what happened.
 # Set before torch is imported, which reads it once.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+from refit_app.environment import CPP_LOG_LEVEL_ENV  # noqa: E402 - torch-free
+
+os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from refit_app.chain import ChainBroadcastGroup
 from refit_app.control import Control, Poller, ranks_text
+from refit_app.environment import GLOO_IFNAME_ENV, NCCL_BLOCKING_WAIT_ENV
 from refit_app.errors import ConfigError, PeerError
 from refit_app.packed_tensor import Work
 from refit_app.settings import DEFAULT_TOPOLOGY, GroupSpec
@@ -237,9 +238,6 @@ def _make_pynccl_group(store: dist.Store, spec: GroupSpec, control: Control) -> 
     return PyNcclBroadcastGroup(comm, device, control)
 
 
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
-
-
 def gloo_device(spec: GroupSpec, address: str | None) -> Any:
     """The network device this rank's gloo connections use, or None for torch's default.
 
@@ -277,7 +275,7 @@ def make_group(
         # watchdog, which aborts the process with a multi-line report. With it, wait() raises after the group's
         # timeout and the run ends with the usual one-line error. Read when the group is built; a user's
         # explicit setting wins.
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault(NCCL_BLOCKING_WAIT_ENV, "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("refit/nccl", store), spec.rank, spec.world_size, options)

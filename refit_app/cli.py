@@ -29,10 +29,10 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from refit_app.environment import FULL_ERROR_ENV
 from refit_app.errors import Interrupted, RefitError
 
 PROG = "refit_app"
-FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 
 _SCHEMA_PREFIX = "base_"
 """Options Hydra lists for a group include the schemas registered by refit_app.config; users never pick those."""

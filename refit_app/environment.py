@@ -19,6 +19,22 @@ BUFFER_MEMORY_RATIO_ENV = "NRL_REFIT_BUFFER_MEMORY_RATIO"
 """Fraction of device (or host) memory for one packed buffer (the spec's ``get_target_packed_tensor_size``)."""
 DEFAULT_BUFFER_MEMORY_RATIO = 0.02
 
+# Other tools' variables that refit_app reads or sets.
+FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
+"""Hydra's: ``1`` keeps the full traceback of a failed run (refit_app otherwise prints one line)."""
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""gloo's network interface; when the user sets it, refit_app does not choose the device from the route."""
+NCCL_BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
+"""Set to ``1`` (unless the user set it) before an NCCL group is built, so that a dead peer ends a wait with an
+error after the group's timeout instead of the watchdog aborting the process."""
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+"""Set to ``ERROR`` (unless the user set it) by ``python -m refit_app`` before torch is imported: c10d's multi-line
+warnings about a vanished peer would repeat the one-line error."""
+VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""Set to ``0`` by ``sink=vllm``: the engine runs in the consumer's process and gets each batch as views."""
+VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""vLLM CPU's KV cache in GiB; ``sink=vllm`` sets it from ``sink.kv_cache_gib`` unless the user did."""
+
 # ---------------------------------------------------------------------------------------------------------------
 # role=auto: a launcher's environment. Read through the ${refit_app.launcher:KEY} resolver of conf/role/auto.yaml,
 # so an explicit group.KEY on the command line replaces the interpolation and wins without reading anything.

@@ -40,6 +40,10 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
+    def __reduce__(self) -> tuple[type["Interrupted"], tuple[int]]:
+        # The default would call Interrupted(message) when unpickled (a result queue, a multiprocessing error).
+        return Interrupted, (self.signum,)
+
     @property
     def exit_status(self) -> int:
         """The shell's convention for a process ended by a signal: 128 + its number."""

@@ -53,6 +53,10 @@ BASE_PRELOAD = ("torch",)
 """Imported once by the fork server, before any rank is forked."""
 ACTIVITY_BYTES = 240
 """Room for each rank's latest step in shared memory (UTF-8, cut to fit)."""
+_ACTIVITY_SLOT = 1 + 2 * ACTIVITY_BYTES
+"""A rank's part of the activity array: which of its two texts is current (one byte), then the two texts. A rank
+writes the other text and then flips the byte, so the supervisor never reads a line half overwritten."""
+_ACTIVITY_READS = 5
 
 _activity: tuple[Any, int] | None = None
 """In a rank: the shared activity array and this rank's slot."""
@@ -97,7 +101,11 @@ def note_activity(text: str) -> None:
         return
     array, rank = _activity
     data = " ".join(text.split()).encode("utf-8")[: ACTIVITY_BYTES - 1]
-    array[rank * ACTIVITY_BYTES : (rank + 1) * ACTIVITY_BYTES] = data.ljust(ACTIVITY_BYTES, b"\0")
+    base = rank * _ACTIVITY_SLOT
+    spare = 1 - array[base][0]  # the text not shown now
+    start = base + 1 + spare * ACTIVITY_BYTES
+    array[start : start + ACTIVITY_BYTES] = data.ljust(ACTIVITY_BYTES, b"\0")
+    array[base] = bytes((spare,))
 
 
 class ActivityHandler(logging.Handler):
@@ -114,8 +122,16 @@ class ActivityHandler(logging.Handler):
 
 
 def _read_activity(array: Any, rank: int) -> str:
-    raw = bytes(array[rank * ACTIVITY_BYTES : (rank + 1) * ACTIVITY_BYTES]).split(b"\0", 1)[0]
-    return raw.decode("utf-8", errors="replace")
+    """A rank's current text; read again should the rank have flipped to a newer one meanwhile (it could then be
+    writing over the one read)."""
+    base = rank * _ACTIVITY_SLOT
+    for _ in range(_ACTIVITY_READS):
+        current = array[base][0]
+        start = base + 1 + current * ACTIVITY_BYTES
+        raw = bytes(array[start : start + ACTIVITY_BYTES])
+        if array[base][0] == current:
+            break
+    return raw.split(b"\0", 1)[0].decode("utf-8", errors="replace")
 
 
 def root_cause(
@@ -271,7 +287,7 @@ def run_ranks(
     lifeline, lifeline_writer = ctx.Pipe(duplex=False)
     launcher_state = (dict(os.environ), os.getcwd())
     start = None if startup_s is None else (ctx.Queue(), ctx.Event())
-    activity = ctx.Array(ctypes.c_char, world_size * ACTIVITY_BYTES, lock=False)
+    activity = ctx.Array(ctypes.c_char, world_size * _ACTIVITY_SLOT, lock=False)
     procs = [
         ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state, start, activity),
                     name=f"{name}{r}", daemon=True)

@@ -777,6 +777,7 @@ def shard_layout(metas: Sequence[TensorMeta]) -> list[tuple[str, list[TensorMeta
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _STAGING_INFIX = ".refit-save-"
+_STAGING_TRIES = 5
 _OUR_TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 """Names :func:`~refit_app.files.create_temp` gives: a killed save's temporary files, never carried forward."""
 
@@ -864,6 +865,15 @@ def _locked_dir(path: Path) -> int | None:
     return fd
 
 
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open directory ``fd`` is still the one at ``path`` (not removed, not replaced)."""
+    try:
+        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
 def remove_leftovers(target: Path) -> None:
     """Remove what saves into ``target`` that were killed left beside it: directories named as this module names
     its staging directories and locked by no live process."""
@@ -946,15 +956,8 @@ class CheckpointWriter:
             raise SinkError(f"{self.directory} is a mount point, which a save cannot replace as a whole; save into "
                             f"a directory inside it (for example {self.directory / 'model'})")
         remove_leftovers(target)
-        staging = target.parent / f".{target.name}{_STAGING_INFIX}{secrets.token_hex(6)}"
-        try:
-            staging.mkdir()
-        except OSError as e:
-            raise SinkError(f"cannot create a directory in {target.parent}: {e.strerror or e} (a checkpoint is "
-                            "written beside its directory and swapped in whole, so the parent must be writable)"
-                            ) from e
-        self.staging = staging
-        self._lock = _locked_dir(staging)
+        self.staging, self._lock = self._claim_staging(target)
+        staging = self.staging
         try:
             for name, w in self._writers.items():
                 w.path = staging / name
@@ -964,6 +967,30 @@ class CheckpointWriter:
         except BaseException:
             self.abort()
             raise
+
+    @staticmethod
+    def _claim_staging(target: Path) -> tuple[Path, int]:
+        """A new staging directory beside ``target``, locked by this process.
+
+        Between its creation and its lock another save's :func:`remove_leftovers` may take it for a killed save's
+        and remove it: the lock then fails, or holds a directory no longer at that path. Either way, try a new one.
+        """
+        for _ in range(_STAGING_TRIES):
+            staging = target.parent / f".{target.name}{_STAGING_INFIX}{secrets.token_hex(6)}"
+            try:
+                staging.mkdir()
+            except OSError as e:
+                raise SinkError(f"cannot create a directory in {target.parent}: {e.strerror or e} (a checkpoint is "
+                                "written beside its directory and swapped in whole, so the parent must be "
+                                "writable)") from e
+            fd = _locked_dir(staging)
+            if fd is not None and _is_at(fd, staging):
+                return staging, fd
+            if fd is not None:
+                os.close(fd)
+            logger.info("%s was removed by another save before this one locked it; trying another", staging)
+        raise SinkError(f"could not keep a staging directory beside {target} in {_STAGING_TRIES} tries: other "
+                        "processes removed each one; is another save running into the same place?")
 
     @staticmethod
     def _write_file(path: Path, data: bytes) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from refit_app.environment import VLLM_KV_CACHE_ENV, VLLM_MULTIPROCESSING_ENV
 from refit_app.errors import SinkError, VerificationError
 from refit_app.hf_model import model_spec
 from refit_app.manifest import Manifest, dtype_to_str
@@ -251,8 +252,8 @@ class VllmSink:
     def _build(self, config_text: str, config: dict, dtype: torch.dtype) -> None:
         # The engine core and its worker in this process: a batch reaches load_weights as the views it is (a
         # separate engine process would need every chunk pickled), and nothing outlives this process.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        os.environ[VLLM_MULTIPROCESSING_ENV] = "0"
+        os.environ.setdefault(VLLM_KV_CACHE_ENV, str(self.kv_cache_gib))
         try:
             from vllm import LLM
         except ImportError as e:

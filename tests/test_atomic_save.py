@@ -180,3 +180,29 @@ def test_a_live_save_is_not_cleaned_away(tmp_path):
     assert first.staging is not None and first.staging.is_dir()
     first.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("lost", ["before_the_lock", "while_locked_by_the_remover"])
+def test_a_staging_directory_removed_before_its_lock_is_replaced(tmp_path, monkeypatch, lost):
+    """Another save's clean-up may remove a new staging directory in the moment between its creation and its lock
+    (it looks like a killed save's). The save then claims another one and completes; nothing is left beside it."""
+    real_locked_dir = safetensors_io._locked_dir
+    calls = []
+
+    def racing_locked_dir(path):
+        calls.append(path)
+        if len(calls) == 1:
+            if lost == "before_the_lock":
+                path.rmdir()  # the remover got there first: our open finds nothing
+                return real_locked_dir(path)
+            fd = real_locked_dir(path)  # we opened and locked it, but the remover had removed it by then
+            path.rmdir()
+            return fd
+        return real_locked_dir(path)
+
+    monkeypatch.setattr(safetensors_io, "_locked_dir", racing_locked_dir)
+    target = tmp_path / "ckpt"
+    write_checkpoint(target, "new")
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert loaded_version(target) == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

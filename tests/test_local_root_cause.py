@@ -73,3 +73,43 @@ def test_root_cause_prefers_the_first_real_failure():
     # A rank's own failure is the whole story, even when another rank had to be stopped after it.
     assert root_cause([stopped, own], labels, secondary=("PeerError",), stopped_hint="raise it") == "disk full"
     assert root_cause([RankOutcome(0, True)], labels[:1]) == ""
+
+
+def _write_lines_forever(array, stop) -> None:
+    from refit_app import launch
+
+    launch._activity = (array, 1)
+    i = 0
+    while not stop.is_set():
+        launch.note_activity(("A" if i % 2 else "B") * 239)
+        i += 1
+
+
+def test_the_supervisor_never_reads_a_half_written_step():
+    """A rank logs while the supervisor reads its last step (it has just failed, or is being stopped): the line read
+    is one the rank wrote, never the start of one and the end of another."""
+    import ctypes
+    import multiprocessing as mp
+    import time
+
+    from refit_app import launch
+
+    ctx = mp.get_context("spawn")
+    array = ctx.Array(ctypes.c_char, 2 * launch._ACTIVITY_SLOT, lock=False)
+    stop = ctx.Event()
+    writer = ctx.Process(target=_write_lines_forever, args=(array, stop), daemon=True)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not launch._read_activity(array, 1) and time.monotonic() < deadline:
+            pass  # until the writer's first line
+        seen = set()
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            seen.add(launch._read_activity(array, 1))
+    finally:
+        stop.set()
+        writer.join(10)
+        if writer.is_alive():
+            writer.kill()
+    assert seen and seen <= {"A" * 239, "B" * 239}, sorted({s[:3] + "..." + s[-3:] for s in seen})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from refit_app.errors import Interrupted
 
 STARTUP_S = 180.0
 """A hang limit for the run to reach its second round on a loaded machine; never a deadline under test."""
@@ -85,3 +88,10 @@ def test_a_signal_ends_the_run_with_metrics_and_no_rank_left(tmp_path: Path, sig
     while _alive(ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(ranks), f"left running: {_alive(ranks)}"
+
+
+def test_interrupted_survives_pickling():
+    """An Interrupted crosses process boundaries (a result queue, a pool) as itself, with its signal."""
+    again = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))
+    assert isinstance(again, Interrupted)
+    assert (again.signum, again.exit_status, str(again)) == (signal.SIGTERM, 143, "interrupted by SIGTERM")
