@@ -3,6 +3,8 @@ consumer that fails in round 3, the iterator form, and a session over a process 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from mp_utils import RankFailure, run_ranks
@@ -279,3 +281,50 @@ def _over_a_subgroup(rank: int, world_size: int, port: int) -> list:
 
 def test_a_session_runs_over_a_subgroup_with_group_ranks():
     assert run_ranks(_over_a_subgroup, 4, timeout=120) == [[0], [], [1, 1, 2], [2, 1, 2]]
+
+
+def _chain_over_process_group(rank: int, world_size: int, port: int, topologies: tuple[str, ...]) -> list:
+    import torch.distributed as dist
+
+    from refit_app.process_group import from_process_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        with from_process_group(timeout_s=TIMEOUT_S, topology=topologies[rank]) as rg:
+            kind = type(rg.group).__name__
+            if rank == 0:
+                with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
+                    for i in range(3):
+                        session.send(_weights(i + 1))
+                return [kind]
+            session = ConsumerSession(rg, verify=True)
+            out = [kind]
+            while (r := session.receive(lambda batch: None)) is not None:
+                out.append((r.round, r.verified))
+            return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_callers_process_group_relays_along_a_chain():
+    """topology='chain' over the caller's gloo group: each consumer forwards to the next, every round verified."""
+    got = run_ranks(_chain_over_process_group, 4, ("chain",) * 4, timeout=120)
+    assert got[0] == ["ChainBroadcastGroup"]
+    assert got[1:] == [["ChainBroadcastGroup", (1, True), (2, True), (3, True)]] * 3
+
+
+def test_ranks_that_disagree_on_the_topology_all_refuse():
+    started = time.monotonic()
+    results = run_ranks(_chain_over_process_group, 3, ("chain", "chain", "tree"), timeout=120,
+                        return_exceptions=True)
+    for r in results:
+        assert isinstance(r, RankFailure) and r.exc_type == "ConfigError", r
+        assert "topology differs between ranks (rank 0 'chain', rank 1 'chain', rank 2 'tree')" in r.message
+    assert time.monotonic() - started < 60
+
+
+def test_an_unknown_topology_is_refused_before_anything_else():
+    from refit_app.process_group import from_process_group
+
+    with pytest.raises(ValueError, match="topology='nope' is invalid: choose one of tree, chain"):
+        from_process_group(topology="nope")
