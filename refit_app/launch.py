@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit_app.errors import RefitError, one_line
+from refit_app.errors import Interrupted, RefitError, one_line
 
 _JOIN_S = 5.0
 """How long a rank that sent its result gets to exit before it is killed."""
@@ -258,6 +258,41 @@ def _child(
     os._exit(0)
 
 
+class _DeferredSignals:
+    """SIGINT and SIGTERM while the supervisor runs: noted by the handler and raised as
+    :class:`~refit_app.errors.Interrupted` at the supervisor loop's next check (within 0.1 s), never from inside a
+    queue's, a lock's or a join's code, where an exception raised by a signal can leave a lock taken and the clean-up
+    that follows blocked on it. Only in the main thread (the only one Python delivers signals to); a signal noted but
+    not yet raised when the block ends is raised then."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _DeferredSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in self._SIGNALS:
+                self._previous[s] = signal.signal(s, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal has come."""
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        if exc_type is None:
+            self.check()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -293,6 +328,16 @@ def run_ranks(
                     name=f"{name}{r}", daemon=True)
         for r in range(world_size)
     ]
+    with _DeferredSignals() as signals:
+        return _supervise(procs, results, lifeline, lifeline_writer, start, startup_s, activity, timeout_s, grace_s,
+                          signals)
+
+
+def _supervise(
+    procs: list[Any], results: Any, lifeline: Any, lifeline_writer: Any, start: tuple[Any, Any] | None,
+    startup_s: float | None, activity: Any, timeout_s: float | None, grace_s: float | None, signals: _DeferredSignals,
+) -> list[RankOutcome]:
+    world_size = len(procs)
     for p in procs:
         p.start()
     outcomes: dict[int, RankOutcome] = {}
@@ -300,9 +345,10 @@ def run_ranks(
     cause = ""
     try:
         if start is not None:
-            outcomes.update(_start_together(procs, start, startup_s))
+            outcomes.update(_start_together(procs, start, startup_s, signals))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(outcomes) < world_size:
+            signals.check()
             try:
                 outcome = results.get(timeout=0.1)
             except queue.Empty:
@@ -346,13 +392,16 @@ def run_ranks(
     return [outcomes[r] for r in range(world_size)]
 
 
-def _start_together(procs: list[Any], start: tuple[Any, Any], startup_s: float) -> dict[int, RankOutcome]:
+def _start_together(
+    procs: list[Any], start: tuple[Any, Any], startup_s: float, signals: _DeferredSignals
+) -> dict[int, RankOutcome]:
     """Wait until every rank has started up, then let all run; if one dies or hangs starting, nothing runs and
     every rank gets a failure saying why."""
     ready_queue, go = start
     ready: set[int] = set()
     deadline = time.monotonic() + startup_s
     while len(ready) < len(procs) and time.monotonic() < deadline:
+        signals.check()
         try:
             ready.add(ready_queue.get(timeout=0.1))
             continue

@@ -95,3 +95,24 @@ def test_interrupted_survives_pickling():
     again = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))
     assert isinstance(again, Interrupted)
     assert (again.signum, again.exit_status, str(again)) == (signal.SIGTERM, 143, "interrupted by SIGTERM")
+
+
+def test_the_supervisor_raises_a_signal_only_where_it_checks():
+    """role=local's launcher notes SIGINT/SIGTERM and raises Interrupted at its loop's next check, never from inside
+    whatever it was running (a queue's lock, a join), which could leave a lock taken for the clean-up after it."""
+    from refit_app.launch import _DeferredSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted) as raised:
+        with _DeferredSignals() as signals:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handlers have run: nothing was raised here
+            reached = True
+            signals.check()
+    assert reached and raised.value.signum == signal.SIGINT and raised.value.exit_status == 130
+    assert signal.getsignal(signal.SIGINT) is before
+
+    with pytest.raises(Interrupted):
+        with _DeferredSignals():
+            os.kill(os.getpid(), signal.SIGTERM)  # noted during the clean-up: raised as the block ends
