@@ -311,13 +311,14 @@ class Control:
                 )
         lower = text.lower()
         # With two ranks the peer is known; with more, a broadcast does not say which of them stopped.
-        peer = f"rank {1 - self.rank}" if self.world_size == 2 else "a peer"
+        if self.world_size == 2:
+            peer, who, link = f"rank {1 - self.rank}", "it", ", or the network to it failed"
+        else:
+            peer, who, link = "a peer", "a rank", ""
         if "timed out" in lower or "timeout" in lower:
-            why = "it may have stalled or died, or the network to it failed" if self.world_size == 2 else (
-                "a rank may have stalled or died")
-            return f"no progress from {peer} within {self.timeout_s:g}s; {why} ({text})"
+            return f"no progress from {peer} within {self.timeout_s:g}s; {who} may have stalled or died{link} ({text})"
         if any(s in lower for s in ("connection reset", "connection closed", "broken pipe", "connection refused")):
-            return f"lost the connection to {peer}; {'it' if self.world_size == 2 else 'a rank'} may have died ({text})"
+            return f"lost the connection to {peer}; {who} may have died ({text})"
         return text
 
     def leave(self) -> None:

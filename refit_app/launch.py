@@ -260,22 +260,18 @@ def _child(
 
 class _DeferredSignals:
     """SIGINT and SIGTERM while the supervisor runs: noted by the handler and raised as
-    :class:`~refit_app.errors.Interrupted` at the supervisor loop's next check (within 0.1 s), never from inside a
-    queue's, a lock's or a join's code, where an exception raised by a signal can leave a lock taken and the clean-up
-    that follows blocked on it. Only in the main thread (the only one Python delivers signals to); a signal noted but
-    not yet raised when the block ends is raised then."""
+    :class:`~refit_app.errors.Interrupted` at the supervisor loop's next :meth:`check` (within 0.1 s), never from
+    inside a queue's, a lock's or a join's code, where an exception raised by a signal can leave a lock taken and the
+    clean-up that follows blocked on it. Only in the main thread (the only one Python delivers signals to)."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _DeferredSignals:
         if threading.current_thread() is threading.main_thread():
             for s in self._SIGNALS:
                 self._previous[s] = signal.signal(s, self._note)
-        return self
 
     def _note(self, signum: int, frame: Any) -> None:
         if self.signum is None:
@@ -286,11 +282,11 @@ class _DeferredSignals:
         if self.signum is not None:
             raise Interrupted(self.signum)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def restore(self) -> None:
+        """Put the previous handlers back (a signal noted and not raised yet stays for :meth:`check`)."""
         for s, previous in self._previous.items():
             signal.signal(s, previous)
-        if exc_type is None:
-            self.check()
+        self._previous = {}
 
 
 def run_ranks(
@@ -328,18 +324,9 @@ def run_ranks(
                     name=f"{name}{r}", daemon=True)
         for r in range(world_size)
     ]
-    with _DeferredSignals() as signals:
-        return _supervise(procs, results, lifeline, lifeline_writer, start, startup_s, activity, timeout_s, grace_s,
-                          signals)
-
-
-def _supervise(
-    procs: list[Any], results: Any, lifeline: Any, lifeline_writer: Any, start: tuple[Any, Any] | None,
-    startup_s: float | None, activity: Any, timeout_s: float | None, grace_s: float | None, signals: _DeferredSignals,
-) -> list[RankOutcome]:
-    world_size = len(procs)
     for p in procs:
         p.start()
+    signals = _DeferredSignals()
     outcomes: dict[int, RankOutcome] = {}
     first_failure: tuple[float, int] | None = None
     cause = ""
@@ -385,6 +372,8 @@ def _supervise(
         results.close()
         lifeline.close()
         lifeline_writer.close()  # any rank still alive now kills itself
+        signals.restore()
+    signals.check()  # a signal that came during the clean-up
     for r in range(world_size):
         outcomes.setdefault(r, RankOutcome(r, False, error=f"rank {r} {cause or 'was killed'}", exc_type="Timeout"))
         if not outcomes[r].ok:

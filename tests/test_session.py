@@ -202,21 +202,26 @@ def test_tensors_that_contradict_their_list_fail_the_round_before_corrupting_it(
     assert isinstance(consumer, RankFailure) and "round 1" in consumer.message
 
 
-def _over_process_group(rank: int, world_size: int, port: int) -> list:
+def _over_process_group(
+    rank: int, world_size: int, port: int, topologies: tuple[str, ...] | None = None, rounds: int = 2
+) -> list:
+    """``rounds`` verified rounds over the caller's own gloo group; with ``topologies`` (one per rank), each rank's
+    result starts with the class of group it got."""
     import torch.distributed as dist
 
     from refit_app.process_group import from_process_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        with from_process_group(timeout_s=TIMEOUT_S) as rg:
+        options = {} if topologies is None else {"topology": topologies[rank]}
+        with from_process_group(timeout_s=TIMEOUT_S, **options) as rg:
+            out = [] if topologies is None else [type(rg.group).__name__]
             if rank == 0:
                 with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
-                    for i in range(2):
+                    for i in range(rounds):
                         session.send(_weights(i + 1))
-                return []
+                return out
             session = ConsumerSession(rg, verify=True)
-            out = []
             while (r := session.receive(lambda batch: None)) is not None:
                 out.append((r.round, r.verified))
             return out
@@ -283,39 +288,16 @@ def test_a_session_runs_over_a_subgroup_with_group_ranks():
     assert run_ranks(_over_a_subgroup, 4, timeout=120) == [[0], [], [1, 1, 2], [2, 1, 2]]
 
 
-def _chain_over_process_group(rank: int, world_size: int, port: int, topologies: tuple[str, ...]) -> list:
-    import torch.distributed as dist
-
-    from refit_app.process_group import from_process_group
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        with from_process_group(timeout_s=TIMEOUT_S, topology=topologies[rank]) as rg:
-            kind = type(rg.group).__name__
-            if rank == 0:
-                with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
-                    for i in range(3):
-                        session.send(_weights(i + 1))
-                return [kind]
-            session = ConsumerSession(rg, verify=True)
-            out = [kind]
-            while (r := session.receive(lambda batch: None)) is not None:
-                out.append((r.round, r.verified))
-            return out
-    finally:
-        dist.destroy_process_group()
-
-
 def test_the_callers_process_group_relays_along_a_chain():
     """topology='chain' over the caller's gloo group: each consumer forwards to the next, every round verified."""
-    got = run_ranks(_chain_over_process_group, 4, ("chain",) * 4, timeout=120)
+    got = run_ranks(_over_process_group, 4, ("chain",) * 4, 3, timeout=120)
     assert got[0] == ["ChainBroadcastGroup"]
     assert got[1:] == [["ChainBroadcastGroup", (1, True), (2, True), (3, True)]] * 3
 
 
 def test_ranks_that_disagree_on_the_topology_all_refuse():
     started = time.monotonic()
-    results = run_ranks(_chain_over_process_group, 3, ("chain", "chain", "tree"), timeout=120,
+    results = run_ranks(_over_process_group, 3, ("chain", "chain", "tree"), timeout=120,
                         return_exceptions=True)
     for r in results:
         assert isinstance(r, RankFailure) and r.exc_type == "ConfigError", r

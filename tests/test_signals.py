@@ -104,15 +104,20 @@ def test_the_supervisor_raises_a_signal_only_where_it_checks():
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Interrupted) as raised:
-        with _DeferredSignals() as signals:
+        signals = _DeferredSignals()
+        try:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.01)  # the handlers have run: nothing was raised here
             reached = True
             signals.check()
+        finally:
+            signals.restore()
     assert reached and raised.value.signum == signal.SIGINT and raised.value.exit_status == 130
     assert signal.getsignal(signal.SIGINT) is before
 
     with pytest.raises(Interrupted):
-        with _DeferredSignals():
-            os.kill(os.getpid(), signal.SIGTERM)  # noted during the clean-up: raised as the block ends
+        signals = _DeferredSignals()
+        os.kill(os.getpid(), signal.SIGTERM)  # noted during the clean-up: raised once the handlers are restored
+        signals.restore()
+        signals.check()
