@@ -213,3 +213,25 @@ def test_a_chain_over_three_consumer_hosts_is_verified(hosts, tmp_path: Path) ->
     for k, r in enumerate(ranks[1:], start=1):
         relays = f"forwards to rank {k + 1}" if k < 3 else "forwards to nobody"
         assert f"rank {k}: chain topology: receives from rank {k - 1}, {relays}" in r.text(), r.text()[-3000:]
+
+
+def test_the_link_benchmark_times_verified_rounds_against_the_limit_on_the_same_link() -> None:
+    """``scripts/netns_bench.py --verify``: every round of the refit is verified by the consumer, the limit runs on
+    the same link between them, and the table names both as multiples of B / R; the hosts are gone afterwards."""
+    script = SCRIPT.parent / "netns_bench.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--rate", "2gbit", "--preset", "llama-1b", "--size", "64MiB", "--consumers", "1",
+         "--topologies", "tree", "--buffers", "default", "--rounds", "3", "--verify", "--timeout-s", "120"],
+        capture_output=True, text=True, timeout=STARTUP_S * 2, check=False,
+    )
+    if run.returncode == 77 or "needs root" in run.stderr:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "consumers verify every round" in run.stdout, run.stdout
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| tree | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    refit_s, refit_x, limit_s, limit_x, ratio = cells[2:7]
+    # 67 MB at 250 MB/s: B / R = 0.27 s. Neither side beats the link by more than tbf's 4 MB burst (6%).
+    assert float(refit_x.split("x")[0]) >= 0.9 and float(limit_x.rstrip("x")) >= 0.9, row
+    assert float(ratio) == pytest.approx(float(limit_s) / float(refit_s), abs=0.06), row
+    assert "refit-bench" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
