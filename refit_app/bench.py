@@ -17,6 +17,10 @@ Modes alternate within a repetition (A B C A B C ...) so that machine noise hits
 repetition warms every path first. Each list-valued flag is a sweep axis; every combination is one case. Results go
 to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) and ``<out>/table.md``.
 
+Across hosts: ``--rank R`` runs only rank R in this process, joining the producer at ``--host``/``--port`` (a
+group of ``--world-size``, with ``REFIT_APP_TOKEN`` as on the application's ranks), so the limit is the one of the
+link between real hosts. Rank 0's flags decide the cases; it prints and writes the results of every rank.
+
 Memory: after the timed repetitions, ``--flat-refits`` consecutive refits (and as many session rounds) each
 measure this rank's peak RSS above the RSS with the model alone, against ``num_buffers x max(target, largest
 tensor)``.
@@ -43,6 +47,8 @@ from typing import Any
 
 import torch
 
+from refit_app.auth import TOKEN_ENV
+from refit_app.errors import ConfigError, RefitError
 from refit_app.files import write_atomic
 from refit_app.groups import GroupSpec, RefitGroup, connect
 from refit_app.launch import free_port, run_ranks
@@ -59,6 +65,7 @@ from refit_app.packed_tensor import (
 )
 from refit_app.presets import PRESETS
 from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.settings import DEFAULT_PORT
 from refit_app.sizes import format_decimal, format_size, parse_size
 from refit_app.sources import SyntheticSource
 
@@ -515,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{format_size(get_target_packed_tensor_size())} here)")
     p.add_argument("--num-buffers", nargs="+", type=int, default=None,
                    help=f"buffers in flight (default: get_num_buffers(), {get_num_buffers()} here)")
-    p.add_argument("--consumers", nargs="+", type=int, default=[1], help="consumer processes (default: 1)")
+    p.add_argument("--consumers", nargs="+", type=int, default=None,
+                   help="consumer processes (default: 1; across hosts: --world-size - 1)")
     p.add_argument("--post", nargs="+", choices=POSTS, default=["none"],
                    help="producer post_iter_func: none, or cast (fp32 model sent as bf16) (default: none)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time (default: all)")
@@ -526,6 +534,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for bench.json and table.md (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help="deadline for each group of cases (default: %(default)s)")
+    hosts = p.add_argument_group(
+        "across hosts", "run one rank per host (the same --host, --port and --world-size on each; REFIT_APP_TOKEN "
+                        "set alike on every host for non-loopback addresses); rank 0's other flags pick the cases, "
+                        "and rank 0 prints and writes every rank's results")
+    hosts.add_argument("--rank", type=int, default=None,
+                       help="this process's rank: 0 is the producer, 1..world-size-1 the consumers (default: spawn "
+                            "every rank on this machine over loopback)")
+    hosts.add_argument("--world-size", type=int, default=2, help="ranks in all, producer included (default: 2)")
+    hosts.add_argument("--host", default="127.0.0.1",
+                       help="the producer's address; rank 0 listens on it (0.0.0.0: every interface) "
+                            "(default: %(default)s)")
+    hosts.add_argument("--port", type=int, default=DEFAULT_PORT, help="the producer's port (default: %(default)s)")
+    hosts.add_argument("--interface", default=None, help="the NIC gloo uses (default: the route to the producer)")
+    hosts.add_argument("--group-timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
+                       help="deadline of the rendezvous and of every collective (default: %(default)s)")
     return p
 
 
@@ -537,7 +560,12 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
     )
     num_buffers = [get_num_buffers()] if args.num_buffers is None else args.num_buffers
     problems = [f"--num-buffers {n} must be >= 1" for n in num_buffers if n < 1]
-    problems += [f"--consumers {n} must be >= 1" for n in args.consumers if n < 1]
+    consumers = args.consumers or [1]
+    if getattr(args, "rank", None) is not None:
+        if args.consumers is not None:
+            problems.append("--consumers is --world-size - 1 across hosts; drop it")
+        consumers = [args.world_size - 1]
+    problems += [f"--consumers {n} must be >= 1" for n in consumers if n < 1]
     if args.reps < 1:
         problems.append(f"--reps {args.reps} must be >= 1")
     if args.flat_refits < 0:
@@ -547,9 +575,8 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
     cases = []
     for preset in args.preset:
         sizes = _parse_sizes(args.size if args.size is not None else DEFAULT_SIZES.get(preset, ("1GB",)))
-        for size, buf, nb, consumers, post in itertools.product(sizes, buffer_sizes, num_buffers, args.consumers,
-                                                                args.post):
-            cases.append(Case(preset, size, buf, nb, consumers, post, args.reps, tuple(args.modes), args.flat_refits))
+        for size, buf, nb, n, post in itertools.product(sizes, buffer_sizes, num_buffers, consumers, args.post):
+            cases.append(Case(preset, size, buf, nb, n, post, args.reps, tuple(args.modes), args.flat_refits))
     return cases
 
 
@@ -571,10 +598,15 @@ def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, An
         for i, case in enumerate(batch):
             summaries[case] = _summarize(case, [rank[i] for rank in per_rank])
     ordered = [summaries[c] for c in cases]
+    _write_results(ordered, out_dir, load_before, "gloo (loopback, one process per rank)")
+    return ordered
+
+
+def _write_results(ordered: list[dict[str, Any]], out_dir: Path, load_before: Sequence[float], backend: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "backend": "gloo (loopback, one process per rank)",
+        "backend": backend,
         "modes": {
             "refit": "packed_broadcast_producer/consumer, one call each, consumer drops each batch",
             "session": "one steady-state round of ProducerSession.send / ConsumerSession.receive (manifest sent in "
@@ -587,6 +619,40 @@ def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, An
     }
     write_atomic(out_dir / "bench.json", (json.dumps(doc, indent=2, default=str) + "\n").encode())
     write_atomic(out_dir / "table.md", format_table(ordered).encode())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Across hosts: one rank in this process.
+
+
+def _broadcast_json(rg: RefitGroup, value: Any, src: int) -> Any:
+    """``value`` (JSON-able) from rank ``src`` to every rank, over the group itself: its length, then its bytes."""
+    data = json.dumps(value, default=str).encode() if rg.rank == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    rg.group.broadcast(length, src)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(length), dtype=torch.uint8)
+    rg.group.broadcast(payload, src)
+    return value if rg.rank == src else json.loads(payload.numpy().tobytes())
+
+
+def _spec_from_args(args: argparse.Namespace) -> GroupSpec:
+    return GroupSpec(backend="gloo", host=args.host, port=args.port, world_size=args.world_size, rank=args.rank,
+                     timeout_s=args.group_timeout_s, interface=args.interface, token=os.environ.get(TOKEN_ENV))
+
+
+def run_rank(spec: GroupSpec, cases: list[Case], out_dir: Path) -> list[dict[str, Any]] | None:
+    """Run rank ``spec.rank`` of a benchmark whose ranks are on other hosts. Rank 0's ``cases`` are everyone's; it
+    gathers every rank's results, writes bench.json and table.md and returns the summaries (None elsewhere)."""
+    load_before = os.getloadavg()
+    with connect(spec) as rg:
+        cases = [Case(**{**c, "modes": tuple(c["modes"])}) for c in _broadcast_json(rg, [asdict(c) for c in cases], 0)]
+        mine = [_run_case(rg, case) for case in cases]
+        per_rank = [_broadcast_json(rg, mine if rg.rank == r else None, r) for r in range(rg.world_size)]
+    if spec.rank != 0:
+        return None
+    ordered = [_summarize(case, [rank[i] for rank in per_rank]) for i, case in enumerate(cases)]
+    _write_results(ordered, out_dir, load_before,
+                   f"gloo across hosts (producer at {spec.host}:{spec.port}, {spec.world_size} ranks, one per process)")
     return ordered
 
 
@@ -616,8 +682,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     cases = cases_from_args(args)
-    summaries = run(cases, Path(args.out), args.timeout_s)
     out = sys.stdout
+    if args.rank is not None:
+        try:
+            summaries = run_rank(_spec_from_args(args), cases, Path(args.out))
+        except ConfigError as e:
+            raise SystemExit(f"refit_app.bench: error: {e}") from None
+        except RefitError as e:
+            print(f"refit_app.bench: error: rank {args.rank}: {e}", file=sys.stderr)
+            return 1
+        if summaries is None:
+            out.write(f"rank {args.rank}: done; rank 0 prints and writes the results\n")
+            return 0
+    else:
+        summaries = run(cases, Path(args.out), args.timeout_s)
     out.write(format_table(summaries))
     for line in _memory_lines(summaries):
         out.write(line + "\n")

@@ -5,10 +5,13 @@ No timing is asserted: only that every mode ran, moved the model's bytes and was
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
 
+from mp_utils import free_port, run_ranks
 from refit_app import bench
 
 SIZE = 2_000_000
@@ -60,3 +63,49 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
 def test_bad_flags_are_refused_before_any_process_starts(args, message):
     with pytest.raises(SystemExit, match=message):
         bench.cases_from_args(bench.build_parser().parse_args(args))
+
+
+def _one_rank(rank: int, world_size: int, port: int, out: str, extra: list[str]) -> tuple[int, str, str]:
+    printed, errors = io.StringIO(), io.StringIO()
+    args = ["--preset", "lora", "--size", "1MB", "--buffer-size", "256KiB", "--reps", "1", "--flat-refits", "1",
+            "--out", f"{out}/rank{rank}", "--rank", str(rank), "--world-size", str(world_size), "--port", str(port),
+            *(extra if rank == 0 else [])]
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        try:
+            code = bench.main(args)
+        except SystemExit as e:
+            code = e.code
+    return code, printed.getvalue(), errors.getvalue()
+
+
+def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path):
+    """``--rank``: each rank in its own process joins the producer's address as the application's ranks do; the
+    consumers take rank 0's cases (here: modes they were not given) and rank 0 alone writes every rank's results."""
+    results = run_ranks(_one_rank, 3, str(tmp_path), ["--modes", "refit", "limit"], timeout=120)
+    for code, _, errors in results:
+        assert code == 0, errors
+    table = (tmp_path / "rank0" / "table.md").read_text()
+    assert table in results[0][1]
+    assert not (tmp_path / "rank1").exists() and not (tmp_path / "rank2").exists()
+    assert "rank 1: done; rank 0 prints and writes the results" in results[1][1]
+    doc = json.loads((tmp_path / "rank0" / "bench.json").read_text())
+    assert doc["backend"].startswith("gloo across hosts (producer at 127.0.0.1:")
+    (case,) = doc["cases"]
+    assert case["case"]["consumers"] == 2 and case["case"]["modes"] == ["refit", "limit"]
+    assert set(case["modes"]) == {"refit", "limit"}
+    for mode in case["modes"].values():
+        assert len(mode["per_rank_seconds"]) == 3 and all(len(r) == 1 for r in mode["per_rank_seconds"])
+    assert [m["rank"] for m in case["memory"]] == [0, 1, 2]
+
+
+def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_up_on_a_missing_producer(capsys):
+    with pytest.raises(SystemExit, match="--consumers is --world-size - 1 across hosts; drop it"):
+        bench.main(["--rank", "0", "--consumers", "2"])
+    with pytest.raises(SystemExit, match=r"refit_app.bench: error: .*group.rank.*must be in 0..1"):
+        bench.main(["--rank", "2", "--world-size", "2", "--reps", "1"])
+    port = free_port()
+    code = bench.main(["--rank", "1", "--port", str(port), "--group-timeout-s", "2", "--reps", "1"])
+    assert code == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(
+        f"refit_app.bench: error: rank 1: could not reach the producer at 127.0.0.1:{port} within 2s"), errors
