@@ -66,6 +66,9 @@ from refit_app.packed_tensor import (
 from refit_app.presets import PRESETS
 from refit_app.session import ConsumerSession, ProducerSession
 from refit_app.settings import DEFAULT_PORT
+from refit_app.settings import (
+    DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S,  # group.timeout_s's default
+)
 from refit_app.sizes import format_decimal, format_size, parse_size
 from refit_app.sources import SyntheticSource
 
@@ -547,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     hosts.add_argument("--port", type=int, default=DEFAULT_PORT, help="the producer's port (default: %(default)s)")
     hosts.add_argument("--interface", default=None, help="the NIC gloo uses (default: the route to the producer)")
-    hosts.add_argument("--group-timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
-                       help="deadline of the rendezvous and of every collective (default: %(default)s)")
+    hosts.add_argument("--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+                       help="deadline of the rendezvous and of every collective, as group.timeout_s: a rank that dies "
+                            "ends the others within about that (default: %(default)s)")
     return p
 
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
+import time
 
 import pytest
+from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
-from mp_utils import free_port, run_ranks
 from refit_app import bench
 
 SIZE = 2_000_000
@@ -109,3 +112,34 @@ def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_u
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(
         f"refit_app.bench: error: rank 1: could not reach the producer at 127.0.0.1:{port} within 2s"), errors
+
+
+def test_a_consumer_killed_mid_run_ends_rank_0_with_one_line_within_its_deadline(tmp_path):
+    """No hang across hosts: rank 0 notices the lost consumer within --group-timeout-s and says so in one line."""
+    port, timeout_s = free_port(), 5.0
+    common = [sys.executable, "-m", "refit_app.bench", "--port", str(port), "--group-timeout-s", str(timeout_s)]
+    logs = [tmp_path / "rank0.err", tmp_path / "rank1.err"]
+    with open(logs[0], "w") as err0, open(logs[1], "w") as err1:
+        producer = subprocess.Popen([*common, "--rank", "0", "--preset", "llama-1b", "--size", "1GB", "--reps", "50",
+                                     "--modes", "refit", "limit", "--out", str(tmp_path / "out")],
+                                    stdout=subprocess.DEVNULL, stderr=err0)
+        consumer = subprocess.Popen([*common, "--rank", "1"], stdout=subprocess.DEVNULL, stderr=err1)
+        try:
+            deadline = time.monotonic() + STARTUP_LIMIT_S
+            while "accepted the manifest" not in logs[0].read_text():  # the timed repetitions start next
+                assert producer.poll() is None and time.monotonic() < deadline, logs[0].read_text()[-2000:]
+                time.sleep(0.05)
+            consumer.kill()
+            killed = time.monotonic()
+            code = producer.wait(deadline_budget(timeout_s))
+            took = time.monotonic() - killed
+        finally:
+            for p in (producer, consumer):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+    errors = [line for line in logs[0].read_text().splitlines() if line.startswith("refit_app.bench: error:")]
+    print(f"rank 0 exited {code} {took:.1f}s after the consumer was killed: {errors}")
+    assert code == 1 and len(errors) == 1 and "rank 0:" in errors[0], logs[0].read_text()[-2000:]
+    assert "Traceback" not in logs[0].read_text()
+    assert not (tmp_path / "out").exists()
