@@ -66,9 +66,7 @@ from refit_app.packed_tensor import (
 from refit_app.presets import PRESETS
 from refit_app.session import ConsumerSession, ProducerSession
 from refit_app.settings import DEFAULT_PORT
-from refit_app.settings import (
-    DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S,  # group.timeout_s's default
-)
+from refit_app.settings import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S
 from refit_app.sizes import format_decimal, format_size, parse_size
 from refit_app.sources import SyntheticSource
 
