@@ -39,11 +39,18 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from refit_app.environment import CPP_LOG_LEVEL_ENV
+
+if __name__ == "__main__":
+    # As in ``python -m refit_app``: c10d's multi-line C++ warnings about a lost peer would bury the one-line error.
+    os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
 
 import torch
 
@@ -566,14 +573,16 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
     if getattr(args, "rank", None) is not None:
         if args.consumers is not None:
             problems.append("--consumers is --world-size - 1 across hosts; drop it")
-        consumers = [args.world_size - 1]
+        if args.world_size < 2:
+            problems.append(f"--world-size {args.world_size} must be >= 2 (the producer and at least one consumer)")
+        consumers = [max(args.world_size - 1, 1)]
     problems += [f"--consumers {n} must be >= 1" for n in consumers if n < 1]
     if args.reps < 1:
         problems.append(f"--reps {args.reps} must be >= 1")
     if args.flat_refits < 0:
         problems.append(f"--flat-refits {args.flat_refits} must be >= 0")
     if problems:
-        raise SystemExit("refit_app.bench: " + "; ".join(problems))
+        raise SystemExit("refit_app.bench: error: " + "; ".join(problems))
     cases = []
     for preset in args.preset:
         sizes = _parse_sizes(args.size if args.size is not None else DEFAULT_SIZES.get(preset, ("1GB",)))
@@ -680,28 +689,60 @@ def _memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
                 )
 
 
+CASE_FLAGS = ("preset", "size", "buffer_size", "num_buffers", "post", "modes", "reps", "flat_refits")
+"""The flags that make the cases: across hosts, rank 0's decide and a consumer's own are not used."""
+
+
+def _check_out(out_dir: Path) -> None:
+    """Refuse an --out that cannot take the results before the run, not after it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".bench-probe-"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"refit_app.bench: error: --out {str(out_dir)!r} cannot take the results: "
+                         f"{e.strerror or e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
-    cases = cases_from_args(args)
-    out = sys.stdout
-    if args.rank is not None:
-        try:
-            summaries = run_rank(_spec_from_args(args), cases, Path(args.out))
-        except ConfigError as e:
-            raise SystemExit(f"refit_app.bench: error: {e}") from None
-        except RefitError as e:
-            print(f"refit_app.bench: error: rank {args.rank}: {e}", file=sys.stderr)
-            return 1
-        if summaries is None:
-            out.write(f"rank {args.rank}: done; rank 0 prints and writes the results\n")
-            return 0
-    else:
-        summaries = run(cases, Path(args.out), args.timeout_s)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cases = cases_from_args(args)
+    except ConfigError as e:
+        raise SystemExit(f"refit_app.bench: error: {e}") from None
+    out, out_dir = sys.stdout, Path(args.out)
+    writes = args.rank in (None, 0)
+    if writes:
+        _check_out(out_dir)
+    elif ignored := [f"--{f.replace('_', '-')}" for f in CASE_FLAGS if getattr(args, f) != parser.get_default(f)]:
+        logger.warning("rank %d runs rank 0's cases: its own %s not used", args.rank, ", ".join(ignored))
+    try:
+        if args.rank is None:
+            summaries = run(cases, out_dir, args.timeout_s)
+        else:
+            summaries = run_rank(_spec_from_args(args), cases, out_dir)
+    except ConfigError as e:
+        raise SystemExit(f"refit_app.bench: error: {e}") from None
+    except RefitError as e:
+        print(f"refit_app.bench: error: rank {args.rank}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if not writes:
+            raise
+        print(f"refit_app.bench: error: could not write the results to {str(out_dir)!r}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("refit_app.bench: interrupted; no results written", file=sys.stderr)
+        return 130
+    if summaries is None:
+        out.write(f"rank {args.rank}: done; rank 0 prints and writes the results\n")
+        return 0
     out.write(format_table(summaries))
     for line in _memory_lines(summaries):
         out.write(line + "\n")
-    out.write(f"results: {Path(args.out) / 'bench.json'}\n")
+    out.write(f"results: {out_dir / 'bench.json'}\n")
     return 0
 
 

@@ -26,6 +26,10 @@ PRODUCER_RANK = 0
 DEFAULT_PORT = 29500
 """Rendezvous port of a producer and its consumers when ``group.port`` is null (``role=local`` picks a free one)."""
 DEFAULT_TIMEOUT_S = 60.0
+MIN_TIMEOUT_S = 0.001
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""group.timeout_s's bounds: below a millisecond c10d's clients round it to no deadline at all, and a deadline past a
+week (or infinite) is a hang by another name."""
 
 
 def show(value: Any) -> str:
@@ -112,8 +116,10 @@ class GroupSpec:
             p.fail("group.topology", self.topology,
                    f"chain relays over gloo only, and group.backend={self.backend} already pipelines its broadcast "
                    "on GPUs; use group.topology=tree or group.backend=gloo")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            p.fail("group.timeout_s", self.timeout_s, "must be a number of seconds > 0")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S):
+            p.fail("group.timeout_s", self.timeout_s,
+                   f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (a week)")
         if self.token is not None and not (isinstance(self.token, str) and self.token.strip()):
             p.fail("group.token", "<hidden>", "must be a non-empty string (the same on every rank), or null; "
                    "an empty REFIT_APP_TOKEN counts as given: unset it for no token")

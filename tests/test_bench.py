@@ -61,7 +61,8 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--num-buffers", "0"], "--num-buffers 0 must be >= 1"), (["--reps", "0"], "--reps 0 must be >= 1")],
+    [(["--num-buffers", "0"], "refit_app.bench: error: --num-buffers 0 must be >= 1"),
+     (["--reps", "0"], "refit_app.bench: error: --reps 0 must be >= 1")],
 )
 def test_bad_flags_are_refused_before_any_process_starts(args, message):
     with pytest.raises(SystemExit, match=message):
@@ -102,8 +103,12 @@ def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path
 
 
 def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_up_on_a_missing_producer(capsys):
-    with pytest.raises(SystemExit, match="--consumers is --world-size - 1 across hosts; drop it"):
+    with pytest.raises(SystemExit, match="refit_app.bench: error: --consumers is --world-size - 1 across hosts"):
         bench.main(["--rank", "0", "--consumers", "2"])
+    with pytest.raises(SystemExit, match=r"error: --world-size 1 must be >= 2 \(the producer and at least one"):
+        bench.main(["--rank", "0", "--world-size", "1"])
+    with pytest.raises(SystemExit, match=r"error: .*group.timeout_s=inf is invalid"):
+        bench.main(["--rank", "1", "--group-timeout-s", "inf", "--reps", "1"])
     with pytest.raises(SystemExit, match=r"refit_app.bench: error: .*group.rank.*must be in 0..1"):
         bench.main(["--rank", "2", "--world-size", "2", "--reps", "1"])
     port = free_port()
@@ -142,4 +147,20 @@ def test_a_consumer_killed_mid_run_ends_rank_0_with_one_line_within_its_deadline
     print(f"rank 0 exited {code} {took:.1f}s after the consumer was killed: {errors}")
     assert code == 1 and len(errors) == 1 and "rank 0:" in errors[0], logs[0].read_text()[-2000:]
     assert "Traceback" not in logs[0].read_text()
-    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "out").iterdir())  # no results of a run that did not finish
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--size", "0"], r"^refit_app.bench: error: --size: '0' is not a size"),
+    (["--buffer-size", "0"], r"^refit_app.bench: error: --buffer-size: '0' is not a size"),
+])
+def test_a_bad_size_is_one_line(args, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(args)
+
+
+def test_an_out_that_cannot_take_the_results_is_refused_before_the_run(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    with pytest.raises(SystemExit, match=r"^refit_app.bench: error: --out '.*a-file' cannot take the results: "):
+        bench.main(["--reps", "1", "--out", str(taken)])
