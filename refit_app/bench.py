@@ -569,14 +569,15 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
     )
     num_buffers = [get_num_buffers()] if args.num_buffers is None else args.num_buffers
     problems = [f"--num-buffers {n} must be >= 1" for n in num_buffers if n < 1]
-    consumers = args.consumers or [1]
-    if getattr(args, "rank", None) is not None:
+    if args.rank is None:
+        consumers = args.consumers or [1]
+        problems += [f"--consumers {n} must be >= 1" for n in consumers if n < 1]
+    else:
+        consumers = [args.world_size - 1]
         if args.consumers is not None:
             problems.append("--consumers is --world-size - 1 across hosts; drop it")
         if args.world_size < 2:
             problems.append(f"--world-size {args.world_size} must be >= 2 (the producer and at least one consumer)")
-        consumers = [max(args.world_size - 1, 1)]
-    problems += [f"--consumers {n} must be >= 1" for n in consumers if n < 1]
     if args.reps < 1:
         problems.append(f"--reps {args.reps} must be >= 1")
     if args.flat_refits < 0:
