@@ -18,8 +18,8 @@ import sys
 from hydra import compose, initialize_config_module
 
 from refit_app import run
-from refit_app.errors import RefitError
-from refit_app.schema import CONF_MODULE
+from refit_app.app.schema import CONF_MODULE
+from refit_app.common.errors import RefitError
 
 # The experiment: the one-machine refit of the tiny synthetic model, in 1 MiB buffers so that it moves several
 # chunks, with every received tensor checked against the producer's checksums.

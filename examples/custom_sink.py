@@ -21,10 +21,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from refit_app import run
-from refit_app.errors import RefitError, SinkError
-from refit_app.manifest import Manifest
-from refit_app.safetensors_io import save_tensors
-from refit_app.schema import CONF_MODULE
+from refit_app.app.schema import CONF_MODULE
+from refit_app.checkpoint.safetensors_io import save_tensors
+from refit_app.common.errors import RefitError, SinkError
+from refit_app.protocol.manifest import Manifest
 
 
 def make_network(seed: int) -> torch.nn.Module:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from refit_app.groups import GroupSpec, connect
-from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import GroupSpec, connect
 
 STEPS = 3
 

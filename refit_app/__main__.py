@@ -6,16 +6,16 @@ import sys
 
 # c10d prints multi-line C++ warnings when a peer disappears; our own one-line error already says what happened.
 # Set before torch is imported, which reads it once.
-from refit_app.environment import CPP_LOG_LEVEL_ENV  # noqa: E402 - torch-free
+from refit_app.app.cli import quiet_c10d, run_with_one_line_errors  # torch-free
 
-os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
+quiet_c10d()
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from refit_app.app import run  # noqa: E402
-from refit_app.cli import run_with_one_line_errors  # noqa: E402
-from refit_app.schema import CONF_PATH, CONFIG_NAME  # noqa: E402
+from refit_app.app.reference import register_help_resolver  # noqa: E402
+from refit_app.app.runner import run  # noqa: E402
+from refit_app.app.schema import CONF_PATH, CONFIG_NAME  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path=CONF_PATH, config_name=CONFIG_NAME)
@@ -26,6 +26,7 @@ def _main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """``python -m refit_app`` and the ``refit-app`` console script."""
+    register_help_resolver()
     try:
         run_with_one_line_errors(_main)
     except SystemExit as e:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,16 +55,20 @@ from refit_app.core.consumer import (
     normalize_meta,
     planned_layouts,
 )
+from refit_app.core.defaults import (
+    BUFFER_MEMORY_RATIO_ENV,
+    DEFAULT_BUFFER_MEMORY_RATIO,
+    DEFAULT_HOST_TARGET_PACKED_TENSOR_SIZE,
+    DEFAULT_NUM_BUFFERS,
+    MAX_TARGET_PACKED_TENSOR_SIZE,
+    NUM_BUFFERS_ENV,
+    get_num_buffers,
+    get_target_packed_tensor_size,
+)
 from refit_app.core.group import BroadcastGroup, Work
 from refit_app.core.plan import PackedPlan, follow_plan, produce_planned
 from refit_app.core.producer import Sender, produce_streaming
 from refit_app.core.wire import pack_into, pack_tensors, tensor_bytes, unpack_from
-from refit_app.environment import (
-    BUFFER_MEMORY_RATIO_ENV,
-    DEFAULT_BUFFER_MEMORY_RATIO,
-    DEFAULT_NUM_BUFFERS,
-    NUM_BUFFERS_ENV,
-)
 
 __all__ = [
     # The spec's API.
@@ -100,73 +103,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_TARGET_PACKED_TENSOR_SIZE = 5 * 1024**3
-"""Cap on :func:`get_target_packed_tensor_size`, whatever the memory ratio."""
-DEFAULT_HOST_TARGET_PACKED_TENSOR_SIZE = 16 * 1024**2
-"""Default chunk target without a GPU (and without ``NRL_REFIT_BUFFER_MEMORY_RATIO``); see
-:func:`get_target_packed_tensor_size` for the measurement behind it."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Settings from the environment (the spec's helpers).
-
-
-def get_num_buffers() -> int:
-    """Number of rotating buffers: ``NRL_REFIT_NUM_BUFFERS``, default 2. Read at every call."""
-    raw = os.environ.get(NUM_BUFFERS_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_NUM_BUFFERS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{NUM_BUFFERS_ENV}={raw!r} is not an integer; set it to a whole number >= 1") from None
-    if value < 1:
-        raise ValueError(f"{NUM_BUFFERS_ENV}={raw!r} is out of range; set it to a whole number >= 1")
-    return value
-
-
-def _total_device_memory() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def get_target_packed_tensor_size() -> int:
-    """Target chunk size in bytes. Read at every call.
-
-    - ``NRL_REFIT_BUFFER_MEMORY_RATIO`` set: that fraction of the current CUDA device's memory, or of physical
-      memory without a GPU, capped at 5 GiB.
-    - Unset, with a GPU: 0.02 of the current CUDA device's memory (the spec's default), capped at 5 GiB.
-    - Unset, without a GPU: 16 MiB (:data:`DEFAULT_HOST_TARGET_PACKED_TENSOR_SIZE`), or 0.02 of physical memory
-      where that is smaller.
-
-    Why 16 MiB on the host: overlap needs many chunks. At 2% of RAM (482 MiB on a 24 GiB machine) a 1 GB model
-    is two chunks, the second waits for the first, and the consumer holds two 482 MiB receive buffers. Measured
-    with ``python -m refit_app.bench`` over gloo on a 2-core VM (1 GB Llama-shaped model, 2 buffers, refit and the
-    transport limit interleaved, medians of 5, machine under load): 16 MiB x 2 reached 0.91x and 1.10x the limit
-    in two runs (0.93-1.11x in the README's earlier sweeps), 32 MiB 0.75x, 64 MiB 0.63-0.91x, 482 MiB 0.82-0.94x;
-    4-8 MiB did no better than 16 MiB (0.91-1.11x) while each chunk still costs a collective. A chunk
-    of 16 MiB is about 5 ms on the wire at 3 GB/s, so the per-broadcast cost (tens of microseconds) stays under
-    2%. The buffers' memory is ``num_buffers x max(target, largest tensor)``, which the largest tensor dominates.
-    """
-    raw = os.environ.get(BUFFER_MEMORY_RATIO_ENV)
-    ratio = DEFAULT_BUFFER_MEMORY_RATIO
-    explicit = raw is not None and raw.strip() != ""
-    if explicit:
-        try:
-            ratio = float(raw)
-        except ValueError:
-            raise ValueError(
-                f"{BUFFER_MEMORY_RATIO_ENV}={raw!r} is not a number; set it to a fraction in (0, 1], e.g. 0.02"
-            ) from None
-        if not 0.0 < ratio <= 1.0:  # also rejects nan
-            raise ValueError(f"{BUFFER_MEMORY_RATIO_ENV}={raw!r} is out of range; set it to a fraction in (0, 1]")
-    target = min(int(_total_device_memory() * ratio), MAX_TARGET_PACKED_TENSOR_SIZE)
-    if not explicit and not torch.cuda.is_available():
-        target = min(target, DEFAULT_HOST_TARGET_PACKED_TENSOR_SIZE)
-    return max(1, target)
-
 
 def _resolve_settings(buffer_size_bytes: int | None, num_buffers: int | None) -> tuple[int, int]:
     target = get_target_packed_tensor_size() if buffer_size_bytes is None else buffer_size_bytes
@@ -233,7 +169,7 @@ def packed_broadcast_producer(
     except BaseException:
         try:
             drain(slots)
-        except BaseException:  # noqa: BLE001 - the caller's exception is the one that matters
+        except BaseException:
             logger.debug("in-flight broadcast failed while unwinding", exc_info=True)
         raise
     drain(slots)

@@ -39,7 +39,7 @@ import torch
 # Check this checkout's refit_app, not whatever else may be installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer  # noqa: E402
+from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
 
 VLLM_MODULE = "vllm.distributed.weight_transfer.packed_tensor"
 EXPECTED_VLLM = "0.33."
@@ -266,7 +266,7 @@ def check_vllm_loop(vpt: ModuleType, case: Case, target: int, reference: list[to
             vpt.packed_nccl_broadcast_producer(
                 iter(case.items), group, SRC, case.post_iter_func, buffer_size_bytes=target, num_buffers=2
             )
-    except Exception as e:  # noqa: BLE001 - our CPU stand-ins may not fit another vLLM version; the table says so
+    except Exception as e:
         return f"n/a: vLLM loop not runnable on CPU ({type(e).__name__}: {e})"
     return _compare_chunks(group.sent, reference)
 
@@ -283,7 +283,7 @@ def check_producer(case: Case, target: int, reference: list[torch.Tensor]) -> tu
             num_buffers=2,
             use_legacy_packing=True,
         )
-    except Exception as e:  # noqa: BLE001 - reported in the table
+    except Exception as e:
         return f"FAIL: {type(e).__name__}: {e}", group.sent
     return _compare_chunks(group.sent, reference), group.sent
 
@@ -308,7 +308,7 @@ def check_consumer(case: Case, target: int, sent: list[Item], chunks: list[torch
             buffer_size_bytes=target,
             use_legacy_packing=True,
         )
-    except Exception as e:  # noqa: BLE001 - reported in the table
+    except Exception as e:
         return f"FAIL: {type(e).__name__}: {e}"
     if group.pending:
         return f"FAIL: {len(group.pending)} chunk(s) never received (sizes {[c.numel() for c in group.pending]})"

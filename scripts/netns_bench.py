@@ -54,12 +54,12 @@ def _rate_bytes_per_s(rate: str) -> float:
 
 
 def worker(rank: int, plan: dict) -> None:
-    from refit_app.bench import Case, _barrier, _Limit
-    from refit_app.groups import GroupSpec, connect
+    from refit_app.bench.cli import Case, _barrier, _Limit
+    from refit_app.common.sizes import parse_size
+    from refit_app.models.sources import SyntheticSource
     from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
-    from refit_app.session import ConsumerSession, ProducerSession
-    from refit_app.sizes import parse_size
-    from refit_app.sources import SyntheticSource
+    from refit_app.protocol.session import ConsumerSession, ProducerSession
+    from refit_app.transport.groups import GroupSpec, connect
 
     size = None if plan["size"] == NATURAL else parse_size(plan["size"], key="--size")
     source = SyntheticSource(plan["preset"], size)
@@ -198,8 +198,8 @@ def main() -> None:
         worker(args.worker, json.loads(args.plan))
         return
     rate = _rate_bytes_per_s(args.rate)
-    from refit_app.errors import ConfigError
-    from refit_app.sizes import parse_size
+    from refit_app.common.errors import ConfigError
+    from refit_app.common.sizes import parse_size
 
     try:  # refuse a bad size here, in one line, rather than in every worker
         if args.size != NATURAL:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from refit_app import packed_tensor as pt
-from refit_app.sizes import parse_size
-from refit_app.sources import SyntheticSource
+from refit_app.common.sizes import parse_size
+from refit_app.models.sources import SyntheticSource
 
 
 class _Done:

@@ -25,7 +25,7 @@ from types import TracebackType
 
 import torch
 
-from refit_app.safetensors_io import save_tensors
+from refit_app.checkpoint.safetensors_io import save_tensors
 
 _POLL_S = 0.05
 _PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")
@@ -65,7 +65,7 @@ class Outcome:
 _GATED_MAIN = """
 import os, runpy, sys
 import refit_app.__main__  # the entry point's own start-up (it sets up logging before torch loads), not main()
-import refit_app.roles  # what runs the ranks (the app imports it lazily); its imports are the slow part
+import refit_app.app.roles  # what runs the ranks (the app imports it lazily); its imports are the slow part
 del sys.modules["refit_app.__main__"]  # run_module executes it afresh, as __main__
 
 def _find_connect():

@@ -1,5 +1,5 @@
 """Run a function once per rank in its own process, with a deadline and per-rank tracebacks, through the project's
-one harness (:mod:`refit_app.launch`, which ``role=local`` and the benchmark use too).
+one harness (:mod:`refit_app.app.launch`, which ``role=local`` and the benchmark use too).
 
 ``fn`` must be a module-level function (it is pickled by reference) with the signature
 ``fn(rank, world_size, port, *args)``; its return value must pickle.
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from refit_app import launch
-from refit_app.launch import free_port
+from refit_app.app import launch
+from refit_app.app.launch import free_port
 
 __all__ = ["DEADLINE_MARGIN", "EXIT_SLACK_S", "STARTUP_LIMIT_S", "RankFailure", "deadline_budget", "free_port",
            "play_scenarios", "run_ranks"]
@@ -75,7 +75,7 @@ def run_ranks(
     return_exceptions: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, port, *args)`` for every rank in its own process, through the project's one
-    harness (:func:`refit_app.launch.run_ranks`), the ranks started together.
+    harness (:func:`refit_app.app.launch.run_ranks`), the ranks started together.
 
     Returns the per-rank results in rank order. A rank that raised, died or missed ``timeout`` (killed
     then) yields a :class:`RankFailure`; unless ``return_exceptions`` is set, any failure raises an
@@ -99,7 +99,7 @@ def run_ranks(
 def _play_scenarios(
     rank: int, world_size: int, port: int, scenarios: dict, ports: dict[str, int], barrier: Any, timeout: float
 ) -> dict:
-    from refit_app.errors import RefitError
+    from refit_app.common.errors import RefitError
 
     outcomes: dict[str, Any] = {}
     for name, scenario in scenarios.items():

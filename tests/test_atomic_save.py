@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from refit_app import safetensors_io
-from refit_app.manifest import TensorMeta
-from refit_app.safetensors_io import INDEX_FILE_NAME, Checkpoint, CheckpointWriter
+from refit_app.checkpoint import safetensors_io
+from refit_app.checkpoint.safetensors_io import INDEX_FILE_NAME, Checkpoint, CheckpointWriter
+from refit_app.core.meta import TensorMeta
 
 SAVE_TIMEOUT_S = 120.0
 """One save of a few KiB in a fresh interpreter (torch import included), with a wide margin for a busy machine."""
@@ -30,7 +30,7 @@ MAX_STEPS = 40
 
 _KILLING_SAVE = textwrap.dedent("""
     import os, shutil, signal, sys
-    from refit_app import safetensors_io as io
+    from refit_app.checkpoint import safetensors_io as io
     sys.path.insert(0, sys.argv[3])
     from test_atomic_save import checkpoint_spec, write_checkpoint
 

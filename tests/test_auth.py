@@ -23,12 +23,12 @@ from mp_utils import (
     run_ranks,
 )
 
-from refit_app import launch
-from refit_app.auth import TOKEN_ENV, RecordError, RunAuth
-from refit_app.errors import ConfigError, PeerError
-from refit_app.groups import GroupSpec, connect
-from refit_app.rendezvous import SignedStore, start_store
-from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.app import launch
+from refit_app.common.errors import ConfigError, PeerError
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
+from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.rendezvous import SignedStore, start_store
 
 TIMEOUT_S = 20.0
 """group.timeout_s where the run must succeed; nothing waits for it."""
@@ -127,7 +127,7 @@ class Rogue:
                 time.sleep(0.01)
         except dist.DistError:
             pass  # the producer exited: the run is over
-        except BaseException as e:  # noqa: BLE001 - reported by the test
+        except BaseException as e:
             self.error = e
         finally:
             self.done.set()

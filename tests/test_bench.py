@@ -15,7 +15,7 @@ import time
 import pytest
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
-from refit_app import bench
+from refit_app.bench import cli as bench
 
 SIZE = 2_000_000
 

@@ -16,17 +16,18 @@ import torch
 from mp_utils import run_ranks
 from safetensors import safe_open
 
-from refit_app.checksum import default_algorithm, host_bytes
-from refit_app.groups import GroupSpec, connect
-from refit_app.manifest import Manifest
-from refit_app.safetensors_io import (
+from refit_app.checkpoint.safetensors_io import (
     MAX_COMPANION_FILE_BYTES,
     SINGLE_FILE_NAME,
     read_companion_files,
 )
-from refit_app.session import ConsumerSession, ProducerSession
-from refit_app.sinks import SaveSink
-from refit_app.sources import SafetensorsSource
+from refit_app.core.wire import host_bytes
+from refit_app.models.sinks import SaveSink
+from refit_app.models.sources import SafetensorsSource
+from refit_app.protocol.checksum import default_algorithm
+from refit_app.protocol.manifest import Manifest
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import GroupSpec, connect
 
 FRACAST_PACKAGE = "fracast"
 BUFFER = 1 << 20
@@ -99,7 +100,7 @@ def test_companion_files_of_a_model_directory(tmp_path):
 
 
 def test_companion_files_are_published_with_the_weights_only(tmp_path):
-    from refit_app.safetensors_io import save_tensors
+    from refit_app.checkpoint.safetensors_io import save_tensors
 
     src = tmp_path / "src"
     src.mkdir()
@@ -128,7 +129,7 @@ def test_companion_files_are_published_with_the_weights_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["../config.json", ".hidden", "model.safetensors", "model.safetensors.index.json"])
 def test_save_refuses_companion_names_that_escape_or_replace_weights(tmp_path, name):
-    from refit_app.errors import SinkError
+    from refit_app.common.errors import SinkError
 
     sink = SaveSink(str(tmp_path / "out"))
     with pytest.raises(SinkError, match="refusing companion files"):
@@ -178,7 +179,7 @@ def test_fracast_int8_variant_mixed_dtypes(fracast_dir, tmp_path):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_llama_saved_opens_with_from_pretrained(tmp_path, sharded):
     transformers = pytest.importorskip("transformers")
-    from refit_app.hf_model import write_tiny_llama
+    from refit_app.models.hf_model import write_tiny_llama
 
     src = write_tiny_llama(tmp_path / "src", seed=3, dtype=torch.bfloat16)
     if sharded:

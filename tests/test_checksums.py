@@ -8,10 +8,10 @@ import sys
 import torch
 from mp_utils import RankFailure, run_ranks
 
-from refit_app.checksum import available_algorithms, tensor_checksum
-from refit_app.groups import GroupSpec, connect
-from refit_app.handshake import recv_checksums, send_checksums
-from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.protocol.checksum import available_algorithms, tensor_checksum
+from refit_app.protocol.handshake import recv_checksums, send_checksums
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import GroupSpec, connect
 
 TIMEOUT_S = 30.0
 BUFFER = 4096

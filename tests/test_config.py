@@ -15,10 +15,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from refit_app.config import RunSettings, validate
-from refit_app.errors import ConfigError
-from refit_app.schema import CONF_MODULE, CONFIG_NAME
-from refit_app.settings import DEFAULT_PORT, GroupSpec, SinkSpec, SourceSpec
+from refit_app.app.config import RunSettings, SinkSpec, SourceSpec, validate
+from refit_app.app.schema import CONF_MODULE, CONFIG_NAME
+from refit_app.common.errors import ConfigError
+from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV = "NRL_REFIT_NUM_BUFFERS"
@@ -73,9 +73,9 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
     assert (s.refit.use_legacy_packing, s.refit.corrupt_chunk) == (False, None)
     assert type(s.refit.num_buffers) is int and type(s.group.timeout_s) is float
     assert s.source == SourceSpec(
-        "refit_app.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"}
+        "refit_app.models.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"}
     )
-    assert (s.sink, s.sink_name) == (SinkSpec("refit_app.sinks.VerifySink", {}), "verify")
+    assert (s.sink, s.sink_name) == (SinkSpec("refit_app.models.sinks.VerifySink", {}), "verify")
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_safetensors_source(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_bytes(b"")
     s = settings("source=safetensors", f"source.path={checkpoint}")
-    assert s.source == SourceSpec("refit_app.sources.SafetensorsSource", {"path": str(checkpoint)})
+    assert s.source == SourceSpec("refit_app.models.sources.SafetensorsSource", {"path": str(checkpoint)})
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
     assert sweep_dir.startswith("outputs/multirun/") and sweep_dir.endswith(suffix)
     assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
     assert cfg.hydra.job.chdir is False
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "refit_app.sweep_summary.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "refit_app.app.sweep_summary.SweepSummary"
 
 
 # --- bad values: refused before anything starts, naming key, value and what is allowed ------------------------
@@ -272,10 +272,10 @@ APP = textwrap.dedent(
 
     import hydra
 
-    from refit_app.cli import run_with_one_line_errors
-    from refit_app.config import validate
-    from refit_app.schema import CONF_PATH
-    from refit_app.errors import SinkError
+    from refit_app.app.cli import run_with_one_line_errors
+    from refit_app.app.config import validate
+    from refit_app.app.schema import CONF_PATH
+    from refit_app.common.errors import SinkError
 
 
     @hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
@@ -387,5 +387,5 @@ def test_full_error_shows_the_traceback(app: Path) -> None:
     result = run_app(app, "refit.num_buffers=0", HYDRA_FULL_ERROR="1")
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
-    assert "refit_app.errors.ConfigError: refit.num_buffers=0 is invalid" in result.stderr
+    assert "refit_app.common.errors.ConfigError: refit.num_buffers=0 is invalid" in result.stderr
     assert "refit_app: error:" not in result.stderr

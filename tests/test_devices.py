@@ -1,4 +1,4 @@
-"""The GPU each rank of a host takes (:mod:`refit_app.devices`): a pure choice tested on CPU with the device count as
+"""The GPU each rank of a host takes (:mod:`refit_app.app.devices`): a pure choice tested on CPU with the device count as
 a parameter, and applied on a GPU machine (marker ``gpu``; ``scripts/gpu_check.sh`` runs it). Imports neither Hydra
 nor the application, which the GPU machine may lack."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_app.devices import local_cuda_device, use_local_gpu
+from refit_app.app.devices import local_cuda_device, use_local_gpu
 
 # --- The GPU of a rank ----------------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from refit_app import run
-from refit_app.app import RESOLVED_CONFIG_FILE
-from refit_app.config import validate
-from refit_app.errors import ConfigError
-from refit_app.schema import CONF_MODULE
+from refit_app.app.config import validate
+from refit_app.app.runner import RESOLVED_CONFIG_FILE
+from refit_app.app.schema import CONF_MODULE
+from refit_app.common.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compose_run.py"
 MiB = 2**20
@@ -98,7 +98,7 @@ def test_a_custom_sink_that_cannot_be_imported_is_one_line(cli):
 def test_a_custom_source_of_the_users_own(cli, tmp_path):
     (tmp_path / "my_source.py").write_text(
         "import torch\n"
-        "from refit_app.manifest import TensorMeta\n"
+        "from refit_app.core.meta import TensorMeta\n"
         "class Ones:\n"
         "    def __init__(self, n):\n"
         "        self.n = n\n"

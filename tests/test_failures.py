@@ -33,12 +33,12 @@ from typing import Any
 
 import pytest
 import torch
-
 from failure_utils import Launcher, Outcome, RefitProcess, listing, snapshot, write_checkpoint
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port
+
+from refit_app.checkpoint.safetensors_io import save_tensors
+from refit_app.models.sources import SyntheticSource
 from refit_app.packed_tensor import chunk_ids
-from refit_app.safetensors_io import save_tensors
-from refit_app.sources import SyntheticSource
 
 TIMEOUT_S = 6
 """group.timeout_s of every case: short, so that deadline cases stay cheap."""

@@ -12,14 +12,14 @@ import time
 
 import pytest
 import torch
-
 from fakes import RecordingGroup, ReplayGroup, raw_bytes
 from mp_utils import run_ranks
-from refit_app.core.buffers import get_streams
-from refit_app.groups import GroupSpec, connect
-from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
-from refit_app.sources import SyntheticSource
 from test_packed_tensor import IDENTITY, assert_exact, awkward_tensors, metas
+
+from refit_app.core.buffers import get_streams
+from refit_app.models.sources import SyntheticSource
+from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
+from refit_app.transport.groups import GroupSpec, connect
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from mp_utils import RankFailure, deadline_budget, free_port, play_scenarios, run_ranks
 
-from refit_app import backends
-from refit_app.errors import ConfigError, PeerError
-from refit_app.backends import resolve_backend
-from refit_app.control import Control
-from refit_app.groups import GroupSpec, connect
+from refit_app.common.errors import ConfigError, PeerError
+from refit_app.transport import backends
+from refit_app.transport.backends import resolve_backend
+from refit_app.transport.control import Control
+from refit_app.transport.groups import GroupSpec, connect
 
 FAIL_TIMEOUT_S = 5.0
 """group.timeout_s where a deadline or a failure is under test."""

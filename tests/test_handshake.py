@@ -10,9 +10,9 @@ import pytest
 import torch
 from mp_utils import play_scenarios
 
-from refit_app.errors import HandshakeError, PeerError, SinkError
-from refit_app.groups import GroupSpec, connect
-from refit_app.handshake import (
+from refit_app.common.errors import HandshakeError, PeerError, SinkError
+from refit_app.core.meta import TensorMeta
+from refit_app.protocol.handshake import (
     accept_manifest,
     ack,
     check_settings,
@@ -22,7 +22,8 @@ from refit_app.handshake import (
     send_checksums,
     send_manifest,
 )
-from refit_app.manifest import Manifest, TensorMeta
+from refit_app.protocol.manifest import Manifest
+from refit_app.transport.groups import GroupSpec, connect
 
 MiB = 1 << 20
 TIMEOUT_S = 10.0

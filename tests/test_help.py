@@ -8,10 +8,11 @@ from importlib import resources
 
 import pytest
 
-from refit_app import schema
-from refit_app.presets import PRESETS, SYNTHETIC_DTYPES
-from refit_app.reference import group_options, help_reference
-from refit_app.settings import BACKENDS
+from refit_app.app import schema
+from refit_app.app.reference import group_options, help_reference
+from refit_app.models.defaults import FLOAT_DTYPES
+from refit_app.models.presets import PRESETS
+from refit_app.transport.spec import BACKENDS
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_each_key_has_its_field_docstring_on_its_line(lines: list[str]) -> None:
 @pytest.mark.parametrize(
     ("key", "choices"),
     [("group.backend=auto", BACKENDS), ("source.preset=tiny", tuple(PRESETS)),
-     ("source.dtype=bfloat16", SYNTHETIC_DTYPES)],
+     ("source.dtype=bfloat16", FLOAT_DTYPES)],
 )
 def test_the_values_of_a_choice_come_from_their_home(lines: list[str], key: str, choices: tuple[str, ...]) -> None:
     assert line_of(lines, key).endswith(f"[{', '.join(choices)}]")

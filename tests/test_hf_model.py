@@ -15,11 +15,12 @@ import torch
 
 pytest.importorskip("transformers", reason="source=model / sink=model need transformers (pip install transformers)")
 
-from refit_app.errors import SinkError, SourceError, VerificationError
-from refit_app.hf_model import ModelSink, ModelSource, write_tiny_llama
-from refit_app.manifest import Manifest, TensorMeta
-from refit_app.probe import decode_probe, encode_probe, logit_tolerance
-from refit_app.safetensors_io import SINGLE_FILE_NAME, Checkpoint
+from refit_app.checkpoint.safetensors_io import SINGLE_FILE_NAME, Checkpoint
+from refit_app.common.errors import SinkError, SourceError, VerificationError
+from refit_app.core.meta import TensorMeta
+from refit_app.models.hf_model import ModelSink, ModelSource, write_tiny_llama
+from refit_app.models.probe import decode_probe, encode_probe, logit_tolerance
+from refit_app.protocol.manifest import Manifest
 
 PROBE_TOKENS = 12
 TENSORS_PER_BATCH = 3
@@ -294,5 +295,5 @@ def test_write_tiny_llama_is_deterministic(tmp_path):
 
 
 def test_importing_the_module_does_not_import_transformers():
-    code = "import sys, refit_app.hf_model; sys.exit('transformers' in sys.modules)"
+    code = "import sys, refit_app.models.hf_model; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from refit_app.errors import SourceError
-from refit_app.safetensors_io import Checkpoint, SafetensorsFile
+from refit_app.checkpoint.safetensors_io import Checkpoint, SafetensorsFile
+from refit_app.common.errors import SourceError
 
 CLI_LIMIT_S = 120.0
 """A refusal at start-up takes seconds (Hydra, the header check); a hang would run into this."""

@@ -2,7 +2,7 @@
 through hydra-submitit-launcher's local executor (one directory per task). The GPU each rank of a host takes is in
 test_devices.py.
 
-The environment parsing is pure (:mod:`refit_app.environment`) and tested with plain dicts; the config tests compose
+The environment parsing is pure (:mod:`refit_app.app.launchers`) and tested with plain dicts; the config tests compose
 the real conf/ with the variables set in this process; the torchrun and submitit tests run the application as a user
 types it.
 """
@@ -24,15 +24,15 @@ from omegaconf import OmegaConf
 from test_cli import COVER_STARTUP, assert_ok, assert_one_line_error, load_metrics, sweep_dir
 from test_config import compose_config, refused, settings
 
-from refit_app.environment import (
+from refit_app.app.launchers import (
     JOB_PORT_SPAN,
     LAUNCHER_ENVS,
     LAUNCHER_PORT_OFFSET,
     expand_nodelist,
     launcher_setting,
 )
-from refit_app.errors import ConfigError
-from refit_app.settings import DEFAULT_PORT
+from refit_app.common.errors import ConfigError
+from refit_app.transport.spec import DEFAULT_PORT
 
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "trainer-0", "MASTER_PORT": "29400", "LOCAL_RANK": "1"}
 SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-09,12]",

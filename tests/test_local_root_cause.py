@@ -12,14 +12,14 @@ import json
 import struct
 from pathlib import Path
 
-from refit_app.launch import RankOutcome, root_cause
+from refit_app.app.launch import RankOutcome, root_cause
 
 LOCAL_LIMIT_S = 240.0
 """Start-up of two ranks, group.timeout_s, the launcher's 5 s grace, on a busy machine: far less in practice."""
 
 STALLED_SOURCE = '''
 import threading
-from refit_app.sources import SafetensorsSource
+from refit_app.models.sources import SafetensorsSource
 
 class StalledSource(SafetensorsSource):
     """Reads the checkpoint, then never finishes: a source slower than the consumers' deadline."""
@@ -76,7 +76,7 @@ def test_root_cause_prefers_the_first_real_failure():
 
 
 def _write_lines_forever(array, stop) -> None:
-    from refit_app import launch
+    from refit_app.app import launch
 
     launch._activity = (array, 1)
     i = 0
@@ -92,7 +92,7 @@ def test_the_supervisor_never_reads_a_half_written_step():
     import multiprocessing as mp
     import time
 
-    from refit_app import launch
+    from refit_app.app import launch
 
     ctx = mp.get_context("spawn")
     array = ctx.Array(ctypes.c_char, 2 * launch._ACTIVITY_SLOT, lock=False)

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import logging
+import mmap
 from pathlib import Path
 
 import pytest
 import torch
 
-from refit_app import metrics as metrics_mod
-from refit_app.metrics import (
-    RunMetrics,
+from refit_app.app import metrics as metrics_mod
+from refit_app.app.metrics import (
     METRICS_KEYS,
     PeakMemory,
+    RunMetrics,
     gb_per_s,
     summary_line,
     write_metrics,
 )
-from refit_app.errors import one_line
-from refit_app.progress import Progress
+from refit_app.app.progress import Progress
+from refit_app.common.errors import one_line
 
 MiB = 2**20
 linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory needs Linux /proc")
@@ -186,7 +186,7 @@ class FakeTerminal(io.StringIO):
 def test_progress_is_silent_for_short_transfers(caplog: pytest.LogCaptureFixture) -> None:
     for tty in (True, False):
         clock, stream = FakeClock(), FakeTerminal(tty)
-        with caplog.at_level(logging.INFO, logger="refit_app.progress"):
+        with caplog.at_level(logging.INFO, logger="refit_app.app.progress"):
             with Progress(10 * 10**9, 10, "producer", stream=stream, clock=clock) as progress:
                 for _ in range(10):
                     clock.now += 0.19
@@ -198,7 +198,7 @@ def test_progress_is_silent_for_short_transfers(caplog: pytest.LogCaptureFixture
 def test_progress_redraws_one_terminal_line_at_most_five_times_a_second(caplog: pytest.LogCaptureFixture) -> None:
     clock, stream = FakeClock(), FakeTerminal(tty=True)
     progress = Progress(4 * 10**9, 32, "producer", stream=stream, clock=clock)
-    with caplog.at_level(logging.INFO, logger="refit_app.progress"):
+    with caplog.at_level(logging.INFO, logger="refit_app.app.progress"):
         for _ in range(32):
             clock.now += 0.125  # eight chunks a second, 1 GB/s
             progress.update(125 * 10**6)
@@ -220,7 +220,7 @@ def test_progress_redraws_one_terminal_line_at_most_five_times_a_second(caplog: 
 def test_progress_logs_periodically_when_not_on_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
     clock, stream = FakeClock(), FakeTerminal(tty=False)
     progress = Progress(10**11, 100, "consumer 1", stream=stream, clock=clock, log_every_s=10.0)
-    with caplog.at_level(logging.INFO, logger="refit_app.progress"):
+    with caplog.at_level(logging.INFO, logger="refit_app.app.progress"):
         for _ in range(100):
             clock.now += 0.5
             progress.update(10**9)
@@ -255,7 +255,7 @@ def _readme_table(heading: str) -> dict[str, str]:
 
 
 def test_readme_metrics_tables_are_the_schema() -> None:
-    from refit_app.metrics import ROUND_KEYS
+    from refit_app.app.metrics import ROUND_KEYS
 
     assert _readme_table("| key | meaning |") == METRICS_KEYS
     assert _readme_table("| key (each entry of `rounds`) | meaning |") == ROUND_KEYS

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from fakes import AsyncRecordingGroup, RecordingGroup, ReplayGroup, raw_bytes
+
 from refit_app.packed_tensor import (
     BUFFER_MEMORY_RATIO_ENV,
     NUM_BUFFERS_ENV,
@@ -16,12 +16,12 @@ from refit_app.packed_tensor import (
     ChunkPlanner,
     _packed_broadcast_consumer_batches,
     chunk_ids,
-    iter_chunks,
-    plan_chunks,
     get_num_buffers,
     get_target_packed_tensor_size,
+    iter_chunks,
     packed_broadcast_consumer,
     packed_broadcast_producer,
+    plan_chunks,
 )
 
 IDENTITY = lambda item: item[1]  # noqa: E731

@@ -7,12 +7,12 @@ import itertools
 
 import pytest
 import torch
-
 from fakes import raw_bytes
 from mp_utils import run_ranks
-from refit_app.groups import GroupSpec, connect
-from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
 from test_packed_tensor import awkward_tensors, metas
+
+from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
+from refit_app.transport.groups import GroupSpec, connect
 
 TARGET = 4096
 

@@ -195,7 +195,7 @@ def test_pool_keeps_held_buffers_out_of_the_next_call():
 def _keep_everything_rank(rank: int, world_size: int, port: int, target: int, rounds: int) -> list:
     from test_packed_tensor_dist import digest
 
-    from refit_app.groups import GroupSpec, connect
+    from refit_app.transport.groups import GroupSpec, connect
 
     spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=30)
     results = []

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from mp_utils import RankFailure, run_ranks
 
-from refit_app.checksum import tensor_checksum
-from refit_app.errors import VerificationError
-from refit_app.groups import GroupSpec, connect
-from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.common.errors import VerificationError
+from refit_app.protocol.checksum import tensor_checksum
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import GroupSpec, connect
 
 TIMEOUT_S = 30.0
 BUFFER = 4096

@@ -14,10 +14,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from refit_app.checksum import host_bytes as tensor_bytes
-from refit_app.errors import SinkError, SourceError
-from refit_app.manifest import TensorMeta
-from refit_app.safetensors_io import (
+from refit_app.checkpoint.safetensors_io import (
     DTYPE_CODES,
     INDEX_FILE_NAME,
     SINGLE_FILE_NAME,
@@ -27,6 +24,9 @@ from refit_app.safetensors_io import (
     SafetensorsWriter,
     save_tensors,
 )
+from refit_app.common.errors import SinkError, SourceError
+from refit_app.core.meta import TensorMeta
+from refit_app.core.wire import host_bytes as tensor_bytes
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", header_bytes: bytes | None = None) -> Path:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from mp_utils import RankFailure, run_ranks
 
-from refit_app.errors import HandshakeError, PeerError, RefitError, SourceError, VerificationError
-from refit_app.groups import GroupSpec, connect
-from refit_app.session import ConsumerSession, ProducerSession
+from refit_app.common.errors import HandshakeError, PeerError, RefitError, SourceError, VerificationError
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import GroupSpec, connect
 
 TIMEOUT_S = 30.0
 """group.timeout_s of these sessions; nothing here waits for it unless a test is about a failure."""
@@ -186,7 +186,7 @@ def _list_mismatch(rank: int, world_size: int, port: int) -> None:
         if rank == 0:
             session = ProducerSession(rg, buffer_size_bytes=BUFFER)
             named = _weights(1)
-            from refit_app.manifest import TensorMeta
+            from refit_app.core.meta import TensorMeta
 
             metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named]
             metas[1] = TensorMeta("norm", (31,), torch.bfloat16)
@@ -209,7 +209,7 @@ def _over_process_group(
     result starts with the class of group it got."""
     import torch.distributed as dist
 
-    from refit_app.process_group import from_process_group
+    from refit_app.transport.process_group import from_process_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -247,7 +247,7 @@ def test_sessions_refuse_the_wrong_rank():
 
 
 def test_errors_keep_their_type_and_gain_the_round():
-    from refit_app.session import _with_round
+    from refit_app.protocol.session import _with_round
 
     assert str(_with_round(3, SourceError("bad"))) == "round 3: bad"
     assert isinstance(_with_round(3, SourceError("bad")), SourceError)
@@ -260,7 +260,7 @@ def _over_a_subgroup(rank: int, world_size: int, port: int) -> list:
     """Ranks 0, 2 and 3 of a world of 4 refit over a subgroup of theirs; rank 1 is busy with something else."""
     import torch.distributed as dist
 
-    from refit_app.process_group import from_process_group
+    from refit_app.transport.process_group import from_process_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -306,7 +306,7 @@ def test_ranks_that_disagree_on_the_topology_all_refuse():
 
 
 def test_an_unknown_topology_is_refused_before_anything_else():
-    from refit_app.process_group import from_process_group
+    from refit_app.transport.process_group import from_process_group
 
     with pytest.raises(ValueError, match="topology='nope' is invalid: choose one of tree, chain"):
         from_process_group(topology="nope")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_app.errors import Interrupted
+from refit_app.common.errors import Interrupted
 
 STARTUP_S = 180.0
 """A hang limit for the run to reach its second round on a loaded machine; never a deadline under test."""
@@ -100,7 +100,7 @@ def test_interrupted_survives_pickling():
 def test_the_supervisor_raises_a_signal_only_where_it_checks():
     """role=local's launcher notes SIGINT/SIGTERM and raises Interrupted at its loop's next check, never from inside
     whatever it was running (a queue's lock, a join), which could leave a lock taken for the clean-up after it."""
-    from refit_app.launch import _DeferredSignals
+    from refit_app.app.launch import _DeferredSignals
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Interrupted) as raised:

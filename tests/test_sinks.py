@@ -14,26 +14,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_app.checksum import (
-    FALLBACK_ALGORITHM,
-    available_algorithms,
-    checksum_function,
-    default_algorithm,
-    tensor_checksum,
-)
-from refit_app.checksum import host_bytes as tensor_bytes
-from refit_app.errors import ConfigError, HandshakeError, SinkError, VerificationError
-from refit_app.manifest import Manifest, TensorMeta
-from refit_app.safetensors_io import (
+from refit_app.checkpoint.safetensors_io import (
     INDEX_FILE_NAME,
     SINGLE_FILE_NAME,
     Checkpoint,
     CheckpointWriter,
     save_tensors,
 )
-from refit_app.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
-from refit_app.sources import SafetensorsSource, SyntheticSource
-from refit_app.verify import Verifier
+from refit_app.common.errors import ConfigError, HandshakeError, SinkError, VerificationError
+from refit_app.core.meta import TensorMeta
+from refit_app.core.wire import host_bytes as tensor_bytes
+from refit_app.models.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
+from refit_app.models.sources import SafetensorsSource, SyntheticSource
+from refit_app.protocol.checksum import (
+    FALLBACK_ALGORITHM,
+    available_algorithms,
+    checksum_function,
+    default_algorithm,
+    tensor_checksum,
+)
+from refit_app.protocol.manifest import Manifest
+from refit_app.protocol.verify import Verifier
 
 ALIGN = 16
 
@@ -124,7 +125,7 @@ def test_checksum_algorithms_are_the_published_ones():
 def test_default_checksum_is_the_fastest_installed_and_zlib_is_the_fallback(monkeypatch):
     assert default_algorithm() == available_algorithms()[0]
     assert available_algorithms()[-1] == FALLBACK_ALGORITHM
-    from refit_app import checksum
+    from refit_app.protocol import checksum
 
     checksum._load.cache_clear()
     monkeypatch.setitem(sys.modules, "xxhash", None)  # as if not installed: import raises ImportError
@@ -365,13 +366,13 @@ def test_discard_keeps_nothing():
 
 
 def test_make_sink_builds_the_target_and_wraps_the_fault_hook(tmp_path):
-    assert isinstance(make_sink("refit_app.sinks.VerifySink", {}), VerifySink)
-    assert isinstance(make_sink("refit_app.sinks.DiscardSink", {}), DiscardSink)
-    assert isinstance(make_sink("refit_app.sinks.SaveSink", {"path": str(tmp_path)}), SaveSink)
-    corrupting = make_sink("refit_app.sinks.VerifySink", {}, corrupt_chunk=0)
+    assert isinstance(make_sink("refit_app.models.sinks.VerifySink", {}), VerifySink)
+    assert isinstance(make_sink("refit_app.models.sinks.DiscardSink", {}), DiscardSink)
+    assert isinstance(make_sink("refit_app.models.sinks.SaveSink", {"path": str(tmp_path)}), SaveSink)
+    corrupting = make_sink("refit_app.models.sinks.VerifySink", {}, corrupt_chunk=0)
     assert isinstance(corrupting, CorruptingSink)
-    with pytest.raises(ConfigError, match="module refit_app.sinks has no 'KeepSink'"):
-        make_sink("refit_app.sinks.KeepSink", {})
+    with pytest.raises(ConfigError, match="module refit_app.models.sinks has no 'KeepSink'"):
+        make_sink("refit_app.models.sinks.KeepSink", {})
 
 
 def test_corrupting_sink_flips_one_byte_of_the_chosen_chunk():

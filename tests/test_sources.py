@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from refit_app.checksum import host_bytes as tensor_bytes
-from refit_app.checksum import tensor_checksum
-from refit_app.errors import ConfigError
-from refit_app.manifest import TensorMeta
-from refit_app.safetensors_io import SINGLE_FILE_NAME, CheckpointWriter, save_tensors
-from refit_app.sizes import format_size, parse_size
-from refit_app.presets import LORA_RANK
-from refit_app.sources import SafetensorsSource, SyntheticSource, make_source
+from refit_app.checkpoint.safetensors_io import SINGLE_FILE_NAME, CheckpointWriter, save_tensors
+from refit_app.common.errors import ConfigError
+from refit_app.common.sizes import format_size, parse_size
+from refit_app.core.meta import TensorMeta
+from refit_app.core.wire import host_bytes as tensor_bytes
+from refit_app.models.presets import LORA_RANK
+from refit_app.models.sources import SafetensorsSource, SyntheticSource, make_source
+from refit_app.protocol.checksum import tensor_checksum
 
 MiB = 1024**2
 GiB = 1024**3
@@ -38,7 +37,7 @@ def assert_streams_like_manifest(source) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_safetensors_source_minilm_directory(minilm_dir):
-    source = make_source("refit_app.sources.SafetensorsSource", {"path": str(minilm_dir)})
+    source = make_source("refit_app.models.sources.SafetensorsSource", {"path": str(minilm_dir)})
     metas = source.manifest_tensors()
     assert len(metas) > 100
     assert {m.shard for m in metas} == {SINGLE_FILE_NAME}
@@ -67,7 +66,7 @@ def test_sharded_directory_keeps_shard_names(tmp_path):
     for m in metas:
         writer.write(m.name, torch.ones(m.shape, dtype=m.dtype))
     writer.commit()
-    source = make_source("refit_app.sources.SafetensorsSource", {"path": str(tmp_path)})
+    source = make_source("refit_app.models.sources.SafetensorsSource", {"path": str(tmp_path)})
     # Shards in order, each in the file's data order (the writer puts the widest dtype first).
     assert source.manifest_tensors() == [metas[1], metas[0], metas[2]]
     assert_streams_like_manifest(source)
@@ -88,17 +87,17 @@ def test_make_source_refuses_a_target_it_cannot_build(tmp_path):
         make_source("hdf5", {})
     with pytest.raises(ConfigError, match=r"_target_='no_such_module.Source': cannot import no_such_module"):
         make_source("no_such_module.Source", {})
-    with pytest.raises(ConfigError, match=r"module refit_app.sources has no 'HDF5Source'"):
-        make_source("refit_app.sources.HDF5Source", {})
+    with pytest.raises(ConfigError, match=r"module refit_app.models.sources has no 'HDF5Source'"):
+        make_source("refit_app.models.sources.HDF5Source", {})
     with pytest.raises(ConfigError, match=r"does not accept \{'path': .*'pth': 'x'\}"):
-        make_source("refit_app.sources.SafetensorsSource", {"path": str(tmp_path), "pth": "x"})
+        make_source("refit_app.models.sources.SafetensorsSource", {"path": str(tmp_path), "pth": "x"})
 
 
 # ------------------------------------------------------------------------------------------ synthetic
 
 
 def test_tiny_is_the_small_default():
-    source = make_source("refit_app.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"})
+    source = make_source("refit_app.models.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"})
     assert 6 * MiB < source.total_bytes < 10 * MiB
     assert all(m.shard is None for m in source.manifest_tensors())
     assert_streams_like_manifest(source)

@@ -14,8 +14,8 @@ import pytest
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
-from refit_app.metrics import write_metrics
-from refit_app.sweep_summary import SUMMARY_COLUMNS, SweepSummary, write_summary
+from refit_app.app.metrics import write_metrics
+from refit_app.app.sweep_summary import SUMMARY_COLUMNS, SweepSummary, write_summary
 
 MiB = 2**20
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_plot_splits_by_packing_and_survives_a_sweep_with_no_successes(tmp_path:
 
 def test_callback_logs_instead_of_raising(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = OmegaConf.create({"hydra": {"sweep": {"dir": "missing"}, "runtime": {"cwd": str(tmp_path)}}})
-    with caplog.at_level(logging.WARNING, logger="refit_app.sweep_summary"):
+    with caplog.at_level(logging.WARNING, logger="refit_app.app.sweep_summary"):
         SweepSummary().on_multirun_end(config)
     assert "could not write the sweep summary" in caplog.text
     assert "missing" in caplog.text
@@ -129,7 +129,7 @@ def test_callback_logs_instead_of_raising(tmp_path: Path, caplog: pytest.LogCapt
 APP = """
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from refit_app.metrics import write_metrics
+    from refit_app.app.metrics import write_metrics
 
     @hydra.main(version_base="1.3", config_path=".", config_name="config")
     def main(cfg):
@@ -153,7 +153,7 @@ CONFIG = """
         chdir: true
       callbacks:
         summary:
-          _target_: refit_app.sweep_summary.SweepSummary
+          _target_: refit_app.app.sweep_summary.SweepSummary
 """
 
 

@@ -22,17 +22,17 @@ from failure_utils import Launcher
 from hydra import compose, initialize_config_module
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
-from refit_app.backends import resolve_backend
-from refit_app.chain import DEFAULT_SEGMENT_BYTES, ChainBroadcastGroup
-from refit_app.config import validate
-from refit_app.errors import ConfigError
-from refit_app.groups import GroupSpec, connect
+from refit_app.app.config import validate
+from refit_app.app.schema import CONF_MODULE, CONFIG_NAME
+from refit_app.common.errors import ConfigError
 from refit_app.packed_tensor import (
     chunk_ids,
     packed_broadcast_consumer,
     packed_broadcast_producer,
 )
-from refit_app.schema import CONF_MODULE, CONFIG_NAME
+from refit_app.transport.backends import resolve_backend
+from refit_app.transport.chain import DEFAULT_SEGMENT_BYTES, ChainBroadcastGroup
+from refit_app.transport.groups import GroupSpec, connect
 
 # ---------------------------------------------------------------------------------------------------------------
 # The setting

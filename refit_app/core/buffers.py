@@ -201,7 +201,7 @@ def drain(slots: Iterable[Slot]) -> None:
     for slot in slots:
         try:
             slot.wait()
-        except BaseException as e:  # noqa: BLE001 - re-raised below once nothing is in flight
+        except BaseException as e:
             error = error or e
     if error is not None:
         raise error

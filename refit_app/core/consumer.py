@@ -24,7 +24,8 @@ from refit_app.core.buffers import (
     on_stream,
 )
 from refit_app.core.chunks import ChunkCallback, ChunkDoneCallback, ChunkPlanner
-from refit_app.core.wire import ChunkLayout, TensorMeta, meta_nbytes
+from refit_app.core.meta import TensorMeta
+from refit_app.core.wire import ChunkLayout, meta_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,9 @@ _END = object()
 
 
 def normalize_meta(item: Any) -> TensorMeta:
-    """A consumer's ``(name, (shape, dtype))`` item as a :data:`TensorMeta`; shape may be a list, tuple or Size."""
+    """A consumer's ``(name, (shape, dtype))`` item as a :class:`TensorMeta`; shape may be a list, tuple or Size."""
     name, (shape, dtype) = item
-    return name, tuple(map(int, shape)), dtype
+    return TensorMeta(name, tuple(map(int, shape)), dtype)
 
 
 def planned_layouts(metas: Iterable[TensorMeta], target: int, legacy: bool) -> Iterator[ChunkLayout]:
@@ -44,7 +45,7 @@ def planned_layouts(metas: Iterable[TensorMeta], target: int, legacy: bool) -> I
     members: list[TensorMeta] = []
     sizes: list[int] = []
     for meta in metas:
-        nbytes = meta_nbytes(meta[1], meta[2])
+        nbytes = meta_nbytes(meta.shape, meta.dtype)
         closed = planner.add(nbytes)
         if closed is not None:
             yield ChunkLayout(closed, members, sizes)
@@ -140,7 +141,7 @@ class Receiver:
             self._deferred = False
             try:
                 self.refill(force=True)
-            except Exception as e:  # noqa: BLE001 - raised by the next _pull: this batch is handed out first
+            except Exception as e:
                 self._ahead = e
         chunk = layout.chunk
         if self._on_chunk is not None:
@@ -157,7 +158,7 @@ class Receiver:
         if self._in_flight:
             try:
                 drain(slot for slot, _ in self._in_flight)
-            except BaseException:  # noqa: BLE001 - the caller's exception (or close) is the one that matters
+            except BaseException:
                 logger.debug("in-flight receive failed while unwinding", exc_info=True)
             self._in_flight.clear()
 
@@ -193,7 +194,7 @@ class Receiver:
         if self._ahead is None:
             try:
                 self._ahead = next(self._planned, _END)
-            except Exception as e:  # noqa: BLE001 - re-raised by _pull when that chunk is due
+            except Exception as e:
                 self._ahead = e
         return self._ahead is not _END
 

@@ -15,9 +15,9 @@ import torch
 from refit_app.core.buffers import Slot, on_stream
 from refit_app.core.chunks import Chunk, ChunkCallback, ChunkDoneCallback, ChunkPlanner
 from refit_app.core.group import BroadcastGroup
+from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import (
     ChunkLayout,
-    TensorMeta,
     is_dense_host,
     memmove,
     pack_into,
@@ -145,7 +145,7 @@ def produce_streaming(
             sender.open(planner.open_index)
         sender.pack(t, alone=planner.open_alone, nbytes=nbytes)
         if recorded is not None:
-            metas.append((item[0], tuple(t.shape), t.dtype))
+            metas.append(TensorMeta(item[0], tuple(t.shape), t.dtype))
     last = planner.finish()
     if last is not None:
         sender.send(last)

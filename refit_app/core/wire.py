@@ -16,9 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from refit_app.core.chunks import Chunk
-
-TensorMeta = tuple[str, tuple[int, ...], torch.dtype]
-"""A tensor's name, shape and dtype: what a consumer knows about it before its bytes arrive."""
+from refit_app.core.meta import TensorMeta
 
 memmove = ctypes.memmove
 """libc's memmove; ctypes releases the GIL around it, so gloo's threads and the caller's keep running."""
@@ -47,6 +45,14 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """:func:`tensor_bytes` on the host, as a buffer the hashes and ``os.pwrite`` accept.
+
+    Copies only when it must: to CPU for device tensors, and where ``tensor_bytes`` copies.
+    """
+    return memoryview(tensor_bytes(t.cpu()).numpy())
 
 
 def pack_into(buffer: torch.Tensor, offset: int, t: torch.Tensor) -> int:
@@ -165,12 +171,12 @@ class ChunkLayout:
     def __init__(self, chunk: Chunk, metas: list[TensorMeta], sizes: list[int] | None = None) -> None:
         """``sizes``: each tensor's byte size, when the caller has computed them already (the planner needs them)."""
         self.chunk = chunk
-        self.names = [name for name, _, _ in metas]
+        self.names = [m.name for m in metas]
         self.specs = []
         offset = 0
         if sizes is None:
-            sizes = [meta_nbytes(shape, dtype) for _, shape, dtype in metas]
-        for (_, shape, dtype), n in zip(metas, sizes):
+            sizes = [meta_nbytes(m.shape, m.dtype) for m in metas]
+        for (_, shape, dtype, _), n in zip(metas, sizes):
             self.specs.append((shape, _contiguous_strides(shape), dtype, offset, n))
             offset += n
         self.aligned = [i for i, (_, _, dtype, off, n) in enumerate(self.specs) if n and off % dtype.itemsize == 0]

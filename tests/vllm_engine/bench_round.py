@@ -31,7 +31,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: mp_utils
 
-from mp_utils import free_port  # noqa: E402
+from mp_utils import free_port
 
 MiB = 1 << 20
 SETTINGS = [
@@ -61,10 +61,10 @@ def make_model(path: Path, layers: int, hidden: int) -> int:
 
 def trainer(conn: Any, model_dir: str, rounds: int) -> None:
     try:
+        from harness import PipeClient, hf_greedy, load_trainer_model
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-        from refit_app import vllm_backend
-        from harness import PipeClient, hf_greedy, load_trainer_model
+        from refit_app.integrations.vllm import backend as vllm_backend
 
         vllm_backend.register()
         model = load_trainer_model(Path(model_dir))
@@ -93,12 +93,12 @@ def trainer(conn: Any, model_dir: str, rounds: int) -> None:
         conn.send(("check", hf_greedy(model), 0.0))
         conn.recv()
         conn.send(("done",))
-    except BaseException:  # noqa: BLE001 - reported by the parent
+    except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
 def engine_buffer(init: Any) -> int:
-    from refit_app.vllm_backend import worker_init_info
+    from refit_app.integrations.vllm.backend import worker_init_info
 
     return worker_init_info(init).buffer_size_bytes
 
@@ -132,7 +132,7 @@ def main() -> None:
                     try:
                         getattr(llm, method)(**kwargs)
                         ours.send(("ok", None))
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         ours.send(("error", repr(e)))
                 elif message[0] == "result":
                     rows.append(message[1])

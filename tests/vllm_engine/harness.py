@@ -1,7 +1,7 @@
 """What the vLLM tests share: a trainer that improves the tiny Llama, greedy decoding on both sides, and the
 engine's control plane across a pipe (the trainer in a spawned process, the engine in the test's).
 
-The model is :func:`refit_app.hf_model.write_tiny_llama`'s (float32: bf16 greedy tokens diverge between vLLM and
+The model is :func:`refit_app.models.hf_model.write_tiny_llama`'s (float32: bf16 greedy tokens diverge between vLLM and
 transformers on ties; ``head_dim`` 32, the least vLLM's CPU attention accepts), made in the test.
 """
 
@@ -136,7 +136,7 @@ def serve(llm: Any, conn: Any, *, deadline: float, collective_rpc_rounds: set[in
                 else:
                     getattr(llm, method)(**kwargs)
                 conn.send(("ok", None))
-            except Exception as e:  # noqa: BLE001 - the trainer re-raises it with this text
+            except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         elif kind == "check":
             _, expected, loss = message
@@ -155,7 +155,7 @@ def trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int) -> None
     try:
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-        from refit_app import vllm_backend
+        from refit_app.integrations.vllm import backend as vllm_backend
 
         vllm_backend.register()  # a plain trainer process: vLLM's plugin loader never ran here
         torch.manual_seed(SEED + 1)
@@ -175,5 +175,5 @@ def trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int) -> None
         finally:
             engine.shutdown()
         conn.send(("done",))
-    except BaseException:  # noqa: BLE001 - everything goes back to the test process
+    except BaseException:
         conn.send(("error", traceback.format_exc()))

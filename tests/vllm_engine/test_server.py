@@ -90,10 +90,10 @@ def _server_greedy(base: str, model: str) -> list[list[int]]:
 
 def test_openai_server_refit_by_vllms_http_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import torch
+    from harness import BUFFER_BYTES, TRAIN_LR, hf_greedy, load_trainer_model, train_step
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
-    from refit_app import vllm_backend
-    from harness import BUFFER_BYTES, TRAIN_LR, hf_greedy, load_trainer_model, train_step
+    from refit_app.integrations.vllm import backend as vllm_backend
 
     vllm_backend.register()
     port = free_port()

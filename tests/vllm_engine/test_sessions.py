@@ -1,5 +1,5 @@
 """The backend's glue over refit_app sessions and a real gloo group, without an engine: what the worker engine's
-``update_weights`` runs (:func:`refit_app.vllm_backend.receive_round`) against what the trainer engine's
+``update_weights`` runs (:func:`refit_app.integrations.vllm.backend.receive_round`) against what the trainer engine's
 ``send_weights`` runs, with a loader that keeps every tensor to the end of the round as vLLM's layerwise reload does.
 """
 
@@ -24,8 +24,8 @@ def _rank(
 ) -> list:  # fmt: skip
     """Producer or consumer of len(plan) rounds; plan[k] is "same" or "wide" (the tensor list changes). At
     ``bad_round`` the worker is told another round number; at ``fail_loading`` its loader raises mid-round."""
-    from refit_app.manifest import TensorMeta
-    from refit_app.vllm_backend import (
+    from refit_app.core.meta import TensorMeta
+    from refit_app.integrations.vllm.backend import (
         RefitTrainerInitInfo,
         RefitUpdateInfo,
         consumer_session,

@@ -1,0 +1,373 @@
+"""Validation at the edge: a composed config (checked against :mod:`refit_app.app.schema` while Hydra composed it)
+becomes the typed :class:`RunSettings` the rest of the code takes as they are. Ranges and cross-key rules (a
+consumer's rank, the world size of a local run) cannot be expressed as types; ``validate`` checks them all at once
+and names every offending key in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from refit_app.app.schema import GROUP_SCHEMAS
+from refit_app.common.checks import Problems, is_int, show
+from refit_app.common.errors import ConfigError, one_line
+from refit_app.common.sizes import parse_size
+from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
+from refit_app.models.defaults import FLOAT_DTYPES
+from refit_app.models.presets import PRESETS
+from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
+
+
+@dataclass(frozen=True)
+class RefitSpec:
+    """How tensors are packed and moved, and how many refits one run performs."""
+
+    buffer_size_bytes: int | None = None
+    """None: the library default on a producer, the producer's value on a consumer (which otherwise insists on
+    its own at the handshake)."""
+    num_buffers: int = DEFAULT_NUM_BUFFERS
+    use_legacy_packing: bool | None = False
+    """None (a consumer's default): adopt the producer's mode."""
+    rounds: int = 1
+    """Refits one run performs over one group."""
+    corrupt_chunk: int | None = None
+    """Test-only fault hook: a consumer flips one byte of this received chunk."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A producer's source: the class that ``_target_`` names and its keyword arguments, already checked."""
+
+    target: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A consumer's sink: the class that ``_target_`` names and its keyword arguments, already checked."""
+
+    target: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every setting of a run, checked; what the application runs with."""
+
+    role: str
+    group: GroupSpec
+    """``group.port`` is None only for role=local, whose launcher picks a free port; rank 0 for role=local."""
+    refit: RefitSpec
+    source: SourceSpec | None
+    """None where this role reads no source (a consumer)."""
+    sink: SinkSpec | None
+    """None where this role feeds no sink (a producer)."""
+    sink_name: str | None = None
+    """The built-in sink's name (verify, save, discard), or the user's class path; for metrics."""
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+
+CUSTOM = "custom"
+"""What ``Checker.option`` returns for a user's own ``_target_`` source or sink."""
+
+_ABSENT = object()
+_ENV_REF = re.compile(r"oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class _Checker(Problems):
+    """Reads keys one by one and collects every problem, so that the user fixes them all in one go."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def get(self, key: str, required: bool = True, allowed: str = "") -> Any:
+        """The value at ``key``, or ``_ABSENT`` after recording why it cannot be read.
+
+        ``allowed`` describes valid values, for a key whose value comes from an environment variable that turned
+        out not to fit its type.
+        """
+        try:
+            value = OmegaConf.select(self.cfg, key, default=_ABSENT, throw_on_missing=True)
+        except MissingMandatoryValue:
+            if required:
+                self.errors.append(f"{key} is required: add {key}=<value> to the command line")
+            return _ABSENT
+        except OmegaConfBaseException as e:
+            env = self._env_var(key)
+            cause = _config_error_in(e)
+            if cause is not None:
+                # role=auto's launcher lookup: its message names the variable; several keys share it, so once.
+                if str(cause) not in self.errors:
+                    self.errors.append(str(cause))
+            elif env is not None:
+                raw = os.environ.get(env)
+                problem = " is not set" if raw is None else f"={raw!r} is invalid"
+                self.errors.append(f"{key}: environment variable {env}{problem}: {allowed or one_line(e)}")
+            else:
+                self.errors.append(f"{key} cannot be read: {one_line(e)}")
+            return _ABSENT
+        if value is _ABSENT:
+            self.errors.append(f"{key} is not in the config (was conf/ changed?)")
+        return value
+
+    def option(self, group: str, field_name: str, *, custom_allowed: bool = False) -> Any:
+        """The option name a group node records (role.name, source.kind), checked against the option chosen.
+
+        Overriding e.g. role.name=producer while role=local is selected would run one role with another's
+        settings; the group option is the only way to choose.
+        """
+        key = f"{group}.{field_name}"
+        options = GROUP_SCHEMAS[group]
+        if OmegaConf.is_missing(self.cfg, group):
+            self.errors.append(f"no {group} chosen: add {group}=<option>, {_one_of(tuple(options))}")
+            return _ABSENT
+        if custom_allowed and OmegaConf.get_type(OmegaConf.select(self.cfg, group)) not in options.values():
+            # A user's own source or sink: a node with _target_ and no schema of ours.
+            return CUSTOM if self.get(f"{group}._target_") is not _ABSENT else _ABSENT
+        value = self.get(key)
+        node = OmegaConf.select(self.cfg, group)
+        chosen = next((name for name, schema in options.items() if OmegaConf.get_type(node) is schema), None)
+        if value is not _ABSENT and value != chosen:
+            how = f"{group}={value}" if value in options else f"{group}=<option>, {_one_of(tuple(options))}"
+            self.fail(key, value, f"choose the {group} with {how}, not with {key}")
+            return _ABSENT
+        return value
+
+    def unknown_keys(self, node: DictConfig, prefix: str = "") -> None:
+        """Keys the schema does not know: Hydra refuses them unless added with ``+``, which its own error message
+        suggests, and then a misspelled setting would be silently ignored."""
+        schema = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(schema):
+            return
+        known = [f.name for f in dataclasses.fields(schema)]
+        for key in node.keys():
+            key = str(key)
+            if key not in known:
+                where = f"keys under {prefix[:-1]}" if prefix else "top-level keys"
+                self.errors.append(f"unknown key {prefix + key!r}; {where}: {', '.join(known)}")
+            elif not OmegaConf.is_missing(node, key) and dataclasses.is_dataclass(OmegaConf.get_type(node, key)):
+                self.unknown_keys(node[key], f"{prefix}{key}.")
+
+    def env_note(self, key: str) -> str:
+        env = self._env_var(key)
+        return f" (from environment variable {env})" if env is not None else ""
+
+    def _env_var(self, key: str) -> str | None:
+        """The environment variable ``key`` interpolates, so that a bad value names where it came from."""
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(self.cfg, parent_key) if parent_key else self.cfg
+        if not isinstance(parent, DictConfig) or not OmegaConf.is_interpolation(parent, leaf):
+            return None
+        raw = OmegaConf.to_container(parent, resolve=False).get(leaf)
+        match = _ENV_REF.search(str(raw))
+        return match.group(1) if match else None
+
+
+def _config_error_in(e: BaseException) -> ConfigError | None:
+    """The ConfigError a resolver raised (OmegaConf wraps it), or None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _one_of(options: tuple[str, ...]) -> str:
+    return "choose one of " + ", ".join(options)
+
+
+def validate(cfg: DictConfig) -> RunSettings:
+    """Check every value of a composed config and return the settings a run uses.
+
+    Raises ConfigError with one line that lists every offending key, its value and what is allowed.
+    """
+    c = _Checker(cfg)
+    c.unknown_keys(cfg)
+
+    role = c.option("role", "name")
+    num_consumers = c.get("role.num_consumers") if role == "local" else None
+    if role == "local" and num_consumers is not _ABSENT and not (is_int(num_consumers) and num_consumers >= 1):
+        c.fail("role.num_consumers", num_consumers, "must be an integer >= 1")
+
+    refit = _check_refit(c)
+    group = _check_group(c, role, num_consumers)
+    if role == "auto" and group is not None:
+        # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
+        role = "producer" if group.is_producer else "consumer"
+    source = _check_source(c, needed=role in ("local", "producer"))
+    sink, sink_name = _check_sink(c, needed=role in ("local", "consumer"))
+
+    if c.errors:
+        c.raise_any()
+    return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name)
+
+
+def _check_refit(c: _Checker) -> RefitSpec | None:
+    buffer_size = _size(c, "refit.buffer_size_bytes")
+    num_buffers = c.get("refit.num_buffers", allowed="must be an integer >= 1")
+    if num_buffers is not _ABSENT and not (is_int(num_buffers) and num_buffers >= 1):
+        c.fail("refit.num_buffers", num_buffers, "must be an integer >= 1" + c.env_note("refit.num_buffers"))
+    legacy = c.get("refit.use_legacy_packing")
+    if legacy not in (None, _ABSENT) and not isinstance(legacy, bool):
+        c.fail("refit.use_legacy_packing", legacy, "must be true, false or null (a consumer: adopt the producer's)")
+    rounds = c.get("refit.rounds")
+    if rounds is not _ABSENT and not (is_int(rounds) and rounds >= 1):
+        c.fail("refit.rounds", rounds, "must be an integer >= 1")
+    corrupt_chunk = c.get("refit.debug.corrupt_chunk")
+    if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
+        c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
+    if c.errors:
+        return None
+    return RefitSpec(
+        buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, rounds=rounds,
+        corrupt_chunk=corrupt_chunk,
+    )
+
+
+def _size(c: _Checker, key: str) -> int | None:
+    """A size key in bytes; None where it is null."""
+    value = c.get(key)
+    if value in (None, _ABSENT):
+        return None
+    try:
+        return parse_size(value, key=key)
+    except ConfigError as e:
+        c.errors.append(str(e))
+        return None
+
+
+def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
+    """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
+    # Every field of GroupSpec comes from the key of the same name: a new group knob is a schema field and a
+    # GroupSpec field (with its rule), nothing here.
+    values = {f.name: c.get(f"group.{f.name}") for f in dataclasses.fields(GroupSpec)}
+    if _ABSENT in values.values() or role is _ABSENT:
+        # Which ranks are valid depends on the role; its own error already tells the user what to fix.
+        return None
+    world_size, rank = values["world_size"], values["rank"]
+    if role == "local":
+        # A local run starts every rank itself, so the group's shape follows from role.num_consumers.
+        expected = 1 + num_consumers if is_int(num_consumers) else None
+        if world_size not in (None, expected):
+            c.fail("group.world_size", world_size,
+                   f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null")
+        if rank is not None:
+            c.fail("group.rank", rank, "role=local assigns ranks itself; leave it null")
+        if values.get("local_rank") is not None:
+            c.fail("group.local_rank", values["local_rank"],
+                   "role=local gives each rank its own (its rank); leave it null")
+        values.update(world_size=expected or 2, rank=0)
+    else:
+        if values["port"] is None:
+            values["port"] = DEFAULT_PORT
+        known_size = world_size if is_int(world_size) and world_size >= 2 else None
+        if role == "producer" and rank not in (0, None):
+            c.fail("group.rank", rank, "the producer is rank 0")
+        if role == "consumer":
+            top = known_size - 1 if known_size else None
+            if not is_int(rank) or rank < 1 or (top is not None and rank > top):
+                span = f"1..{top}" if top else "1..world_size-1"
+                c.fail("group.rank", rank,
+                       f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
+                       f"{show(known_size)})")
+        if role == "producer" or (role == "consumer" and not (is_int(rank) and known_size and 1 <= rank < known_size)):
+            values["rank"] = 0  # refused above where it matters; GroupSpec checks the rest
+    try:
+        return GroupSpec(**values)
+    except ConfigError as e:
+        c.errors.append(str(e))
+        return None
+
+
+def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
+    """The source and its keyword arguments; a path is required only where the source is read."""
+    kind = c.option("source", "kind", custom_allowed=True)
+    if kind is _ABSENT or (not needed and kind != "synthetic"):
+        return None
+    node = OmegaConf.select(c.cfg, "source")
+    target = c.get("source._target_")
+    if kind == "synthetic":
+        preset = c.get("source.preset")
+        if preset is not _ABSENT and preset not in PRESETS:
+            c.fail("source.preset", preset, _one_of(tuple(PRESETS)))
+        size_bytes = _size(c, "source.size")
+        seed = c.get("source.seed")
+        if seed is not _ABSENT and not (is_int(seed) and seed >= 0):
+            c.fail("source.seed", seed, "must be an integer >= 0")
+        dtype = c.get("source.dtype")
+        if dtype is not _ABSENT and dtype not in FLOAT_DTYPES:
+            c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES))
+        params = {"preset": preset, "size_bytes": size_bytes, "seed": seed, "dtype": dtype}
+    elif kind == "safetensors":
+        path = c.get("source.path")
+        if path is not _ABSENT and not Path(path).exists():
+            c.fail("source.path", path, "no such file or directory; give a .safetensors file or a model directory")
+        params = {"path": path}
+    elif kind == "model":
+        params = _check_model_source(c)
+    else:
+        params = _user_params(node)
+    return SourceSpec(target, params)
+
+
+def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]:
+    """The sink, its keyword arguments and its name; a path is required only where the sink is used."""
+    kind = c.option("sink", "kind", custom_allowed=True)
+    if kind is _ABSENT or not needed:
+        return None, None
+    node = OmegaConf.select(c.cfg, "sink")
+    target = c.get("sink._target_")
+    if kind == "save":
+        path = c.get("sink.path")
+        if path is not _ABSENT and not path.strip():
+            c.fail("sink.path", path, "must name the directory to write the checkpoint into")
+        return SinkSpec(target, {"path": path}), kind
+    if kind == "model":
+        probe_tokens = c.get("sink.probe_tokens")
+        if probe_tokens is not _ABSENT and not (is_int(probe_tokens) and probe_tokens >= 0):
+            c.fail("sink.probe_tokens", probe_tokens, "must be an integer >= 0 (0: no model check)")
+        params = {"probe_tokens": probe_tokens, "verify": c.get("sink.verify"), "device": c.get("sink.device")}
+        return SinkSpec(target, params), kind
+    if kind == CUSTOM:
+        return SinkSpec(target, _user_params(node)), target
+    return SinkSpec(target, {}), kind
+
+
+def _check_model_source(c: _Checker) -> dict[str, Any]:
+    """A transformers model directory and the training settings of the trainer that sends it."""
+    path = c.get("source.path")
+    if path is not _ABSENT and not (Path(path) / "config.json").is_file():
+        c.fail("source.path", path, "must be a Hugging Face model directory with a config.json")
+    dtype = c.get("source.dtype")
+    if dtype not in (None, _ABSENT) and dtype not in FLOAT_DTYPES:
+        c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES) + " (or null: the checkpoint's)")
+    params: dict[str, Any] = {"path": path, "dtype": dtype, "device": c.get("source.device")}
+    for key, least in (("train_steps", 1), ("batch_tokens", 2), ("seed", 0)):
+        value = c.get(f"source.{key}")
+        if value is not _ABSENT and not (is_int(value) and value >= least):
+            c.fail(f"source.{key}", value, f"must be an integer >= {least}")
+        params[key] = value
+    lr = c.get("source.lr")
+    if lr is not _ABSENT and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
+        c.fail("source.lr", lr, "must be a number > 0")
+    params["lr"] = lr
+    return params
+
+
+def _user_params(node: DictConfig) -> dict[str, Any]:
+    """A user's own source or sink: every key but ``_target_``, resolved, as keyword arguments."""
+    params = OmegaConf.to_container(node, resolve=True)
+    params.pop("_target_", None)
+    return params

@@ -1,0 +1,97 @@
+"""``role=local``: one producer and ``role.num_consumers`` consumers as processes on this machine.
+
+The ranks are started and supervised by :mod:`refit_app.app.launch`; each runs :func:`refit_app.app.roles.run_producer` or
+:func:`~refit_app.app.roles.run_consumer` exactly as a separate launch would, and logs into this job's log too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import replace
+from typing import Any
+
+from refit_app.app.config import RunSettings
+from refit_app.app.launch import ActivityHandler, free_port, prestart, root_cause, run_ranks
+from refit_app.common.errors import PeerError, RefitError
+from refit_app.transport.auth import new_run_id, new_secret
+
+logger = logging.getLogger(__name__)
+
+RANK_MODULES = ("refit_app.app.roles",)
+"""What every rank imports (torch with it): once, in the fork server, not once per rank. This process never
+imports them: it only supervises."""
+
+STARTUP_LIMIT_S = 300.0
+"""How long the ranks of role=local may take to start (fork, imports) before the run fails; only a hang nears it."""
+LOCAL_EXIT_GRACE_S = 5.0
+"""How long ``role=local`` waits, after one rank failed, for the others to exit with their own errors before it
+stops them. Not the group deadline: a rank that fails before the rendezvous (a bad source, say) would leave its
+peers waiting out their whole ``group.timeout_s`` for a root cause that is already known."""
+
+
+class LocalRunError(RefitError):
+    """A rank of ``role=local`` failed; carries the metrics gathered from every rank."""
+
+    def __init__(self, message: str, metrics: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.metrics = metrics
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A launcher that runs jobs in other processes (hydra/launcher=submitit_local) pickles a job's exception;
+        # the default rebuilds it from args alone and fails on the missing metrics, replacing the real error.
+        return (type(self), (str(self), self.metrics))
+
+
+def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any]:
+    """One spawned rank: the producer (rank 0) or a consumer, with this run's settings."""
+    from refit_app.app.roles import run_consumer, run_producer
+
+    label = "producer" if rank == 0 else f"consumer {rank}"
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    # The parent's log files (Hydra's job log) get the ranks' lines too; appends of whole lines interleave cleanly.
+    handlers += [logging.FileHandler(path, mode="a") for path in log_files]
+    handlers.append(ActivityHandler())  # its last line says what it was doing, should it be stopped
+    logging.basicConfig(level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{label}] %(message)s")
+    # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
+    group = replace(s.group, rank=rank, local_rank=rank)
+    ranked = replace(s, role="producer" if rank == 0 else "consumer", group=group)
+    # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
+    return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
+
+
+def run_local(s: RunSettings) -> dict[str, Any]:
+    """Run the producer and every consumer as processes here; the producer's figures at the top level."""
+    prestart(RANK_MODULES)  # torch loads in the fork server while this process checks the source
+    if s.source is not None and s.source.target.endswith("SafetensorsSource"):
+        # Reading the headers is cheap: a bad checkpoint fails here in a second, not after the ranks' start-up.
+        from refit_app.models.sources import make_source
+
+        make_source(s.source.target, s.source.params)
+    if s.group.port is None:
+        s = replace(s, group=replace(s.group, port=free_port()))
+    # Its own secret and id per run: no other process can join these ranks, and no rank joins another run's.
+    # They reach the ranks as arguments, never through the environment or a file.
+    s = replace(s, group=replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id()))
+    log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    # Started together: the rendezvous deadline (group.timeout_s) never includes a rank's start-up.
+    outcomes = run_ranks(_rank_main, s.group.world_size, (s, log_files), grace_s=LOCAL_EXIT_GRACE_S,
+                         name="refit-rank", preload=RANK_MODULES, startup_s=STARTUP_LIMIT_S)
+    role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
+    metrics = [
+        o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}
+        for o in outcomes
+    ]
+    combined = {**metrics[0], "role": "local", "consumers": metrics[1:]}
+    failures = [o for o in outcomes if not o.ok]
+    if failures:
+        # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
+        # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
+        error = root_cause(outcomes, ["producer"] + [f"consumer {r}" for r in range(1, len(outcomes))],
+                           secondary=(PeerError.__name__,),
+                           stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)")
+        combined.update(status="failed", error=error)
+        raise LocalRunError(error, combined)
+    verified = [c.get("verified") for c in combined["consumers"]]
+    combined["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
+    return combined

@@ -1,0 +1,330 @@
+"""What a refit measured: peak memory, the metrics.json schema, and the one-line summary a run logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+from refit_app.common.files import write_atomic
+from refit_app.common.sizes import format_decimal, format_size
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass
+class RoundMetrics:
+    """One refit of a run (``rounds`` in metrics.json); the README's table is checked against these fields."""
+
+    round: int = field(metadata=_doc("1 for the first refit of the run"))
+    seconds: float = field(metadata=_doc("wall time of this round's transfer, checksums included"))
+    gb_per_s: float | None = field(metadata=_doc("bytes / 1e9 / seconds"))
+    bytes: int = field(metadata=_doc("payload bytes moved in this round"))
+    verified: bool | None = field(metadata=_doc("consumer: true when this round was checked bit for bit"))
+    manifest_sent: bool = field(metadata=_doc("whether this round carried a manifest (the first, or a changed list)"))
+    handshake_seconds: float = field(metadata=_doc("time to send and accept this round's manifest; 0 without one"))
+    peak_extra_bytes: int | None = field(metadata=_doc("resident memory above this round's start, at its peak"))
+    peak_rss_bytes: int | None = field(metadata=_doc("highest resident set size during this round"))
+    loss: float | None = field(default=None, metadata=_doc("source=model: mean training loss of the steps before "
+                                                          "this round"))
+    model_check: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc("sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
+                      "producer's after this round"),
+    )
+
+
+@dataclass
+class RunMetrics:
+    """What one rank of a run reports in metrics.json (failed runs too, with what was known)."""
+
+    role: str = field(metadata=_doc("producer, consumer or local (local: the producer's figures, each consumer's "
+                                    "under `consumers`)"))
+    rank: int | None = field(metadata=_doc("rank in the refit group; the producer is 0"))
+    status: str = field(default="ok", metadata=_doc('"ok" or "failed"'))
+    error: str | None = field(default=None, metadata=_doc("null, or the failure as one line"))
+    bytes: int | None = field(default=None, metadata=_doc("payload bytes moved, summed over rounds"))
+    num_tensors: int | None = field(default=None, metadata=_doc("tensors per round"))
+    num_chunks: int | None = field(default=None, metadata=_doc("packed chunks per round"))
+    num_broadcasts: int | None = field(
+        default=None, metadata=_doc("chunks broadcast per round (bounded mode skips chunks of only empty tensors)"))
+    seconds: float | None = field(default=None, metadata=_doc("transfer wall time summed over rounds, handshake "
+                                                              "excluded"))
+    gb_per_s: float | None = field(default=None, metadata=_doc("bytes / 1e9 / seconds"))
+    rounds_done: int | None = field(default=None, metadata=_doc("rounds completed"))
+    first_round_seconds: float | None = field(default=None, metadata=_doc("the first round's transfer time"))
+    steady_round_seconds: float | None = field(
+        default=None, metadata=_doc("median transfer time of the rounds after the first; null with one round"))
+    handshake_seconds: float | None = field(
+        default=None, metadata=_doc("rendezvous-to-accepted-manifest time of the first round (not part of seconds)"))
+    buffer_size_bytes: int | None = field(default=None, metadata=_doc("packed buffer size actually used"))
+    num_buffers: int | None = field(default=None, metadata=_doc("buffers in flight on this rank"))
+    use_legacy_packing: bool | None = field(
+        default=None, metadata=_doc("true: vLLM-compatible chunks; false: bounded packing"))
+    backend: str | None = field(default=None, metadata=_doc("collective backend actually used: gloo, nccl or pynccl"))
+    world_size: int | None = field(default=None, metadata=_doc("ranks in the group (1 producer + consumers)"))
+    peak_rss_bytes: int | None = field(default=None, metadata=_doc("highest resident set size during any round"))
+    peak_extra_bytes: int | None = field(
+        default=None, metadata=_doc("the largest per-round peak above that round's starting resident set size"))
+    cuda_peak_bytes: int | None = field(
+        default=None, metadata=_doc("torch.cuda.max_memory_allocated during the rounds; null without CUDA"))
+    cuda_peak_extra_bytes: int | None = field(
+        default=None, metadata=_doc("cuda_peak_bytes minus the memory allocated at the start; null without CUDA"))
+    verified: bool | None = field(
+        default=None, metadata=_doc("true: every round matched the producer's checksums; null: not checked"))
+    verified_tensors: int | None = field(default=None, metadata=_doc("sink=verify: tensors checked per round"))
+    checksums: bool | None = field(
+        default=None, metadata=_doc("producer: whether it sent per-tensor checksums (some consumer verifies)"))
+    source: str | None = field(default=None, metadata=_doc("where the weights came from"))
+    sink: str | None = field(default=None, metadata=_doc("what the consumer did with them (verify, save, discard, "
+                                                         "model, or your class)"))
+    saved_to: str | None = field(default=None, metadata=_doc("sink=save: the checkpoint directory"))
+    saved_files: list[str] | None = field(default=None, metadata=_doc("sink=save: the files written there"))
+    rounds: list[RoundMetrics] = field(default_factory=list, metadata=_doc("one entry per round (table below)"))
+    consumers: list[dict[str, Any]] | None = field(
+        default=None, metadata=_doc("role=local only: each consumer's metrics, with the keys above"))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+METRICS_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RunMetrics)}
+"""Every key of metrics.json and its meaning, from :class:`RunMetrics`."""
+ROUND_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RoundMetrics)}
+"""Every key of a ``rounds`` entry and its meaning, from :class:`RoundMetrics`."""
+
+
+# Enough digits to compare runs, few enough that a diff of two metrics.json files is readable.
+_SIGNIFICANT_DIGITS = 5
+
+_PROC_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_SAMPLE_INTERVAL_S = 0.005
+_SAMPLER_JOIN_TIMEOUT_S = 5.0
+
+
+def _read_rss_kib() -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) in KiB, or None where /proc is not Linux's."""
+    try:
+        text = _PROC_STATUS.read_text()
+    except OSError:
+        return None
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    if len(values) != 2:
+        return None
+    return values["VmRSS"], values["VmHWM"]
+
+
+def _reset_high_water_mark() -> bool:
+    """Lower VmHWM to the current RSS (Linux >= 4.0); False where the kernel or a sandbox forbids it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError as e:
+        logger.debug("cannot reset VmHWM through %s (%s); sampling RSS instead", _CLEAR_REFS, e)
+        return False
+    return True
+
+
+class PeakMemory:
+    """Peak memory of this process during a block, above what it held when the block started.
+
+    The kernel's high-water mark (VmHWM) counts pages resident however briefly, so no short peak escapes;
+    it is reset at the start so that one refit's peak does not hide the next one's. Where the reset is not
+    permitted, a thread samples VmRSS every few milliseconds, which can miss a peak shorter than that.
+    RSS counts file-backed pages too, so a memory-mapped safetensors source shows up as the pages it touched.
+    On CUDA the caching allocator's own peak is measured as well, for ``device``.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.baseline_rss: int | None = None
+        self.peak_rss: int | None = None
+        self.cuda_baseline_bytes: int | None = None
+        self.cuda_peak_bytes: int | None = None
+        self._sampled_peak_kib = 0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    @property
+    def peak_extra_bytes(self) -> int | None:
+        if self.peak_rss is None or self.baseline_rss is None:
+            return None
+        return self.peak_rss - self.baseline_rss
+
+    @property
+    def cuda_peak_extra_bytes(self) -> int | None:
+        if self.cuda_peak_bytes is None or self.cuda_baseline_bytes is None:
+            return None
+        return self.cuda_peak_bytes - self.cuda_baseline_bytes
+
+    def _uses_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def start(self) -> None:
+        if self._uses_cuda():
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_baseline_bytes = torch.cuda.memory_allocated(self.device)
+        self.peak_rss = None
+        reset = _reset_high_water_mark()
+        rss = _read_rss_kib()
+        if rss is None:
+            logger.warning("no /proc/self/status on this system: peak memory is not measured")
+            self.baseline_rss = None
+            return
+        self.baseline_rss = rss[0] * 1024
+        if not reset:
+            self._sampled_peak_kib = rss[0]
+            self._stop.clear()
+            self._sampler = threading.Thread(target=self._sample, name="refit-peak-memory", daemon=True)
+            self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(_SAMPLE_INTERVAL_S):
+            rss = _read_rss_kib()
+            if rss is not None:
+                self._sampled_peak_kib = max(self._sampled_peak_kib, rss[0])
+
+    def stop(self) -> None:
+        if self._uses_cuda():
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        if self.baseline_rss is None:
+            return
+        rss = _read_rss_kib()
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join(timeout=_SAMPLER_JOIN_TIMEOUT_S)
+            self._sampler = None
+            current = rss[0] if rss is not None else 0
+            self.peak_rss = max(self._sampled_peak_kib, current) * 1024
+        elif rss is not None:
+            self.peak_rss = rss[1] * 1024
+
+    def to_metrics(self) -> dict[str, int | None]:
+        return {
+            "peak_rss_bytes": self.peak_rss,
+            "peak_extra_bytes": self.peak_extra_bytes,
+            "cuda_peak_bytes": self.cuda_peak_bytes,
+            "cuda_peak_extra_bytes": self.cuda_peak_extra_bytes,
+        }
+
+    def __enter__(self) -> PeakMemory:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def overall_verified(metrics: Mapping[str, Any]) -> bool | None:
+    """The run's verdict: its own ``verified``, or for role=local without one, the consumers' combined."""
+    verified = metrics.get("verified")
+    if verified is not None:
+        return bool(verified)
+    verdicts = [c.get("verified") for c in metrics.get("consumers") or []]
+    if any(v is False for v in verdicts):
+        return False
+    if verdicts and all(v is True for v in verdicts):
+        return True
+    return None
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return float(f"{value:.{_SIGNIFICANT_DIGITS}g}")
+    if isinstance(value, Mapping):
+        return {str(k): _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def write_metrics(path_dir: str | os.PathLike[str], metrics: Mapping[str, Any]) -> Path:
+    """Write ``metrics.json`` into ``path_dir`` (see :class:`RunMetrics`); returns its path."""
+    path = Path(path_dir) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # default=str: a dtype, device or Path in the dict is recorded rather than failing the run at its end.
+    text = json.dumps(_rounded(metrics), indent=2, default=str, allow_nan=False) + "\n"
+    write_atomic(path, text.encode())
+    return path
+
+
+def summary_line(metrics: Mapping[str, Any]) -> str:
+    """The run in one log line: what moved, how fast, with which settings, how much memory, and the verdict."""
+    who = str(metrics.get("role", "refit"))
+    if metrics.get("role") == "consumer" and metrics.get("rank") is not None:
+        who += f" {metrics['rank']}"
+    if metrics.get("status") == "failed":
+        return f"{who}: failed: {metrics.get('error') or 'unknown error'}"
+
+    parts = [f"{who}: {format_decimal(metrics.get('bytes') or 0)}"]
+    parts.append(f" in {metrics.get('num_tensors', '?')} tensors / {metrics.get('num_chunks', '?')} chunks")
+    rounds = metrics.get("rounds_done") or 0
+    if rounds > 1:
+        parts.append(f" x {rounds} rounds")
+    seconds = metrics.get("seconds")
+    if seconds is not None:
+        parts.append(f" in {seconds:.2f} s")
+    if metrics.get("gb_per_s") is not None:
+        parts.append(f" = {metrics['gb_per_s']:.2f} GB/s")
+    if rounds > 1 and metrics.get("steady_round_seconds") is not None:
+        parts.append(f" (first round {metrics['first_round_seconds']:.3f} s, then {metrics['steady_round_seconds']:.3f} s)")
+
+    settings = []
+    if metrics.get("buffer_size_bytes") is not None:
+        settings.append(f"buffer {format_size(metrics['buffer_size_bytes'])} x {metrics.get('num_buffers', '?')}")
+    if metrics.get("use_legacy_packing") is not None:
+        settings.append("legacy packing" if metrics["use_legacy_packing"] else "bounded packing")
+    if metrics.get("backend"):
+        settings.append(str(metrics["backend"]))
+    if settings:
+        parts.append(f" ({', '.join(settings)})")
+
+    consumers = metrics.get("consumers") or []
+    if consumers:
+        parts.append(f", {len(consumers)} consumer{'s' if len(consumers) != 1 else ''}")
+    extra = metrics.get("peak_extra_bytes")
+    if extra is not None:
+        parts.append(f", peak {'-' if extra < 0 else '+'}{format_size(abs(extra))}")
+    verified = overall_verified(metrics)
+    if verified is True:
+        parts.append(", verified")
+    elif verified is False:
+        parts.append(", VERIFICATION FAILED")
+    checks = [r.get("model_check") for c in [metrics, *consumers] for r in c.get("rounds") or [] if r.get("model_check")]
+    if checks:
+        worst = max(c["max_abs_logit_diff"] for c in checks)
+        same = all(c["tokens_match"] for c in checks)
+        parts.append(f", models match (max logit diff {worst:.3g})" if same else ", MODEL TOKENS DIFFER")
+    return "".join(parts)

@@ -1,0 +1,234 @@
+"""What each rank does in a run: the producer sends its source round after round, a consumer feeds its sink.
+
+One run, on every rank, over one group and one session (:mod:`refit_app.protocol.session`)::
+
+    connect (rendezvous, checks)  ->  session (who verifies? who wants a model probe?)
+    ->  round 1: manifest handshake, data, checksums, probe, all ranks agree it worked
+    ->  round 2..N: the source changes (a training step), data, checksums, probe, all agree
+    ->  end of session; the sink publishes (a checkpoint) and metrics are written
+
+Every failure on any rank ends every rank with that rank's reason and the round, within ``group.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from refit_app.app.config import RunSettings
+from refit_app.app.devices import use_local_gpu
+from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics
+from refit_app.app.progress import Progress
+from refit_app.common.errors import ConfigError, RefitError
+from refit_app.common.sizes import gb_per_s
+from refit_app.models.sinks import Sink, make_sink
+from refit_app.models.sources import Source, make_source
+from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.manifest import Manifest
+from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
+from refit_app.transport.groups import RefitGroup, connect
+
+logger = logging.getLogger(__name__)
+
+
+class _RoundProgress:
+    """The progress display of the round in flight, started at its first chunk (when its manifest is known)."""
+
+    def __init__(self, label: str, enabled: bool, rounds: int | None) -> None:
+        self._label = label
+        self._enabled = enabled
+        self._rounds = rounds
+        self._current: Progress | None = None
+        self.session: ProducerSession | ConsumerSession | None = None
+
+    def on_chunk(self, nbytes: int, ntensors: int) -> None:
+        if not self._enabled or self.session is None:
+            return
+        if self._current is None:
+            manifest, k = self.session.manifest, self.session.rounds + 1
+            of = f"/{self._rounds}" if self._rounds else ""
+            label = self._label if self._rounds == 1 else f"{self._label} round {k}{of}"
+            self._current = Progress(manifest.total_bytes, self.session.num_chunks, label, stream=sys.stderr)
+        self._current.update(nbytes)
+
+    def stop(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+
+def _round_metrics(r: Round, memory: PeakMemory) -> RoundMetrics:
+    return RoundMetrics(
+        round=r.round,
+        seconds=r.seconds,
+        gb_per_s=r.gb_per_s,
+        bytes=r.bytes,
+        verified=r.verified,
+        manifest_sent=r.manifest_sent,
+        handshake_seconds=r.handshake_seconds,
+        peak_extra_bytes=memory.peak_extra_bytes,
+        peak_rss_bytes=memory.peak_rss,
+        loss=r.facts.get("loss"),
+        model_check=r.facts.get("model_check"),
+    )
+
+
+def _run_metrics(
+    s: RunSettings, rg: RefitGroup, manifest: Manifest | None, rounds: list[Round], memories: list[PeakMemory],
+    handshake_s: float,
+) -> RunMetrics:
+    """The figures both sides report; the top level describes the whole run (see :class:`RunMetrics`)."""
+    total_bytes = sum(r.bytes for r in rounds)
+    seconds = sum(r.seconds for r in rounds)
+    cuda = [m.cuda_peak_bytes for m in memories if m.cuda_peak_bytes is not None]
+    cuda_extra = [m.cuda_peak_extra_bytes for m in memories if m.cuda_peak_extra_bytes is not None]
+    return RunMetrics(
+        role="producer" if rg.is_producer else "consumer",
+        rank=rg.rank,
+        bytes=total_bytes,
+        num_tensors=None if manifest is None else len(manifest.tensors),
+        num_chunks=rounds[-1].num_chunks if rounds else None,
+        num_broadcasts=rounds[-1].num_broadcasts if rounds else None,
+        seconds=seconds,
+        gb_per_s=gb_per_s(total_bytes, seconds),
+        rounds_done=len(rounds),
+        first_round_seconds=rounds[0].seconds if rounds else None,
+        steady_round_seconds=statistics.median(r.seconds for r in rounds[1:]) if len(rounds) > 1 else None,
+        handshake_seconds=handshake_s,
+        buffer_size_bytes=None if manifest is None else manifest.buffer_size_bytes,
+        num_buffers=s.refit.num_buffers,
+        use_legacy_packing=None if manifest is None else manifest.use_legacy_packing,
+        backend=rg.backend,
+        world_size=rg.world_size,
+        peak_rss_bytes=max((m.peak_rss for m in memories if m.peak_rss is not None), default=None),
+        peak_extra_bytes=max((m.peak_extra_bytes for m in memories if m.peak_extra_bytes is not None), default=None),
+        cuda_peak_bytes=max(cuda) if cuda else None,
+        cuda_peak_extra_bytes=max(cuda_extra) if cuda_extra else None,
+        source=None if manifest is None else manifest.source,
+        rounds=[_round_metrics(r, m) for r, m in zip(rounds, memories)],
+    )
+
+
+def _companion_files(source: Source) -> dict[str, str | bytes]:
+    """The small files that belong with the weights (a model's config.json, tokenizer files), sent with the
+    manifest; read once per run."""
+    files = getattr(source, "companion_files", None)
+    return {} if files is None else files()
+
+
+def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
+    """Send the configured source to every consumer, ``refit.rounds`` times; returns this rank's metrics."""
+    use_local_gpu(s.group.local_rank)  # before the source: a model on device=cuda goes to this rank's GPU
+    source = make_source(s.source.target, s.source.params)
+    target = s.refit.buffer_size_bytes if s.refit.buffer_size_bytes is not None else get_target_packed_tensor_size()
+    progress = _RoundProgress("producer", show_progress, s.refit.rounds)
+    advance: Callable[[int], dict] | None = getattr(source, "advance", None)
+    probe: Callable[[int], dict] | None = getattr(source, "probe", None)
+    rounds: list[Round] = []
+    memories: list[PeakMemory] = []
+    with connect(s.group) as rg:
+        session = ProducerSession(rg, buffer_size_bytes=target, num_buffers=s.refit.num_buffers,
+                                  use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk)
+        progress.session = session
+        extra_for = _probe_encoder(probe, session.probe_tokens, source)
+        files = _companion_files(source)
+        for k in range(1, s.refit.rounds + 1):
+            facts = advance(k) if advance is not None and k > 1 else {}
+            metas = source.manifest_tensors()
+            extra = extra_for()
+            with PeakMemory() as memory:
+                try:
+                    r = session.send(source.tensors(), metas=metas, metadata=source.metadata(),
+                                     files=files, source=source.describe(), extra=extra)
+                finally:
+                    progress.stop()
+            r.facts.update(facts)
+            rounds.append(r)
+            memories.append(memory)
+            if s.refit.rounds > 1:
+                logger.info("round %d/%d: %.3f s%s", k, s.refit.rounds, r.seconds,
+                            f", loss {facts['loss']:.4f}" if "loss" in facts else "")
+        session.close()
+        metrics = _run_metrics(s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds)
+        metrics.checksums = session.checksums_needed
+        return metrics.to_json()
+
+
+def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, source: Source) -> Callable[[], bytes]:
+    """What the producer sends after each round's data: its model's probe, where a consumer asked for one."""
+    if probe_tokens <= 0:
+        return lambda: b""
+    if probe is None:
+        raise ConfigError(
+            f"a consumer checks its model against the producer's, but the producer's source ({source.describe()}) "
+            "has no model; use source=model"
+        )
+    from refit_app.models.probe import encode_probe
+
+    return lambda: encode_probe(probe(probe_tokens))
+
+
+def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
+    """Receive every round of the producer's weights into the configured sink; returns this rank's metrics."""
+    use_local_gpu(s.group.local_rank)  # before the sink: a model on device=cuda goes to this rank's GPU
+    sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk)
+    verify = bool(getattr(sink, "verifies", False))
+    probe_tokens = int(getattr(sink, "probe_tokens", 0))
+    progress = _RoundProgress(f"consumer {s.rank}", show_progress, None)
+    rounds: list[Round] = []
+    memories: list[PeakMemory] = []
+    try:
+        with connect(s.group) as rg:
+            session = ConsumerSession(rg, buffer_size_bytes=s.refit.buffer_size_bytes,
+                                      use_legacy_packing=s.refit.use_legacy_packing,
+                                      num_buffers=s.refit.num_buffers, verify=verify, probe_tokens=probe_tokens,
+                                      on_chunk=progress.on_chunk)
+            progress.session = session
+            on_round_end = _round_end(sink, probe_tokens)
+            while True:
+                with PeakMemory() as memory:
+                    try:
+                        r = session.receive(sink.consume, on_manifest=sink.begin, on_round_end=on_round_end)
+                    finally:
+                        progress.stop()
+                if r is None:
+                    break
+                rounds.append(r)
+                memories.append(memory)
+            published = sink.close()
+            metrics = _run_metrics(s, rg, session.manifest, rounds, memories,
+                                   rounds[0].handshake_seconds if rounds else 0.0)
+    except BaseException:
+        sink.abort()
+        raise
+    metrics.sink = s.sink_name
+    if verify:
+        metrics.verified = all(r.verified for r in rounds)
+        metrics.verified_tensors = rounds[-1].facts.get("verified_tensors") if rounds else None
+    metrics.saved_to = published.get("saved_to")
+    metrics.saved_files = published.get("saved_files")
+    return metrics.to_json()
+
+
+def _round_end(sink: Sink, probe_tokens: int) -> Callable[[Round], dict[str, Any]]:
+    """The consumer's end of a round: the sink completes it, and a model sink compares itself to the producer's."""
+
+    def end(r: Round) -> dict[str, Any]:
+        facts = dict(sink.finish(r.checksums) or {})
+        if probe_tokens:
+            from refit_app.models.probe import decode_probe
+
+            if not r.extra:
+                raise RefitError("the producer sent no model probe for this round")
+            facts["model_check"] = sink.check(decode_probe(r.extra), probe_tokens)
+        return facts
+
+    return end
+
+
+def run_role(s: RunSettings) -> dict[str, Any]:
+    """Run this process's role (the producer or a consumer) and return its metrics."""
+    return (run_producer if s.role == "producer" else run_consumer)(s)

@@ -1,0 +1,317 @@
+"""The typed schema of ``python -m refit_app``: one dataclass per config group option, registered with Hydra's
+ConfigStore as ``base_*``. Every YAML file under conf/ names its schema first in its defaults list (Hydra's "Config
+Store + YAML" pattern), so a misspelled key or a value of the wrong type is refused while the config is composed.
+The field docstrings are the reference for every key (``--help`` prints them, through :mod:`refit_app.app.reference`);
+:mod:`refit_app.app.config` checks what types cannot express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from refit_app.app.launchers import launcher_setting
+from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.models.defaults import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_LR,
+    DEFAULT_PRESET,
+    DEFAULT_PROBE_TOKENS,
+    DEFAULT_SEED,
+    DEFAULT_SYNTHETIC_DTYPE,
+    DEFAULT_TRAIN_STEPS,
+    FLOAT_DTYPES,
+)
+from refit_app.models.presets import PRESETS
+from refit_app.transport.auth import TOKEN_DEFAULT
+from refit_app.transport.spec import BACKENDS, DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, DEFAULT_TOPOLOGY, TOPOLOGIES
+
+CONF_MODULE = "refit_app.conf"
+"""The package that holds the configs: the top-level conf/ directory, installed under this name (pyproject.toml),
+so that a checkout, an editable install and a wheel read the same files. For ``initialize_config_module``."""
+CONF_PATH = f"pkg://{CONF_MODULE}"
+"""The same, as a ``config_path`` for ``@hydra.main``."""
+CONFIG_NAME = "config"
+
+DOC_VALUES = {"DEFAULT_PORT": DEFAULT_PORT}
+"""Values a field docstring names as ``{NAME}`` (their home is elsewhere); the reference prints the value."""
+CHOICES = "choices"
+"""Field metadata: the values a key takes, from their one home; ``--help`` lists them after the key's meaning."""
+
+RANK_LABEL_RESOLVER = "refit_app.rank_label"
+"""``${refit_app.rank_label:}``: group.rank for role=auto's run directory, or nothing where it cannot be read yet,
+so that Hydra makes the directory and the one-line error about the launcher comes from the config check."""
+LAUNCHER_RESOLVER = "refit_app.launcher"
+"""``${refit_app.launcher:rank}`` (conf/role/auto.yaml): a group setting read from the launcher's environment
+(:func:`refit_app.app.launchers.launcher_setting`); an explicit ``group.rank=...`` replaces it."""
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schema. Field docstrings are the reference for every key: `--help` prints each one on one line.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Role:
+    """Which part of a refit this process plays (the ``role`` config group)."""
+
+    name: str = MISSING
+    """local, producer, consumer or auto; set by the chosen ``role=`` option."""
+    output_name: str = MISSING
+    """Suffix of this process's Hydra output directories: the role and rank, so that a producer and a consumer
+    started in the same second never share one."""
+
+
+@dataclass
+class LocalRole(Role):
+    """One producer and role.num_consumers consumers as processes on this machine; ranks and port are picked."""
+
+    name: str = "local"
+    output_name: str = "local"
+    num_consumers: int = 1
+    """How many consumer processes to start next to the producer on this machine."""
+
+
+@dataclass
+class ProducerRole(Role):
+    """Rank 0, the trainer's side, that consumers on other hosts join at this host's group.host/group.port."""
+
+    name: str = "producer"
+    output_name: str = "producer"
+
+
+@dataclass
+class ConsumerRole(Role):
+    """An inference worker: joins the producer at group.host/group.port as group.rank."""
+
+    name: str = "consumer"
+    output_name: str = "consumer${group.rank}"
+
+
+@dataclass
+class AutoRole(Role):
+    """Under a launcher (torchrun, SLURM, submitit): rank 0 is the producer, every other rank a consumer; rank,
+    world size and the producer's address come from the launcher's environment unless group.* gives them."""
+
+    name: str = "auto"
+    output_name: str = f"auto${{{RANK_LABEL_RESOLVER}:}}"
+
+
+@dataclass
+class RefitDebug:
+    """Test-only fault hooks that prove the failure paths work; users never need them."""
+
+    corrupt_chunk: Optional[int] = None
+    """Index of a received chunk whose bytes a consumer flips, to show that ``sink=verify`` catches corruption."""
+
+
+@dataclass
+class Refit:
+    """How tensors are packed and moved."""
+
+    buffer_size_bytes: Optional[str] = None
+    """Target packed-buffer size: bytes or a size such as 256MiB, 1GiB, 64MB. null: the library default on a
+    producer; the producer's value on a consumer."""
+    num_buffers: int = II(f"oc.env:{NUM_BUFFERS_ENV},{DEFAULT_NUM_BUFFERS}")
+    """How many buffers are in flight at once; each side chooses its own."""
+    use_legacy_packing: Optional[bool] = False
+    """true: vLLM-compatible chunks. null (a consumer's default): adopt the producer's mode."""
+    rounds: int = 1
+    """How many refits one run performs over one group (the RL loop); the source changes between rounds."""
+    debug: RefitDebug = field(default_factory=RefitDebug)
+    """Test-only fault hooks; not for users."""
+
+
+@dataclass
+class Group:
+    """The process group: who talks to whom, over what, with which deadline."""
+
+    backend: str = field(default="auto", metadata={CHOICES: BACKENDS})
+    """The collective backend; auto: NCCL where every rank has a GPU, gloo otherwise; pynccl needs vLLM."""
+    host: str = DEFAULT_HOST
+    """Address of the producer (rank 0) that every rank rendezvouses at."""
+    port: Optional[int] = None
+    """Rendezvous port. null: a free port for role=local, {DEFAULT_PORT} for a producer and its consumers."""
+    world_size: Optional[int] = None
+    """Number of ranks: the producer plus the consumers. null: 1 + role.num_consumers (role=local)."""
+    rank: Optional[int] = None
+    """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local."""
+    local_rank: Optional[int] = None
+    """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
+    current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline in seconds (0.001 to a week) for the rendezvous and for every collective; a lost peer fails the run
+    after it."""
+    interface: Optional[str] = None
+    """Network interface gloo uses (eth0, ...); null: the one on the route to the producer."""
+    token: Optional[str] = TOKEN_DEFAULT
+    """Shared secret every rank must hold (same on all; never printed); null: anyone reaching the port can join, so
+    only a loopback host is allowed. role=local makes one up."""
+    run_id: Optional[str] = None
+    """This run's id; a consumer refuses another run's producer. null: the producer makes one up and logs it."""
+    allow_unauthenticated: bool = False
+    """Allow a non-loopback group.host without group.token (on a network where every host is trusted)."""
+    topology: str = field(default=DEFAULT_TOPOLOGY, metadata={CHOICES: TOPOLOGIES})
+    """How each buffer travels: tree, the backend's own broadcast; chain, each consumer relays every chunk to the
+    next rank while receiving the next one, so every link carries each byte once (faster with 2+ consumers). chain
+    is for gloo (CPU hosts, CI, debugging): NCCL pipelines its own broadcast, so nccl is refused and auto picks gloo.
+    Same on every rank."""
+
+
+@dataclass
+class Source:
+    """Where the producer's weights come from (the ``source`` config group). A source of your own is a config
+    file with ``_target_: your.module.YourSource`` and its keyword arguments (see README, "Plug in your own")."""
+
+    _target_: str = MISSING
+    """The class that builds the source, called with the other keys as keyword arguments."""
+    kind: str = MISSING
+    """The built-in source's name, set by the chosen ``source=`` option."""
+
+
+@dataclass
+class SyntheticSource(Source):
+    """A model-shaped state dict generated lazily, chunk by chunk."""
+
+    _target_: str = "refit_app.models.sources.SyntheticSource"
+    kind: str = "synthetic"
+    preset: str = field(default=DEFAULT_PRESET, metadata={CHOICES: tuple(PRESETS)})
+    """Model shape: a decoder-only transformer, or lora (thousands of small adapter matrices)."""
+    size: Optional[str] = None
+    """Scale the preset to this total size (e.g. 2GiB); null keeps the preset's own size."""
+    seed: int = DEFAULT_SEED
+    """Seed of the generated values, so that two runs send identical bytes."""
+    dtype: str = field(default=DEFAULT_SYNTHETIC_DTYPE, metadata={CHOICES: FLOAT_DTYPES})
+    """Element type of the generated tensors."""
+
+
+@dataclass
+class SafetensorsSource(Source):
+    """A checkpoint on disk, read tensor by tensor."""
+
+    _target_: str = "refit_app.models.sources.SafetensorsSource"
+    kind: str = "safetensors"
+    path: str = MISSING
+    """A .safetensors file or a Hugging Face model directory (sharded or not)."""
+
+
+@dataclass
+class ModelSource(Source):
+    """A trainer: a transformers causal LM that takes optimizer steps between rounds."""
+
+    _target_: str = "refit_app.models.hf_model.ModelSource"
+    kind: str = "model"
+    path: str = MISSING
+    """A Hugging Face model directory (config.json + safetensors); the trainer's model is built from it."""
+    dtype: Optional[str] = None
+    """float32, bfloat16, float16 or float64; null: the checkpoint's own."""
+    device: Optional[str] = None
+    """Where the model lives (cpu, cuda:0); null: the CPU."""
+    train_steps: int = DEFAULT_TRAIN_STEPS
+    """Optimizer steps (AdamW) before every round after the first."""
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    """Tokens per training batch (random token sequences of a fixed seed)."""
+    lr: float = DEFAULT_LR
+    """AdamW learning rate."""
+    seed: int = DEFAULT_SEED
+    """Seed of the training batches."""
+
+
+@dataclass
+class Sink:
+    """What a consumer does with the tensors it receives (the ``sink`` config group). A sink of your own is a
+    config file with ``_target_: your.module.YourSink`` and its keyword arguments."""
+
+    _target_: str = MISSING
+    """The class that builds the sink, called with the other keys as keyword arguments."""
+    kind: str = MISSING
+    """The built-in sink's name, set by the chosen ``sink=`` option."""
+
+
+@dataclass
+class VerifySink(Sink):
+    """Check every received tensor bit for bit against the producer's checksums."""
+
+    _target_: str = "refit_app.models.sinks.VerifySink"
+    kind: str = "verify"
+
+
+@dataclass
+class SaveSink(Sink):
+    """Write a Hugging Face layout checkpoint."""
+
+    _target_: str = "refit_app.models.sinks.SaveSink"
+    kind: str = "save"
+    path: str = MISSING
+    """Directory that receives the checkpoint in Hugging Face layout (created if absent)."""
+
+
+@dataclass
+class ModelSink(Sink):
+    """An inference model built from the producer's config.json, loaded in place as tensors arrive."""
+
+    _target_: str = "refit_app.models.hf_model.ModelSink"
+    kind: str = "model"
+    probe_tokens: int = DEFAULT_PROBE_TOKENS
+    """After every round, compare this many positions of the model's logits and greedy tokens with the producer's
+    model; 0: no check."""
+    verify: bool = True
+    """Also check every received tensor bit for bit against the producer's checksums, every round."""
+    device: Optional[str] = None
+    """Where the model lives (cpu, cuda:0); null: the CPU."""
+
+
+@dataclass
+class DiscardSink(Sink):
+    """Keep nothing: a pure transfer benchmark."""
+
+    _target_: str = "refit_app.models.sinks.DiscardSink"
+    kind: str = "discard"
+
+
+@dataclass
+class Config:
+    """The whole application config."""
+
+    role: Role = MISSING
+    refit: Refit = field(default_factory=Refit)
+    group: Group = field(default_factory=Group)
+    source: Any = MISSING
+    """A built-in source schema, or a user's node with ``_target_``."""
+    sink: Any = MISSING
+    """A built-in sink schema, or a user's node with ``_target_``."""
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole, "auto": AutoRole},
+    "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource, "model": ModelSource},
+    "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink},
+}
+
+
+def register_schemas() -> None:
+    """Make the schemas known to Hydra; YAML files refer to them as ``base_config`` and ``<group>/base_<option>``.
+
+    Storing is idempotent, so importing this module more than once (tests, scripts) is harmless.
+    """
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for option, schema in options.items():
+            store.store(group=group, name=f"base_{option}", node=schema)
+    if not OmegaConf.has_resolver(LAUNCHER_RESOLVER):
+        OmegaConf.register_new_resolver(LAUNCHER_RESOLVER, launcher_setting)
+        OmegaConf.register_new_resolver(RANK_LABEL_RESOLVER, _rank_label)
+
+
+def _rank_label(*, _root_: Any) -> str:
+    try:
+        return str(_root_.group.rank)
+    except OmegaConfBaseException:
+        return ""
+
+
+register_schemas()

