@@ -247,7 +247,7 @@ def test_sessions_refuse_the_wrong_rank():
 
 
 def test_errors_keep_their_type_and_gain_the_round():
-    from refit_app.protocol.session import _with_round
+    from refit_app.protocol.rounds import with_round as _with_round
 
     assert str(_with_round(3, SourceError("bad"))) == "round 3: bad"
     assert isinstance(_with_round(3, SourceError("bad")), SourceError)

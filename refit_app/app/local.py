@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from refit_app.app.config import RunSettings
-from refit_app.app.launch import ActivityHandler, free_port, prestart, root_cause, run_ranks
+from refit_app.app.launch import ActivityHandler, prestart, root_cause, run_ranks
 from refit_app.common.errors import PeerError, RefitError
 from refit_app.transport.auth import new_run_id, new_secret
 
@@ -68,8 +68,6 @@ def run_local(s: RunSettings) -> dict[str, Any]:
         from refit_app.models.sources import make_source
 
         make_source(s.source.target, s.source.params)
-    if s.group.port is None:
-        s = replace(s, group=replace(s.group, port=free_port()))
     # Its own secret and id per run: no other process can join these ranks, and no rank joins another run's.
     # They reach the ranks as arguments, never through the environment or a file.
     s = replace(s, group=replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id()))

@@ -66,6 +66,31 @@ def checksum_function(name: str) -> ChecksumFunction:
     return function
 
 
+class Incremental:
+    """One checksum fed piece by piece (``update``), equal to ``checksum_function(name)`` of all pieces joined:
+    a delta round hashes each tensor block by block while the block is in cache."""
+
+    def __init__(self, name: str) -> None:
+        checksum_function(name)  # refuses, naming it, where this host cannot compute it
+        self._xxh = None
+        if name == "xxh3_64":
+            import xxhash
+
+            self._xxh = xxhash.xxh3_64()
+        else:
+            self._function = _load(name)
+            self._value = 0
+
+    def update(self, data: object) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._value = self._function(data, self._value)
+
+    def value(self) -> int:
+        return self._xxh.intdigest() if self._xxh is not None else self._value
+
+
 def available_algorithms() -> list[str]:
     """The algorithms this host can compute, fastest first."""
     return [name for name in ALGORITHM_NAMES if _load(name) is not None]

@@ -5,21 +5,24 @@ A :class:`ProducerSession` sends a model's tensors once per round with :meth:`~P
 manifest (names, shapes, dtypes, settings, a model's config) goes over the group in the first round only; later
 rounds carry data (and checksums where a consumer verifies) alone, until the tensor list changes: then both sides
 see it in the round header, the producer sends a fresh manifest and every consumer accepts it (or refuses, and
-every rank stops) before any tensor moves.
+every rank stops) before any tensor moves. With ``delta`` on, a round after the first can carry only the elements
+that changed (:mod:`refit_app.protocol.delta`).
 
 Every round, over the group::
 
     producer                                       consumers
-    header [magic, round, flags, extra bytes] ---> (END: the session is over; receive() returns None)
+    (delta on) which round each consumer holds <-- report held round (0: nothing it can vouch for)
+    header [magic, round, flags, extra, base] ---> (END: the session is over; receive() returns None)
     (MANIFEST) manifest, gather "handshake" <----> accept: settings agree, on_manifest(manifest), ack
-    packed broadcast of the data ----------------> unpack, consume(batch) ...
-    (manifest.checksums) checksum trailer -------> verify
+    packed broadcast of the data, or (DELTA) ---> unpack, consume(batch) ... / apply each record
+    the delta stream against round ``base``
+    (manifest.checksums) checksum trailer -------> verify (every tensor in full, also in a delta round)
     (extra bytes) extra payload (a model probe) -> on_round_end(round) (a model check, say)
     gather "done" <------------------------------> report "done" (or this round's error, naming the round)
 
-At the start, each consumer tells the producer whether it verifies and how long a probe it wants, so the producer
-computes checksums and probes only for a consumer that uses them. A failure on any rank in round k ends every rank
-within the group's deadline, with that rank's reason and the round.
+At the start, the producer says whether it may send deltas and each consumer whether it verifies and how long a
+probe it wants, so the producer computes checksums and probes only for a consumer that uses them. A failure on any
+rank in round k ends every rank within the group's deadline, with that rank's reason and the round.
 """
 
 from __future__ import annotations
@@ -27,27 +30,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from refit_app.common.errors import HandshakeError, PeerError, RefitError, SourceError
-from refit_app.common.sizes import gb_per_s
+from refit_app.common.errors import HandshakeError, RefitError, SourceError
+from refit_app.core.chunks import Chunk
 from refit_app.core.meta import TensorMeta
-from refit_app.core.wire import host_bytes
+from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.packed_tensor import (
-    Chunk,
     ChunkCallback,
+    get_num_buffers,
     PackedPlan,
+    _packed_broadcast_consumer_batches,
     get_target_packed_tensor_size,
-    iter_chunks,
     packed_broadcast_consumer,
     packed_broadcast_producer,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
+from refit_app.protocol.delta import ConsumerDelta, DeltaStats, ProducerDelta, TensorDelta
 from refit_app.protocol.handshake import (
     accept_manifest,
     finish,
@@ -56,83 +59,27 @@ from refit_app.protocol.handshake import (
     send_manifest,
 )
 from refit_app.protocol.manifest import Manifest, tensor_list_changes
+from refit_app.protocol.rounds import (
+    DELTA,
+    END,
+    HEADER_WORDS,
+    MANIFEST,
+    ROUND_MAGIC,
+    ChunkCounter,
+    Round,
+    plan_manifest,
+    round_error,
+    with_round,
+)
 from refit_app.protocol.verify import Verifier
 from refit_app.transport.groups import RefitGroup
 from refit_app.transport.spec import PRODUCER_RANK
 
 logger = logging.getLogger(__name__)
 
-ROUND_MAGIC = 0x5245_4649_5432  # "REFIT2"
-"""First word of every round header: a peer that is not a refit_app session of this version is caught at once."""
-_MANIFEST = 1
-_END = 2
-_HEADER_WORDS = 4
+__all__ = ["ConsumerSession", "ProducerSession", "Round", "TensorDelta"]
 
-
-@dataclass
-class Round:
-    """What one round moved, as both sides report it."""
-
-    round: int
-    """1 for the first round."""
-    bytes: int = 0
-    seconds: float = 0.0
-    """Wall time of the data transfer, from the first chunk to the last, manifest and trailers excluded."""
-    num_tensors: int = 0
-    num_chunks: int = 0
-    num_broadcasts: int = 0
-    """Chunks that went over the wire (the planner skips empty chunks in bounded mode)."""
-    manifest_sent: bool = False
-    """Whether this round carried a manifest (the first round, or the tensor list changed)."""
-    handshake_seconds: float = 0.0
-    """Time to send and agree on the manifest; 0 where none was sent."""
-    checksums: list[int] | None = None
-    """The producer's per-tensor checksums, where it sent them."""
-    verified: bool | None = None
-    """True when this consumer checked every tensor bit for bit; None where it did not check."""
-    extra: bytes = b""
-    """The producer's extra payload for this round (a model probe)."""
-    facts: dict[str, Any] = field(default_factory=dict)
-    """Whatever ``on_round_end`` (consumer) or the caller (producer) adds: a training loss, a model check."""
-
-    @property
-    def gb_per_s(self) -> float | None:
-        return gb_per_s(self.bytes, self.seconds)
-
-
-class _Counter:
-    """Counts what went over the wire in one round and forwards each chunk to the caller's callback."""
-
-    def __init__(self, round_: Round, forward: ChunkCallback | None) -> None:
-        self._round = round_
-        self._forward = forward
-
-    def __call__(self, nbytes: int, ntensors: int) -> None:
-        self._round.bytes += nbytes
-        self._round.num_chunks += 1
-        self._round.num_tensors += ntensors
-        if self._forward is not None:
-            self._forward(nbytes, ntensors)
-
-
-def count_chunks(manifest: Manifest) -> tuple[int, int]:
-    """``manifest``'s chunks, and how many of them go over the wire, as the chunk planner decides."""
-    sizes = (t.nbytes for t in manifest.tensors)
-    chunks = list(iter_chunks(sizes, manifest.buffer_size_bytes, manifest.use_legacy_packing))
-    return len(chunks), sum(c.broadcast for c in chunks)
-
-
-def _round_error(round_index: int, exc: BaseException) -> str:
-    """This rank's failure as the line every rank reports: the round it happened in, then the reason."""
-    text = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
-    return text if text.startswith("round ") else f"round {round_index}: {text}"
-
-
-def _with_round(round_index: int, exc: BaseException) -> BaseException:
-    """``exc`` with the round prefixed, keeping its type (a peer's error already names the round)."""
-    if isinstance(exc, PeerError) or not isinstance(exc, RefitError) or str(exc).startswith(("round ", "rank ")):
-        return exc
-    return type(exc)(_round_error(round_index, exc))
+Batch = list[tuple[str, Any]]
 
 
 class _Session:
@@ -147,25 +94,36 @@ class _Session:
         self._plan = PackedPlan()
         """The chunk plan of the manifest in force: the first round records it, later rounds follow it (one fused
         copy per chunk on the producer, precomputed views on the consumer)."""
-        self.num_chunks = 0
-        """Chunks of the manifest in force (planned once per manifest, not per round)."""
-        self._broadcasts = 0
-        """Chunks of the manifest in force that go over the wire."""
+        self._chunks: list[Chunk] = []
+        """The manifest's chunks (planned once per manifest, not per round)."""
+        self._delta_on = False
+        """Whether the producer may send delta rounds (it says so when the session starts)."""
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of the manifest in force."""
+        return len(self._chunks)
+
+    @property
+    def _broadcasts(self) -> int:
+        return sum(c.broadcast for c in self._chunks)
 
     def _new_plan(self) -> None:
         """A fresh manifest is in force: plan it anew."""
         self._plan.release()
         self._plan = PackedPlan()
         assert self.manifest is not None
-        self.num_chunks, self._broadcasts = count_chunks(self.manifest)
+        self._chunks = plan_manifest(self.manifest)
 
     def _broadcast_header(self, header: torch.Tensor) -> None:
         self.group.group.broadcast(header, PRODUCER_RANK)
 
-    def _exchange_needs(self, verify: bool, probe_tokens: int) -> tuple[bool, int]:
-        """Each consumer in turn tells every rank whether it verifies and how long a probe it wants; returns
-        (any consumer verifies, the longest probe asked for). One tiny broadcast per consumer, over the data group,
-        so it works with every backend."""
+    def _exchange_needs(self, delta: bool, verify: bool, probe_tokens: int) -> tuple[bool, bool, int]:
+        """The producer says whether it may send deltas; then each consumer in turn tells every rank whether it
+        verifies and how long a probe it wants. Returns (deltas on, any consumer verifies, the longest probe asked
+        for). Tiny broadcasts over the data group, so it works with every backend."""
+        mode = torch.tensor([int(delta)], dtype=torch.int64, device=self.device)
+        self.group.group.broadcast(mode, PRODUCER_RANK)
         any_verify, longest_probe = False, 0
         for rank in range(1, self.group.world_size):
             mine = self.group.rank == rank
@@ -174,7 +132,16 @@ class _Session:
             self.group.group.broadcast(need, rank)
             any_verify |= bool(need[0].item())
             longest_probe = max(longest_probe, int(need[1].item()))
-        return any_verify, longest_probe
+        return bool(mode.item()), any_verify, longest_probe
+
+    def _exchange_held(self, mine: int) -> list[int]:
+        """With deltas on, before each round: every consumer's held round, in rank order."""
+        held = []
+        for rank in range(1, self.group.world_size):
+            value = torch.tensor([mine if self.group.rank == rank else 0], dtype=torch.int64, device=self.device)
+            self.group.group.broadcast(value, rank)
+            held.append(int(value.item()))
+        return held
 
     def _extra(self, data: bytes | None, length: int) -> bytes:
         """Broadcast ``data`` (producer) or receive ``length`` bytes of it (consumer)."""
@@ -204,14 +171,19 @@ class ProducerSession(_Session):
     """The trainer's side: :meth:`send` the current weights once per round, :meth:`close` when done.
 
     Args:
-        group: a connected :class:`~refit_app.transport.groups.RefitGroup` (from :func:`~refit_app.transport.groups.connect` or
-            :func:`~refit_app.transport.groups.from_process_group`) on which this rank is the producer (rank 0).
+        group: a connected :class:`~refit_app.transport.groups.RefitGroup` (from
+            :func:`~refit_app.transport.groups.connect` or :func:`~refit_app.transport.groups.from_process_group`)
+            on which this rank is the producer (rank 0).
         buffer_size_bytes, num_buffers, use_legacy_packing: as for
             :func:`~refit_app.packed_tensor.packed_broadcast_producer`; the buffer size and packing mode travel in
             the manifest, so consumers that leave theirs unset adopt them.
         on_chunk: called with (bytes, tensors) as each chunk is handed to the group (progress, metrics).
-        checksum_algorithm: how to checksum for verifying consumers (:mod:`refit_app.protocol.checksum`); None picks the
-            fastest installed. It travels in the manifest; a consumer that cannot compute it refuses at the handshake.
+        checksum_algorithm: how to checksum for verifying consumers (:mod:`refit_app.protocol.checksum`); None picks
+            the fastest installed. It travels in the manifest; a consumer that cannot compute it refuses at the
+            handshake.
+        delta: ``"off"`` (every round dense), ``"on"`` or ``"auto"`` (rounds after the first send only the changed
+            elements where every consumer holds the last round; see :mod:`refit_app.protocol.delta`). On or auto
+            keep one host copy of the sent model here.
 
     Construct it on every rank at the same point: the consumers' needs are exchanged here.
     """
@@ -225,6 +197,7 @@ class ProducerSession(_Session):
         use_legacy_packing: bool = False,
         on_chunk: ChunkCallback | None = None,
         checksum_algorithm: str | None = None,
+        delta: str = "off",
     ) -> None:
         super().__init__(group)
         self.checksum_algorithm = checksum_algorithm or default_algorithm()
@@ -235,7 +208,8 @@ class ProducerSession(_Session):
         self.num_buffers = num_buffers
         self.use_legacy_packing = use_legacy_packing
         self.on_chunk = on_chunk
-        self.checksums_needed, self.probe_tokens = self._exchange_needs(False, 0)
+        self._delta = ProducerDelta(delta)
+        self._delta_on, self.checksums_needed, self.probe_tokens = self._exchange_needs(self._delta.enabled, False, 0)
         """Whether some consumer verifies; the longest model probe a consumer asked for (0: none)."""
 
     def send(
@@ -262,6 +236,7 @@ class ProducerSession(_Session):
         k = self.rounds + 1
         result = Round(round=k)
         try:
+            held = self._exchange_held(0) if self._delta_on else []
             if metas is None:
                 named_tensors = list(named_tensors)
                 metas = [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
@@ -276,8 +251,11 @@ class ProducerSession(_Session):
                 files=dict(files or {}),
             )
             fresh = self.manifest != manifest  # field by field: no re-encoding of the model every round
-            flags = _MANIFEST if fresh else 0
-            self._broadcast_header(torch.tensor([ROUND_MAGIC, k, flags, len(extra)], dtype=torch.int64,
+            if fresh and self._delta.enabled:
+                self._delta.reset(manifest.tensors)
+            base = self._delta.base_for(held) if self._delta_on and not fresh else 0
+            flags = (MANIFEST if fresh else 0) | (DELTA if base else 0)
+            self._broadcast_header(torch.tensor([ROUND_MAGIC, k, flags, len(extra), base], dtype=torch.int64,
                                                 device=self.device))
             if fresh:
                 if self.manifest is not None:
@@ -289,50 +267,107 @@ class ProducerSession(_Session):
                 result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
                 self.manifest = manifest
                 self._new_plan()
-            hasher = _SendHasher(self._checksum) if manifest.checksums else None
-            post = hasher.post if hasher is not None else _tensor_of
-            result.num_broadcasts = self._broadcasts
-            # Once the plan is recorded it checks every tensor against it itself; the first round checks here.
-            tensors = named_tensors if self._plan.ready else _checked(named_tensors, manifest.tensors)
             started = time.perf_counter()
             # Parameters require grad; packing only reads their values, which must not join an autograd graph.
             with torch.no_grad():
-                packed_broadcast_producer(
-                    tensors,
-                    self.group.group,
-                    PRODUCER_RANK,
-                    post,
-                    buffer_size_bytes=manifest.buffer_size_bytes,
-                    num_buffers=self.num_buffers,
-                    use_legacy_packing=manifest.use_legacy_packing,
-                    on_chunk=_Counter(result, self.on_chunk),
-                    on_chunk_done=None if hasher is None else hasher.chunk_sent,
-                    plan=self._plan,
-                )
-            if hasher is not None:
-                checksums = hasher.checksums()
+                checksums = self._send_data(named_tensors, manifest, result, base, k)
+            if checksums is not None:
                 send_checksums(self.group, checksums)
                 result.checksums = checksums
             result.seconds = time.perf_counter() - started
             self._extra(extra, len(extra))
         except BaseException as e:
-            finish(self.group, _round_error(k, e))
-            raise _with_round(k, e) from e
+            self._delta.invalidate()
+            finish(self.group, round_error(k, e))
+            raise with_round(k, e) from e
         finish(self.group, None)
         self.rounds += 1
         return result
 
+    def _send_data(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, result: Round, base: int, k: int
+    ) -> list[int] | None:
+        """The round's data, dense or delta; returns the checksums where consumers verify."""
+        algorithm = self.checksum_algorithm if manifest.checksums else None
+        num_buffers = self.num_buffers or get_num_buffers()
+        if self._delta.enabled:
+            tensors = (t for _, t in _checked(named_tensors, manifest.tensors))
+            result.bytes = manifest.total_bytes
+            result.num_tensors = len(manifest.tensors)
+            if base:
+                stats, sums = self._delta.send_delta(
+                    tensors, self.group.group, PRODUCER_RANK, chunk_bytes=manifest.buffer_size_bytes,
+                    num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm, round_index=k,
+                    on_chunk=self._stream_counter(result))
+                _record_delta(result, base, stats)
+                return sums
+            sums = self._delta.send_dense(tensors, self._chunks, self.group.group, PRODUCER_RANK,
+                                          num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm,
+                                          round_index=k)
+            self._count_dense(result)
+            return sums
+        hasher = _SendHasher(self._checksum) if manifest.checksums else None
+        post = hasher.post if hasher is not None else _tensor_of
+        result.num_broadcasts = self._broadcasts
+        # Once the plan is recorded it checks every tensor against it itself; the first round checks here.
+        tensors = named_tensors if self._plan.ready else _checked(named_tensors, manifest.tensors)
+        packed_broadcast_producer(
+            tensors,
+            self.group.group,
+            PRODUCER_RANK,
+            post,
+            buffer_size_bytes=manifest.buffer_size_bytes,
+            num_buffers=self.num_buffers,
+            use_legacy_packing=manifest.use_legacy_packing,
+            on_chunk=ChunkCounter(result, self.on_chunk),
+            on_chunk_done=None if hasher is None else hasher.chunk_sent,
+            plan=self._plan,
+        )
+        result.wire_bytes = result.bytes
+        return hasher.checksums() if hasher is not None else None
+
+    def _count_dense(self, result: Round) -> None:
+        """A dense round's figures, from the plan (the image path sends every planned chunk)."""
+        result.num_chunks = len(self._chunks)
+        result.num_broadcasts = self._broadcasts
+        result.wire_bytes = result.bytes
+        if self.on_chunk is not None:
+            for chunk in self._chunks:
+                self.on_chunk(chunk.nbytes, chunk.count)
+
+    def _stream_counter(self, result: Round) -> Callable[[int], None]:
+        def counted(nbytes: int) -> None:
+            result.num_chunks += 1
+            result.num_broadcasts += 1
+            if self.on_chunk is not None:
+                self.on_chunk(nbytes, 0)
+
+        return counted
+
     def close(self, *, notify: bool = True) -> None:
         """Tell every consumer that the session is over (their :meth:`~ConsumerSession.receive` returns None), and
-        free the send buffers. ``notify=False`` skips the end-of-session header, for consumers that only receive
-        when asked to (a vLLM worker inside ``update_weights``): closing the group ends their session instead."""
+        free the send buffers and the snapshot. ``notify=False`` skips the end-of-session header, for consumers that
+        only receive when asked to (a vLLM worker inside ``update_weights``): closing the group ends their session
+        instead."""
         if self.closed:
             return
         self.closed = True
         self._plan.release()
+        self._delta.image = None
         if notify:
-            self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, _END, 0], dtype=torch.int64,
+            if self._delta_on:
+                self._exchange_held(0)
+            self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, END, 0, 0], dtype=torch.int64,
                                                 device=self.device))
+
+
+def _record_delta(result: Round, base: int, stats: Any) -> None:
+    result.base_round = base
+    result.wire_bytes = stats.wire_bytes
+    result.changed_elements = stats.changed_elements
+    result.total_elements = stats.total_elements
+    result.encodings = dict(stats.encodings)
+    result.delta_seconds = stats.seconds
 
 
 def _tensor_of(item: tuple[str, torch.Tensor]) -> torch.Tensor:
@@ -398,8 +433,16 @@ class ConsumerSession(_Session):
         probe_tokens: ask the producer for a model probe of this many positions after every round (0: none); it
             arrives as :attr:`Round.extra`.
         on_chunk: called with (bytes, tensors) as each chunk arrives.
+        mirror: keep a copy of the model here (one host copy) that every round, dense or delta, brings up to date;
+            the callback and the iterator get views of it. For a consumer that keeps no tensors of its own but
+            wants the producer's deltas.
+        accept_deltas: in a delta round, hand each changed tensor's changes to the callback as a
+            :class:`~refit_app.protocol.delta.TensorDelta` (an engine that applies them through its own loader),
+            where neither ``mirror`` nor :meth:`receive`'s ``targets`` hold the tensors.
 
-    Construct it on every rank at the same point as the producer's session.
+    A consumer that holds no tensors the producer could send a delta against (no mirror, no targets, not
+    accepting deltas, or verifying without tensors to verify) gets dense rounds only. Construct it on every rank
+    at the same point as the producer's session.
     """
 
     def __init__(
@@ -412,6 +455,8 @@ class ConsumerSession(_Session):
         verify: bool = False,
         probe_tokens: int = 0,
         on_chunk: ChunkCallback | None = None,
+        mirror: bool = False,
+        accept_deltas: bool = False,
     ) -> None:
         super().__init__(group)
         if group.rank == PRODUCER_RANK:
@@ -421,19 +466,26 @@ class ConsumerSession(_Session):
         self.num_buffers = num_buffers
         self.verify = verify
         self.on_chunk = on_chunk
+        self.accept_deltas = accept_deltas
         self._verifier: Verifier | None = None
+        self._delta = ConsumerDelta(mirror=mirror)
         self.last_round: Round | None = None
         """The round :meth:`receive` finished last (for the iterator form, once it is exhausted)."""
-        self._exchange_needs(verify, probe_tokens)
+        self._delta_on, _, _ = self._exchange_needs(False, verify, probe_tokens)
+
+    @property
+    def mirror(self) -> bool:
+        return self._delta.mirror
 
     def receive(
         self,
-        post_unpack_func: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+        post_unpack_func: Callable[[Batch], None] | None = None,
         return_iterator: bool = False,
         *,
         on_manifest: Callable[[Manifest], None] | None = None,
         on_round_end: Callable[[Round], dict[str, Any] | None] | None = None,
-    ) -> Round | Iterator[tuple[str, torch.Tensor]] | None:
+        targets: Mapping[str, torch.Tensor] | None = None,
+    ) -> Round | Iterator[tuple[str, Any]] | None:
         """Receive one round; None once the producer has closed the session.
 
         ``post_unpack_func`` gets each batch of ``(name, tensor)`` as it arrives, exactly as with
@@ -441,6 +493,11 @@ class ConsumerSession(_Session):
         a buffer is not refilled while a tensor from it is still referenced). With ``return_iterator`` the
         round's tensors come back as a lazy iterator instead, and the round ends (trailers, verification, the
         all-ranks "done") when it is exhausted; :attr:`last_round` then holds its figures.
+
+        ``targets``: tensors by name that this round writes into, bit for bit (a dense round copies every tensor,
+        a delta round patches the changed elements); the batches then hold those tensors, and in a delta round
+        only the changed ones. With ``mirror`` the batches hold views of the session's copy, likewise. Without
+        either, a delta round hands ``(name, TensorDelta)`` items (``accept_deltas``).
 
         ``on_manifest(manifest)`` runs when a fresh manifest arrives (first round, or the tensor list changed),
         before any tensor moves: what it raises is this consumer's refusal, and every rank stops with it.
@@ -452,31 +509,49 @@ class ConsumerSession(_Session):
         k = self.rounds + 1
         result = Round(round=k)
         try:
-            header = torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self.device)
+            if self._delta_on:
+                self._exchange_held(self._held(targets))
+            header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._broadcast_header(header)
-            magic, round_index, flags, extra_len = (int(x) for x in header.cpu().tolist())
+            magic, round_index, flags, extra_len, base = (int(x) for x in header.cpu().tolist())
             if magic != ROUND_MAGIC:
                 raise HandshakeError(
                     "the producer's round header is not a refit_app session's; run the same refit_app version "
                     "with a session on every rank"
                 )
-            if flags & _END:
+            if flags & END:
                 self.closed = True
                 return None
             if round_index != k:
                 raise HandshakeError(f"the producer is in round {round_index}, this consumer in round {k}")
-            if flags & _MANIFEST:
+            if flags & MANIFEST:
                 started = time.perf_counter()
                 self._accept(on_manifest)
                 result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
             elif self.manifest is None:
                 raise HandshakeError("the producer sent no manifest in the first round")
+            if flags & DELTA and base != self._delta.held_round:
+                raise HandshakeError(f"the producer sends round {k} as changes to round {base}, but this consumer "
+                                     f"holds {'no round' if not self._delta.held_round else f'round {self._delta.held_round}'}")
+            manifest = self.manifest
+            assert manifest is not None
+            store = self._delta.targets_for(manifest.tensors, targets) if (
+                self._delta.mirror or targets is not None) else None
         except BaseException as e:
             self._fail(k, e)
-        manifest = self.manifest
-        assert manifest is not None
-        result.num_broadcasts = self._broadcasts
         started = time.perf_counter()
+        if flags & DELTA or self._delta.mirror or targets is not None:
+            result.base_round = base if flags & DELTA else 0
+            batches = self._stored_batches(result, store, targets, post_unpack_func)
+            if return_iterator:
+                return self._iterate(_flatten(batches), result, extra_len, on_round_end, targets)
+            try:
+                for _ in batches:
+                    pass
+            except BaseException as e:
+                self._fail(k, e)
+            return self._end_round(result, started, extra_len, on_round_end, targets)
+        result.num_broadcasts = self._broadcasts
         try:
             stream = packed_broadcast_consumer(
                 ((t.name, (t.shape, t.dtype)) for t in manifest.tensors),
@@ -487,25 +562,107 @@ class ConsumerSession(_Session):
                 num_buffers=self.num_buffers,
                 buffer_size_bytes=manifest.buffer_size_bytes,
                 use_legacy_packing=manifest.use_legacy_packing,
-                on_chunk=_Counter(result, self.on_chunk),
+                on_chunk=ChunkCounter(result, self.on_chunk),
                 plan=self._plan,
             )
         except BaseException as e:
             self._fail(k, e)
         if return_iterator:
-            return self._iterate(stream, result, extra_len, on_round_end)
-        return self._end_round(result, started, extra_len, on_round_end)
+            return self._iterate(stream, result, extra_len, on_round_end, targets)
+        result.wire_bytes = result.bytes
+        return self._end_round(result, started, extra_len, on_round_end, targets)
 
-    def _consumer(
-        self, post_unpack_func: Callable[[list[tuple[str, torch.Tensor]]], None] | None
-    ) -> Callable[[list[tuple[str, torch.Tensor]]], None] | None:
+    def _held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
+        """The round this consumer can take changes against (0: send it a dense round)."""
+        stores = self._delta.mirror or targets is not None
+        if not stores and (self.verify or not self.accept_deltas):
+            return 0
+        return self._delta.held(targets if stores else None)
+
+    def _stored_batches(
+        self,
+        result: Round,
+        store: list[Any] | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        post_unpack_func: Callable[[Batch], None] | None,
+    ) -> Iterator[Batch]:
+        """The round's batches where the session writes into tensors (mirror or targets) or a delta round hands
+        changes out: each batch is shown to the verifier and ``post_unpack_func`` before it is yielded."""
+        manifest = self.manifest
+        assert manifest is not None
+        metas = manifest.tensors
+        verifier = self._verifier
+
+        def deliver(batch: Batch) -> Batch:
+            if verifier is not None:
+                verifier.consume([(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
+            if post_unpack_func is not None and batch:
+                post_unpack_func(batch)
+            return batch
+
+        result.bytes = manifest.total_bytes
+        result.num_tensors = len(metas)
+        if result.base_round:
+            # The verifier sees every tensor once it is final (changed or not); the callback only what changed.
+            stats = DeltaStats()
+            for final, changed, deltas in self._delta.receive_delta(
+                metas, self.group.group, PRODUCER_RANK, stats, device=self.device, targets=store,
+                on_chunk=self._stream_counter(result),
+            ):
+                if verifier is not None:
+                    verifier.consume([(metas[i].name, self._delta.view(metas, i, targets)) for i in final])
+                batch: Batch = [(d.name, d) for d in deltas]
+                if store is not None:
+                    batch = [(metas[i].name, self._delta.view(metas, i, targets)) for i in changed]
+                if post_unpack_func is not None and batch:
+                    post_unpack_func(batch)
+                yield batch
+            _record_delta(result, result.base_round, stats)
+            return
+        result.num_broadcasts = self._broadcasts
+        result.wire_bytes = manifest.total_bytes
+        if self._delta.mirror:
+            assert self._delta.image is not None
+            for chunk in self._delta.receive_dense(self._chunks, self.group.group, PRODUCER_RANK,
+                                                   num_buffers=self.num_buffers or get_num_buffers(), device=self.device):
+                result.num_chunks += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk.nbytes, chunk.count)
+                yield deliver([(metas[i].name, self._delta.image.view(i)) for i in range(chunk.first, chunk.stop)])
+            return
+        # Targets: receive into rotating buffers, copy each tensor into its target.
+        assert targets is not None
+        for batch in _packed_broadcast_consumer_batches(
+            ((t.name, (t.shape, t.dtype)) for t in metas), self.group.group, PRODUCER_RANK,
+            num_buffers=self.num_buffers, buffer_size_bytes=manifest.buffer_size_bytes,
+            use_legacy_packing=manifest.use_legacy_packing, on_chunk=ChunkCounter(result, self.on_chunk),
+            plan=self._plan,
+        ):
+            out: Batch = []
+            for name, view in batch:
+                target = targets[name]
+                tensor_bytes(target).copy_(tensor_bytes(view))
+                out.append((name, target))
+            del batch
+            yield deliver(out)
+
+    def _stream_counter(self, result: Round) -> Callable[[int], None]:
+        def counted(nbytes: int) -> None:
+            result.num_chunks += 1
+            result.num_broadcasts += 1
+            if self.on_chunk is not None:
+                self.on_chunk(nbytes, 0)
+
+        return counted
+
+    def _consumer(self, post_unpack_func: Callable[[Batch], None] | None) -> Callable[[Batch], None] | None:
         verifier = self._verifier
         if verifier is None:
             return post_unpack_func
         if post_unpack_func is None:
             return verifier.consume
 
-        def both(batch: list[tuple[str, torch.Tensor]]) -> None:
+        def both(batch: Batch) -> None:
             post_unpack_func(batch)
             verifier.consume(batch)
 
@@ -528,7 +685,7 @@ class ConsumerSession(_Session):
                     on_manifest(manifest)
                 except RefitError as e:
                     # Acknowledged as this consumer's refusal right away: the reason every rank sees names the round.
-                    raise _with_round(self.rounds + 1, e) from e
+                    raise with_round(self.rounds + 1, e) from e
 
         self.manifest = accept_manifest(
             self.group,
@@ -537,25 +694,30 @@ class ConsumerSession(_Session):
             prepare=prepare,
         )
         self._verifier = Verifier(self.manifest.tensors, self.manifest.checksum_algorithm) if self.verify else None
+        self._delta.reset(self.manifest.tensors)
         self._new_plan()
 
     def _iterate(
         self,
-        stream: Iterator[tuple[str, torch.Tensor]],
+        stream: Iterator[tuple[str, Any]],
         result: Round,
         extra_len: int,
         on_round_end: Callable[[Round], dict[str, Any] | None] | None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        targets: Mapping[str, torch.Tensor] | None,
+    ) -> Iterator[tuple[str, Any]]:
         started = time.perf_counter()
         try:
             yield from stream
         except GeneratorExit:
             # The caller stopped early: the round cannot complete, and the peers must learn it.
+            self._delta.failed()
             self._report_failure(result.round, RefitError("the consumer stopped reading before the round ended"))
             raise
         except BaseException as e:
             self._fail(result.round, e)
-        self._end_round(result, started, extra_len, on_round_end)
+        if not result.wire_bytes:
+            result.wire_bytes = result.bytes
+        self._end_round(result, started, extra_len, on_round_end, targets)
 
     def _end_round(
         self,
@@ -563,6 +725,7 @@ class ConsumerSession(_Session):
         started: float,
         extra_len: int,
         on_round_end: Callable[[Round], dict[str, Any] | None] | None,
+        targets: Mapping[str, torch.Tensor] | None,
     ) -> Round:
         k = result.round
         manifest = self.manifest
@@ -581,16 +744,23 @@ class ConsumerSession(_Session):
             self._fail(k, e)
         finish(self.group, None)
         self.rounds += 1
+        self._delta.completed(k, targets)
         self.last_round = result
         return result
 
     def _report_failure(self, k: int, exc: BaseException) -> None:
-        finish(self.group, _round_error(k, exc))
+        finish(self.group, round_error(k, exc))
 
     def _fail(self, k: int, exc: BaseException) -> None:
+        self._delta.failed()
         self._report_failure(k, exc)
-        raise _with_round(k, exc) from exc
+        raise with_round(k, exc) from exc
 
     def close(self) -> None:
         """Nothing to tell the producer: it ends the session. Marks this side closed."""
         self.closed = True
+
+
+def _flatten(batches: Iterator[Batch]) -> Iterator[tuple[str, Any]]:
+    for batch in batches:
+        yield from batch

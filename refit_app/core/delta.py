@@ -1,0 +1,285 @@
+"""Delta encoding: the elements of a tensor whose bytes changed since the last round, found, encoded and applied.
+
+A trainer's RL step leaves most bf16 elements as they were (Adam's update is below half a rounding step), so a
+round can send only positions and new values. Everything here compares and copies **raw bytes**, never values:
+``-0.0`` vs ``0.0``, NaN payloads, fp8, integers and bools are all exact, and an element counts as changed when
+any of its bytes did.
+
+Wire format of one record (little-endian, every section padded to a multiple of 8 bytes)::
+
+    header   RECORD: u32 tensor index, u8 encoding, u8 flags, u16 0, u64 count, u64 escapes,
+                     u64 positions bytes (as sent), u64 values bytes
+    positions        (not for DENSE) the changed elements' flat indices, encoded as ``encoding`` says,
+                     zstd-compressed where ``flags & ZSTD``
+    values           DENSE: the whole tensor's bytes; else ``count`` elements' bytes, in position order
+
+Encodings of the positions (``count`` changed elements of ``numel``):
+
+- ``DENSE``: no positions; the values are the tensor (a tensor that changed too much, or a round's first).
+- ``BITMASK``: ``ceil(numel / 8)`` bytes, bit ``i % 8`` of byte ``i // 8`` set where element ``i`` changed.
+- ``GAPS8`` / ``GAPS16``: per change, the number of unchanged elements since the previous one as u8 / u16;
+  a gap that does not fit is written as the type's maximum and its value follows, in order, as one of the
+  ``escapes`` u64 words after the gaps.
+
+Each tensor takes the smallest of these (:func:`encode`); the positions are zstd-compressed where that saves at
+least :data:`ZSTD_MIN_SAVING` of them. A round's records follow each other in a byte stream
+(:mod:`refit_app.core.stream`), in increasing tensor index, unchanged tensors left out, ended by a record whose
+index is :data:`END`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+DENSE = 0
+BITMASK = 1
+GAPS8 = 2
+GAPS16 = 3
+ENCODING_NAMES = {DENSE: "dense", BITMASK: "bitmask", GAPS8: "gaps8", GAPS16: "gaps16"}
+ZSTD = 0x01
+"""Record flag: the positions section is zstd-compressed."""
+END = 0xFFFF_FFFF
+"""The index of the record that ends a round's stream."""
+
+RECORD = struct.Struct("<IBBHQQQQ")
+"""A record's header: index, encoding, flags, reserved, count, escapes, positions bytes, values bytes."""
+ALIGN = 8
+
+BLOCK_BYTES = 1 << 20
+"""Bytes compared per step: the two blocks and the mask stay in cache while their changes are gathered and the
+snapshot updated, so each byte is read from memory once."""
+ZSTD_MIN_BYTES = 4096
+"""Positions shorter than this are sent as they are: compressing them saves less than a broadcast's overhead."""
+ZSTD_MIN_SAVING = 0.2
+"""zstd is used where it shrinks the positions by at least this share. Positions of scattered changes are close to
+incompressible (geometric gaps carry about as many bits as GAPS8 spends), so zstd pays only where the changes
+cluster: whole rows or blocks of a matrix."""
+ZSTD_LEVEL = 1
+
+_GAP_LIMIT = {GAPS8: 0xFF, GAPS16: 0xFFFF}
+_GAP_DTYPE = {GAPS8: np.dtype("<u1"), GAPS16: np.dtype("<u2")}
+_UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to the record alignment."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def as_bytes(a: Any) -> np.ndarray:
+    """A 1-D uint8 view of a buffer-like (a numpy array, a memoryview), without a copy."""
+    return np.frombuffer(a, dtype=np.uint8) if not isinstance(a, np.ndarray) else a.reshape(-1).view(np.uint8)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Finding the changes.
+
+
+@dataclass
+class Changes:
+    """What changed in one tensor: element indices (ascending) and the new bytes of those elements."""
+
+    positions: np.ndarray
+    """int64 flat element indices."""
+    values: np.ndarray
+    """uint8, ``len(positions) * itemsize`` bytes."""
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.size)
+
+
+def diff(new: np.ndarray, old: np.ndarray, itemsize: int, *, update: bool = True, hasher: Any = None) -> Changes:
+    """The elements whose bytes differ between ``new`` and ``old`` (uint8 arrays of one tensor's bytes), and their
+    new bytes; with ``update``, ``old`` is made equal to ``new`` (only the changed words are written).
+
+    ``hasher`` (an object with ``update(buffer)``) is fed ``new`` block by block while the block is in cache, so a
+    round's checksums cost no second read of the tensor. Compares 8-byte words first (most words are unchanged),
+    then finds the changed elements inside the changed words.
+    """
+    n = new.size
+    if old.size != n:
+        raise ValueError(f"a tensor of {n} bytes cannot be compared with a snapshot of {old.size}")
+    if n % itemsize:
+        raise ValueError(f"{n} bytes are not a whole number of {itemsize}-byte elements")
+    positions: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    words = n // 8 * 8
+    # A block is a whole number of words and of elements (itemsize divides 16 for every dtype torch has).
+    step = BLOCK_BYTES - BLOCK_BYTES % max(16, itemsize)
+    mask = np.empty(step // 8, dtype=bool)
+    for start in range(0, words, step):
+        stop = min(start + step, words)
+        nb, ob = new[start:stop], old[start:stop]
+        nw, ow = nb.view(np.uint64), ob.view(np.uint64)
+        m = mask[: nw.size]
+        np.not_equal(nw, ow, out=m)
+        changed = np.flatnonzero(m)
+        if hasher is not None:
+            hasher.update(nb)
+        if changed.size == 0:
+            continue
+        local = _changed_elements(nw, ow, changed, itemsize)
+        positions.append(local + start // itemsize)
+        values.append(_gather(nb, local, itemsize))
+        if update:
+            ow[changed] = nw[changed]
+    if words < n:  # the last < 8 bytes: whole elements of 1, 2 or 4 bytes
+        dt = _UINT[itemsize]
+        nt, ot = new[words:].view(dt), old[words:].view(dt)
+        local = np.flatnonzero(nt != ot)
+        if hasher is not None:
+            hasher.update(new[words:])
+        if local.size:
+            positions.append(local + words // itemsize)
+            values.append(nt[local].view(np.uint8))
+            if update:
+                ot[local] = nt[local]
+    if not positions:
+        return Changes(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint8))
+    return Changes(np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values))
+
+
+def _changed_elements(nw: np.ndarray, ow: np.ndarray, changed: np.ndarray, itemsize: int) -> np.ndarray:
+    """Block-local indices of the changed elements inside the changed words ``changed``."""
+    if itemsize >= 8:
+        # One element per word (8) or one per two words (16): every changed word names its element.
+        elements = changed * 8 // itemsize
+        if itemsize > 8 and elements.size > 1:
+            elements = elements[np.concatenate(([True], elements[1:] != elements[:-1]))]
+        return elements
+    lanes = 8 // itemsize
+    x = (nw[changed] ^ ow[changed]).view(_UINT[itemsize]).reshape(-1, lanes)
+    rows, cols = np.nonzero(x)
+    return changed[rows] * lanes + cols
+
+
+def _gather(block: np.ndarray, elements: np.ndarray, itemsize: int) -> np.ndarray:
+    """The bytes of ``elements`` of ``block``, in order."""
+    if itemsize in _UINT:
+        return block.view(_UINT[itemsize])[elements].view(np.uint8)
+    return block.reshape(-1, itemsize)[elements].reshape(-1)
+
+
+def estimate_changed(new: np.ndarray, old: np.ndarray, *, every: int = 32, block: int = 64 * 1024) -> tuple[int, int]:
+    """(changed words, words compared) over every ``every``-th block of ``block`` bytes: a round's change share,
+    estimated at about ``1 / every`` of a full comparison's cost."""
+    words = new.size // 8 * 8
+    changed = compared = 0
+    for start in range(0, words, block * every):
+        stop = min(start + block, words)
+        nw, ow = new[start:stop].view(np.uint64), old[start:stop].view(np.uint64)
+        changed += int(np.count_nonzero(nw != ow))
+        compared += nw.size
+    return changed, compared
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Encoding and decoding the positions.
+
+
+@dataclass
+class Encoded:
+    """One record, ready to write: its header fields and its positions section (values are the caller's)."""
+
+    encoding: int
+    flags: int
+    count: int
+    escapes: int
+    positions: bytes | np.ndarray
+    """The positions section as sent (compressed where ``flags & ZSTD``), unpadded; empty for DENSE."""
+
+    def header(self, index: int, values_nbytes: int) -> bytes:
+        return RECORD.pack(index, self.encoding, self.flags, 0, self.count, self.escapes, len(self.positions),
+                           values_nbytes)
+
+    def nbytes(self, values_nbytes: int) -> int:
+        """The record's size in the stream."""
+        return RECORD.size + padded(len(self.positions)) + padded(values_nbytes)
+
+
+def dense_size(numel: int, itemsize: int) -> int:
+    return RECORD.size + padded(numel * itemsize)
+
+
+def encode(positions: np.ndarray, numel: int, itemsize: int, *, compressor: Any = None) -> Encoded:
+    """The smallest record for ``positions`` (ascending element indices) of a tensor of ``numel`` elements: a
+    positions encoding, or DENSE where sending the whole tensor is no larger. ``compressor``: a zstd compressor
+    (``zstandard.ZstdCompressor``) to try on the positions; None: never compress."""
+    count = int(positions.size)
+    dense = dense_size(numel, itemsize)
+    if count == numel or count * itemsize >= numel * itemsize:
+        return Encoded(DENSE, 0, numel, 0, b"")
+    gaps = np.diff(positions, prepend=-1) - 1 if count else np.empty(0, dtype=np.int64)
+    options = [(padded((numel + 7) // 8), BITMASK, 0)]
+    for encoding, limit in _GAP_LIMIT.items():
+        escapes = int(np.count_nonzero(gaps >= limit))
+        options.append((padded(count * _GAP_DTYPE[encoding].itemsize) + 8 * escapes, encoding, escapes))
+    size, encoding, escapes = min(options)
+    if RECORD.size + size + padded(count * itemsize) >= dense:
+        return Encoded(DENSE, 0, numel, 0, b"")
+    raw = _positions_section(encoding, positions, gaps, numel, escapes)
+    flags = 0
+    if compressor is not None and len(raw) >= ZSTD_MIN_BYTES:
+        packed = compressor.compress(raw)
+        if len(packed) <= (1 - ZSTD_MIN_SAVING) * len(raw):
+            raw, flags = packed, ZSTD
+    return Encoded(encoding, flags, count, escapes, raw)
+
+
+def _positions_section(encoding: int, positions: np.ndarray, gaps: np.ndarray, numel: int, escapes: int) -> bytes:
+    if encoding == BITMASK:
+        mask = np.zeros(numel, dtype=bool)
+        mask[positions] = True
+        return np.packbits(mask, bitorder="little").tobytes()
+    limit, dtype = _GAP_LIMIT[encoding], _GAP_DTYPE[encoding]
+    small = np.minimum(gaps, limit).astype(dtype)
+    section = small.tobytes()
+    if escapes:
+        section += b"\0" * (padded(len(section)) - len(section)) + gaps[gaps >= limit].astype("<u8").tobytes()
+    return section
+
+
+def raw_positions_nbytes(encoding: int, count: int, escapes: int, numel: int) -> int:
+    """The size of a positions section before compression, from its header: what a decompressor may produce."""
+    if encoding == BITMASK:
+        return (numel + 7) // 8
+    width = _GAP_DTYPE[encoding].itemsize
+    return (padded(count * width) + 8 * escapes) if escapes else count * width
+
+
+def decode_positions(encoding: int, section: np.ndarray, count: int, escapes: int, numel: int) -> np.ndarray:
+    """The ascending int64 element indices a positions section encodes; ValueError where it is inconsistent (so a
+    corrupt record is refused, never applied at wrong places)."""
+    if encoding == BITMASK:
+        bits = np.unpackbits(section[: (numel + 7) // 8], bitorder="little")[:numel]
+        positions = np.flatnonzero(bits)
+    elif encoding in _GAP_LIMIT:
+        limit, dtype = _GAP_LIMIT[encoding], _GAP_DTYPE[encoding]
+        width = dtype.itemsize
+        gaps = section[: count * width].view(dtype).astype(np.int64)
+        escaped = np.flatnonzero(gaps == limit)
+        if escaped.size != escapes:
+            raise ValueError(f"{escaped.size} escaped gaps where the record says {escapes}")
+        if escapes:
+            at = padded(count * width)
+            gaps[escaped] = section[at : at + 8 * escapes].view("<u8").astype(np.int64)
+        positions = np.cumsum(gaps + 1) - 1
+    else:
+        raise ValueError(f"unknown delta encoding {encoding}")
+    if positions.size != count or (count and (positions[0] < 0 or positions[-1] >= numel)):
+        raise ValueError(f"the positions of a record of {count} changes do not fit a tensor of {numel} elements")
+    return positions
+
+
+def apply(target: np.ndarray, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
+    """Write ``values`` (uint8, ``itemsize`` bytes per position) at ``positions`` of ``target`` (a tensor's uint8
+    bytes, writable)."""
+    if itemsize in _UINT:
+        target.view(_UINT[itemsize])[positions] = values.view(_UINT[itemsize])
+    else:
+        target.reshape(-1, itemsize)[positions] = values.reshape(-1, itemsize)

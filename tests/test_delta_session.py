@@ -1,0 +1,117 @@
+"""Delta rounds over real gloo groups: every round's tensors on every consumer equal the producer's bytes, with
+the consumer's own tensors, the session's mirror, or the changes handed out; the producer's choice of dense and
+delta rounds; a consumer whose tensors were written to gets a dense round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mp_utils import run_ranks
+
+from refit_app.protocol.session import ConsumerSession, ProducerSession, TensorDelta
+from refit_app.transport.groups import GroupSpec, connect
+
+TIMEOUT_S = 30.0
+BUFFER = 4096
+
+
+def _spec(rank: int, world_size: int, port: int, topology: str = "tree") -> GroupSpec:
+    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S,
+                     topology=topology)
+
+
+def _model(round_index: int, shares: list[float]) -> list[tuple[str, torch.Tensor]]:
+    """Round 1's weights, then in each later round ``r`` a share ``shares[r - 1]`` of each tensor's elements
+    changed (seeded by the round)."""
+    g = torch.Generator().manual_seed(0)
+    base = [
+        ("embed", torch.randn(300, 64, generator=g).to(torch.bfloat16)),
+        ("w", torch.randn(77, 33, generator=g)),
+        ("f16", torch.randn(129, generator=g).to(torch.float16)),
+        ("i8", torch.randint(-128, 127, (1001,), generator=g, dtype=torch.int8)),
+        ("i64", torch.randint(-2**62, 2**62, (50,), generator=g, dtype=torch.int64)),
+        ("mask", torch.rand(333, generator=g) > 0.5),
+        ("scalar", torch.tensor(1.5, dtype=torch.float64)),
+        ("empty", torch.empty(0, 3)),
+        ("fp8", torch.randn(257, generator=g).to(torch.float8_e4m3fn)),
+    ]
+    for r in range(2, round_index + 1):
+        share = shares[r - 1]
+        gr = torch.Generator().manual_seed(r)
+        for _, t in base:
+            if t.numel() == 0:
+                continue
+            flat = t.view(-1).view(torch.uint8) if t.dtype != torch.bool else t.view(-1).view(torch.uint8)
+            n = max(1, int(t.numel() * share)) if share > 0 else 0
+            idx = torch.randperm(t.numel(), generator=gr)[:n]
+            item = t.element_size()
+            b = flat.view(-1, item) if item > 1 else flat.view(-1, 1)
+            # Flip one bit of each chosen element (a bool flips between 0 and 1).
+            if t.dtype == torch.bool:
+                b[idx, 0] ^= 1
+            else:
+                b[idx, 0] ^= 0x10
+    return base
+
+
+def _plain(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    return str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list[float], kind: str,
+                  topology: str = "tree") -> list:
+    with connect(_spec(rank, world_size, port, topology)) as rg:
+        if rank == 0:
+            out = []
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta=mode) as session:
+                for k in range(1, len(shares) + 1):
+                    r = session.send(_model(k, shares))
+                    out.append((r.round, r.base_round, r.wire_bytes, r.changed_elements, dict(r.encodings)))
+            return out
+        session = ConsumerSession(rg, verify=kind != "deltas", mirror=kind == "mirror",
+                                  accept_deltas=kind == "deltas")
+        held: dict[str, torch.Tensor] = {}
+        targets = None
+        if kind == "targets":
+            targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)}
+        out = []
+        while True:
+            def take(batch):
+                for name, t in batch:
+                    if isinstance(t, TensorDelta):
+                        t.apply_to(held[name])
+                    elif kind == "deltas":
+                        held[name] = t.clone()
+            r = session.receive(take, targets=targets)
+            if r is None:
+                return out
+            if kind == "mirror":
+                state = {m.name: session._delta.image.view(i) for i, m in enumerate(session.manifest.tensors)}
+            else:
+                state = targets if kind == "targets" else held
+            out.append((r.round, r.base_round, r.verified, {n: _plain(t) for n, t in state.items()}))
+
+
+@pytest.mark.parametrize("kind", ["targets", "mirror", "deltas"])
+def test_every_round_equals_the_producers_bytes(kind):
+    shares = [0, 0.01, 0.0, 0.3, 1.0, 0.001]
+    results = run_ranks(_delta_rounds, 2, "on", shares, kind, timeout=240)
+    producer, consumer = results
+    for (k, base, wire, changed, enc), (k2, base2, verified, state) in zip(producer, consumer):
+        assert k == k2 and base == base2
+        expect = {n: _plain(t) for n, t in _model(k, shares)}
+        assert state == expect, f"round {k}"
+        if kind != "deltas":
+            assert verified is True
+        assert base == (0 if k == 1 else k - 1)
+    # Round 3 changed nothing: only the stream's end went over the wire.
+    assert producer[2][3] == 0 and producer[2][2] < 200
+
+
+def test_chain_and_three_consumers():
+    shares = [0, 0.01, 0.05]
+    results = run_ranks(_delta_rounds, 4, "on", shares, "mirror", "chain", timeout=240)
+    for consumer in results[1:]:
+        for k, base, verified, state in consumer:
+            assert state == {n: _plain(t) for n, t in _model(k, shares)}
+            assert verified is True
