@@ -16,6 +16,7 @@ import pytest
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
 from refit_app.bench import cli as bench
+from refit_app.bench.cases import MODES
 
 SIZE = 2_000_000
 
@@ -44,7 +45,7 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
         assert case["case"]["buffer_size_bytes"] == 256 * 1024 and case["case"]["num_buffers"] == 2
         assert abs(case["bytes"] - SIZE) <= 0.1 * SIZE
         assert case["num_chunks"] >= 2 and case["num_tensors"] > case["num_chunks"]
-        assert set(case["modes"]) == set(bench.MODES)
+        assert set(case["modes"]) == set(MODES)
         for mode in case["modes"].values():
             s = mode["seconds"]
             assert 0 < s["min"] <= s["median"] <= s["max"]
@@ -103,7 +104,7 @@ def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path
 
 
 def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_up_on_a_missing_producer(capsys):
-    with pytest.raises(SystemExit, match="refit_app.bench: error: --consumers is --world-size - 1 across hosts"):
+    with pytest.raises(SystemExit, match=r"refit_app.bench: error: --consumers is --world-size - 1 across hosts"):
         bench.main(["--rank", "0", "--consumers", "2"])
     with pytest.raises(SystemExit, match=r"error: --world-size 1 must be >= 2 \(the producer and at least one"):
         bench.main(["--rank", "0", "--world-size", "1"])
