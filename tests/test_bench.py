@@ -1,8 +1,8 @@
-"""``python -m refit_app.bench``: a tiny run end to end over real gloo ranks, its table and its JSON; the summary from
-made-up rank results, where every figure is known.
+"""``python -m refit_app.bench``: a tiny run end to end over real gloo ranks, its table, JSON and plot; the summary
+and the plot data from made-up rank results, where every figure is known.
 
 No timing is asserted: only that every mode ran, moved the model's bytes and was reported with the right keys, and
-that what is derived from the measurements (the memory verdict) follows from them.
+that what is derived from the measurements (the memory verdict, the plotted bars) follows from them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
 from refit_app.bench import cli as bench
 from refit_app.bench.cases import MODES, Case
+from refit_app.bench.plot import PlotData, figure, plot_data
 from refit_app.bench.report import MEMORY_SLACK, summarize
 
 SIZE = 2_000_000
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _bound(summary: dict) -> int:
@@ -30,6 +32,31 @@ def _bound(summary: dict) -> int:
     case = summary["case"]
     return int(case["num_buffers"] * max(case["buffer_size_bytes"], summary["largest_tensor_bytes"])
                * (1 + MEMORY_SLACK))
+
+
+def _assert_plot_follows_json(data: PlotData, doc: dict) -> None:
+    """Every bar and ratio drawn is the JSON's figure for that case and mode, and the figure draws exactly those."""
+    assert len(data.labels) == len(doc["cases"])
+    for mode, bars in data.throughput.items():
+        for bar, case in zip(bars, doc["cases"], strict=True):
+            if mode not in case["modes"]:
+                assert bar is None
+                continue
+            g = case["modes"][mode]["gb_per_s"]
+            assert (bar.low, bar.median, bar.high) == (g["max"], g["median"], g["min"])
+            assert bar.low <= bar.median <= bar.high
+    for label, values in data.ratios.items():
+        key = {"refit/limit": "refit_over_limit", "session/limit": "session_over_limit"}[label]
+        assert values == [case["ratios"].get(key) for case in doc["cases"]]
+    fig = figure(data)
+    speed, *share = fig.axes
+    assert len(speed.patches) == sum(bar is not None for bars in data.throughput.values() for bar in bars)
+    assert [t.get_text() for t in speed.get_yticklabels()] == data.labels
+    if data.ratios:
+        (share,) = share
+        assert len(share.patches) == sum(r is not None for rs in data.ratios.values() for r in rs)
+    else:
+        assert not share
 
 
 def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
@@ -47,7 +74,7 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
     assert [row.split("|")[1].strip() for row in rows] == ["llama-1b", "lora"]
     assert "peak above model over 2 refits" in printed
     assert "peak above model over 2 session rounds" in printed
-    assert f"results: {out / 'bench.json'}\n" in printed
+    assert f"results: {out / 'bench.json'}\n" in printed and f"plot: {out / 'throughput.png'}\n" in printed
 
     doc = json.loads((out / "bench.json").read_text())
     assert {"cpu_count", "cpu_model", "torch", "load_average_before"} <= doc["machine"].keys()
@@ -77,6 +104,14 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
                 assert worst == entry["max_peak_extra_bytes"] >= max(entry["first_peak_extra_bytes"],
                                                                      entry["last_peak_extra_bytes"])
                 assert entry["within_bound"] is (worst <= bound)
+
+    png = (out / "throughput.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    data = plot_data(doc)
+    # The two cases differ only in their model, which therefore names them.
+    assert [label.split()[0] for label in data.labels] == ["llama-1b", "lora"]
+    assert list(data.throughput) == list(MODES) and list(data.ratios) == ["refit/limit", "session/limit"]
+    _assert_plot_follows_json(data, doc)
 
 
 MiB = 2**20
@@ -122,6 +157,33 @@ def test_the_summary_takes_the_slowest_rank_and_judges_memory_by_the_bound():
     assert (mem_c["refit_peak_extra_bytes_max"], mem_c["within_bound"]) == (bound + 1, False)
     assert (mem_c["first_peak_extra_bytes"], mem_c["last_peak_extra_bytes"]) == (bound, 0)
     assert mem_c["session"]["peak_extra_bytes_max"] is None and mem_c["session"]["within_bound"] is None
+
+
+def _doc(summaries: list[dict]) -> dict:
+    return {"machine": {"cpu_count": 2, "load_average_before": [1.5, 1, 1], "load_average_after": [2.5, 1, 1]},
+            "backend": "gloo (loopback, one process per rank)", "cases": summaries}
+
+
+def test_the_plot_names_cases_by_what_differs_and_draws_only_measured_modes(tmp_path):
+    both = {"refit": [1.0, 2.0, 3.0], "limit": [1.0, 1.0, 1.0], "per_tensor": [4.0, 5.0, 6.0]}
+    cases = [Case("llama-1b", None, buf, 2, 1, "none", 3, tuple(both), 0) for buf in (MiB, 16 * MiB)]
+    refit_only = Case("llama-1b", None, 64 * MiB, 1, 1, "none", 3, ("refit",), 0)
+    summaries = [summarize(c, [_rank_result(both, [], [])] * 2) for c in cases]
+    summaries.append(summarize(refit_only, [_rank_result({"refit": [1.0, 1.0, 1.0]}, [], [])] * 2))
+    doc = _doc(summaries)
+
+    data = plot_data(doc)
+    assert data.labels == ["1 MiB x 2", "16 MiB x 2", "64 MiB x 1"]
+    assert data.title.splitlines() == ["llama-1b 10 MB, 1 consumer, post=none",
+                                       "gloo (loopback, one process per rank); 2 cores; load 1.5-2.5"]
+    assert list(data.throughput) == ["refit", "limit", "per_tensor"]  # session was timed nowhere
+    assert data.throughput["limit"][2] is None and data.ratios == {"refit/limit": [0.5, 0.5, None]}
+    assert (data.throughput["refit"][0].low, data.throughput["refit"][0].high) == (0.01 / 3.0, 0.01 / 1.0)
+    _assert_plot_follows_json(data, doc)  # 7 bars of throughput, 2 ratios
+
+    no_limit = plot_data(_doc(summaries[2:]))
+    assert no_limit.labels == ["llama-1b 10 MB"] and not no_limit.ratios
+    _assert_plot_follows_json(no_limit, _doc(summaries[2:]))
 
 
 @pytest.mark.parametrize(

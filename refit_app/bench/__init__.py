@@ -15,7 +15,8 @@ one gloo group over loopback, and times four ways of moving the same synthetic m
 
 Modes alternate within a repetition (A B C A B C ...) so that machine noise hits all of them alike; one untimed
 repetition warms every path first. Each list-valued flag is a sweep axis; every combination is one case. Results go
-to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory) and ``<out>/table.md``.
+to ``<out>/bench.json`` (machine, backend, settings, per-rank times and memory), ``<out>/table.md`` and
+``<out>/throughput.png`` (per case, each mode's throughput and the refit's fraction of the limit).
 
 Across hosts: ``--rank R`` runs only rank R in this process, joining the producer at ``--host``/``--port`` (a
 group of ``--world-size``, with ``REFIT_APP_TOKEN`` as on the application's ranks), so the limit is the one of the
@@ -26,7 +27,7 @@ measure this rank's peak RSS above the RSS with the model alone, against ``num_b
 tensor)``.
 
 The modules, in import order: :mod:`.cases` (a case and its model), :mod:`.modes` (the four timed modes),
-:mod:`.measure` (one rank's side of a case), :mod:`.report` (summaries, bench.json, table.md),
-:mod:`.spawned` (every rank on this machine) and :mod:`.ranks` (one rank of several hosts),
+:mod:`.measure` (one rank's side of a case), :mod:`.plot` and :mod:`.report` (summaries, bench.json, table.md,
+throughput.png), :mod:`.spawned` (every rank on this machine) and :mod:`.ranks` (one rank of several hosts),
 :mod:`.cli` (flags and ``main``).
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from refit_app.bench.cases import DEFAULT_FLAT_REFITS, DEFAULT_PRESETS, DEFAULT_REPS, DEFAULT_SIZES, MODES, POSTS, Case
 from refit_app.bench.ranks import run_rank
-from refit_app.bench.report import BENCH_JSON, format_table, memory_lines
+from refit_app.bench.report import BENCH_JSON, PLOT_PNG, format_table, memory_lines
 from refit_app.bench.spawned import DEFAULT_TIMEOUT_S, run
 from refit_app.common.errors import ConfigError, RefitError
 from refit_app.common.sizes import format_size, parse_size
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-refits", type=int, default=DEFAULT_FLAT_REFITS,
                    help="consecutive refits after the timed ones, for the memory flatness check (default: %(default)s)")
     p.add_argument("--out", default="outputs/bench",
-                   help="directory for bench.json and table.md (default: %(default)s)")
+                   help="directory for bench.json, table.md and throughput.png (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help="deadline for each group of cases (default: %(default)s)")
     hosts = p.add_argument_group(
@@ -168,4 +168,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in memory_lines(summaries):
         out.write(line + "\n")
     out.write(f"results: {out_dir / BENCH_JSON}\n")
+    out.write(f"plot: {out_dir / PLOT_PNG}\n")
     return 0

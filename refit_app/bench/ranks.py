@@ -33,7 +33,8 @@ def _broadcast_json(rg: RefitGroup, value: Any, src: int) -> Any:
 
 def run_rank(spec: GroupSpec, cases: list[Case], out_dir: Path) -> list[dict[str, Any]] | None:
     """Run rank ``spec.rank`` of a benchmark whose ranks are on other hosts. Rank 0's ``cases`` are everyone's; it
-    gathers every rank's results, writes bench.json and table.md and returns the summaries (None elsewhere)."""
+    gathers every rank's results, writes bench.json, table.md and throughput.png and returns the summaries (None
+    elsewhere)."""
     load_before = os.getloadavg()
     with connect(spec) as rg:
         cases = [Case(**{**c, "modes": tuple(c["modes"])}) for c in _broadcast_json(rg, [asdict(c) for c in cases], 0)]

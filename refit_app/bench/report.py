@@ -1,5 +1,6 @@
 """Every rank's results turned into one summary per case, and what a run leaves in ``--out``: ``bench.json`` (the
-machine, the backend and the summaries) and ``table.md`` (the markdown table it also prints)."""
+machine, the backend and the summaries), ``table.md`` (the markdown table it also prints) and ``throughput.png``
+(:mod:`.plot`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from typing import Any
 import torch
 
 from refit_app.bench.cases import Case
+from refit_app.bench.plot import throughput_png
 from refit_app.common.files import write_atomic
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 
 BENCH_JSON = "bench.json"
 TABLE_MD = "table.md"
+PLOT_PNG = "throughput.png"
 
 MEMORY_SLACK = 0.10
 """Issue 5's bound on peak RSS above the model: num_buffers x max(buffer, largest tensor), plus this fraction."""
@@ -195,7 +198,8 @@ def memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
 
 
 def write_results(ordered: list[dict[str, Any]], out_dir: Path, load_before: Sequence[float], backend: str) -> None:
-    """bench.json and table.md in ``out_dir``."""
+    """bench.json, table.md and throughput.png in ``out_dir``; the plot last, so a plotting problem cannot cost
+    the figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
@@ -206,3 +210,4 @@ def write_results(ordered: list[dict[str, Any]], out_dir: Path, load_before: Seq
     }
     write_atomic(out_dir / BENCH_JSON, (json.dumps(doc, indent=2, default=str) + "\n").encode())
     write_atomic(out_dir / TABLE_MD, format_table(ordered).encode())
+    write_atomic(out_dir / PLOT_PNG, throughput_png(doc))

@@ -49,7 +49,8 @@ def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]
 
 
 def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
-    """Run every case (one group per consumer count), write bench.json and table.md, return the summaries."""
+    """Run every case (one group per consumer count), write bench.json, table.md and throughput.png, return the
+    summaries."""
     load_before = os.getloadavg()
     if load_before[0] > BUSY_LOAD_PER_CORE * (os.cpu_count() or 1):
         logger.warning(
