@@ -54,7 +54,8 @@ def _rate_bytes_per_s(rate: str) -> float:
 
 
 def worker(rank: int, plan: dict) -> None:
-    from refit_app.bench.cli import Case, _barrier, _Limit
+    from refit_app.bench.cases import Case
+    from refit_app.bench.modes import Limit, barrier
     from refit_app.common.sizes import parse_size
     from refit_app.models.sources import SyntheticSource
     from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
@@ -78,8 +79,8 @@ def worker(rank: int, plan: dict) -> None:
                                                                                                      key="--buffers")
                 # The transport's limit on this link: the same chunks pre-packed on both sides, all in flight, until
                 # every consumer holds them (a barrier), alternating with the refit rounds.
-                limit = _Limit(rank, source, metas, Case(plan["preset"], size, target, get_num_buffers(), consumers,
-                                                         "none", plan["rounds"], ("limit",), 0))
+                limit = Limit(rank, source, metas, Case(plan["preset"], size, target, get_num_buffers(), consumers,
+                                                        "none", plan["rounds"], ("limit",), 0))
                 seconds, limit_seconds = [], []
                 if rank == 0:
                     session = ProducerSession(rg, buffer_size_bytes=target)
@@ -94,10 +95,10 @@ def worker(rank: int, plan: dict) -> None:
                         if plan["verify"] and not got.verified:
                             raise SystemExit(f"rank {rank}: round {got.round} was not verified")
                     seconds.append(time.perf_counter() - started)
-                    _barrier(rg)
+                    barrier(rg)
                     started = time.perf_counter()
                     limit.run(rg)
-                    _barrier(rg)
+                    barrier(rg)
                     limit_seconds.append(time.perf_counter() - started)
                 if rank == 0:
                     session.close()
