@@ -30,7 +30,7 @@ MOVED = {
         "handshake": "protocol.handshake",
         "verify": "protocol.verify",
         "session": "protocol.session",
-        "safetensors_io": "checkpoint.safetensors_io",
+        "safetensors_io": "checkpoint",
         "presets": "models.presets",
         "plugins": "models.plugins",
         "sources": "models.sources",

@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("transformers", reason="source=model / sink=model need transformers (pip install transformers)")
 
-from refit_app.checkpoint.safetensors_io import SINGLE_FILE_NAME, Checkpoint
+from refit_app.checkpoint.layout import SINGLE_FILE_NAME
+from refit_app.checkpoint.reader import Checkpoint
 from refit_app.common.errors import SinkError, SourceError, VerificationError
 from refit_app.core.meta import TensorMeta
 from refit_app.models.hf_model import ModelSink, ModelSource, write_tiny_llama

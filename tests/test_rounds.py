@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_app.checkpoint.safetensors_io import Checkpoint
+from refit_app.checkpoint.reader import Checkpoint
 from refit_app.models.sources import SyntheticSource
 
 pytest.importorskip("transformers")

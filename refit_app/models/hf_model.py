@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from refit_app.checkpoint.safetensors_io import Checkpoint, read_companion_files
+from refit_app.checkpoint.reader import Checkpoint, read_companion_files
 from refit_app.common.errors import RefitError, SinkError, SourceError, VerificationError, some_of
 from refit_app.common.sizes import format_size
 from refit_app.core.meta import TensorMeta, dtype_to_str
