@@ -36,7 +36,7 @@ MOVED = {
         "sources": "models.sources",
         "sinks": "models.sinks",
         "probe": "models.probe",
-        "hf_model": "models.hf_model",
+        "hf_model": "models.hf",
         "vllm_backend": "integrations.vllm.backend",
         "vllm_sink": "integrations.vllm.sink",
         "schema": "app.schema",

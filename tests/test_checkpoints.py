@@ -176,7 +176,7 @@ def test_fracast_int8_variant_mixed_dtypes(fracast_dir, tmp_path):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_llama_saved_opens_with_from_pretrained(tmp_path, sharded):
     transformers = pytest.importorskip("transformers")
-    from refit_app.models.hf_model import write_tiny_llama
+    from refit_app.models.hf import write_tiny_llama
 
     src = write_tiny_llama(tmp_path / "src", seed=3, dtype=torch.bfloat16)
     if sharded:
