@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_module
 
 from refit_app import run
 from refit_app.app.schema import CONF_MODULE
-from refit_app.checkpoint.safetensors_io import save_tensors
+from refit_app.checkpoint import save_tensors
 from refit_app.common.errors import RefitError, SinkError
 from refit_app.protocol.manifest import Manifest
 

@@ -25,7 +25,7 @@ from types import TracebackType
 
 import torch
 
-from refit_app.checkpoint.safetensors_io import save_tensors
+from refit_app.checkpoint.writer import save_tensors
 
 _POLL_S = 0.05
 _PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")

@@ -19,8 +19,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from refit_app.checkpoint import safetensors_io
-from refit_app.checkpoint.safetensors_io import INDEX_FILE_NAME, Checkpoint, CheckpointWriter
+from refit_app.checkpoint import publish
+from refit_app.checkpoint.layout import INDEX_FILE_NAME
+from refit_app.checkpoint.reader import Checkpoint
+from refit_app.checkpoint.writer import CheckpointWriter
 from refit_app.core.meta import TensorMeta
 
 SAVE_TIMEOUT_S = 120.0
@@ -30,7 +32,7 @@ MAX_STEPS = 40
 
 _KILLING_SAVE = textwrap.dedent("""
     import os, shutil, signal, sys
-    from refit_app.checkpoint import safetensors_io as io
+    from refit_app.checkpoint import writer as io  # commit looks the steps up there
     sys.path.insert(0, sys.argv[3])
     from test_atomic_save import checkpoint_spec, write_checkpoint
 
@@ -153,7 +155,7 @@ def test_a_save_keeps_user_files_and_drops_only_old_weights(tmp_path):
 
 
 def test_without_directory_exchange_two_renames_publish_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(safetensors_io, "exchange_dirs", lambda a, b: False)
+    monkeypatch.setattr(publish, "exchange_dirs", lambda a, b: False)
     target = tmp_path / "ckpt"
     write_checkpoint(target, "old")
     (target / "tokenizer.json").write_text("t")
@@ -186,7 +188,7 @@ def test_a_live_save_is_not_cleaned_away(tmp_path):
 def test_a_staging_directory_removed_before_its_lock_is_replaced(tmp_path, monkeypatch, lost):
     """Another save's clean-up may remove a new staging directory in the moment between its creation and its lock
     (it looks like a killed save's). The save then claims another one and completes; nothing is left beside it."""
-    real_locked_dir = safetensors_io._locked_dir
+    real_locked_dir = publish._locked_dir
     calls = []
 
     def racing_locked_dir(path):
@@ -200,7 +202,7 @@ def test_a_staging_directory_removed_before_its_lock_is_replaced(tmp_path, monke
             return fd
         return real_locked_dir(path)
 
-    monkeypatch.setattr(safetensors_io, "_locked_dir", racing_locked_dir)
+    monkeypatch.setattr(publish, "_locked_dir", racing_locked_dir)
     target = tmp_path / "ckpt"
     write_checkpoint(target, "new")
     assert len(calls) == 2 and calls[0] != calls[1]

@@ -28,7 +28,8 @@ from refit_app.common.errors import ConfigError, PeerError
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
 from refit_app.transport.groups import GroupSpec, connect
-from refit_app.transport.rendezvous import SignedStore, start_store
+from refit_app.transport.rendezvous import start_store
+from refit_app.transport.signed_store import SignedStore
 
 TIMEOUT_S = 20.0
 """group.timeout_s where the run must succeed; nothing waits for it."""

@@ -16,11 +16,8 @@ import torch
 from mp_utils import run_ranks
 from safetensors import safe_open
 
-from refit_app.checkpoint.safetensors_io import (
-    MAX_COMPANION_FILE_BYTES,
-    SINGLE_FILE_NAME,
-    read_companion_files,
-)
+from refit_app.checkpoint.layout import MAX_COMPANION_FILE_BYTES, SINGLE_FILE_NAME
+from refit_app.checkpoint.reader import read_companion_files
 from refit_app.core.wire import host_bytes
 from refit_app.models.sinks import SaveSink
 from refit_app.models.sources import SafetensorsSource
@@ -100,7 +97,7 @@ def test_companion_files_of_a_model_directory(tmp_path):
 
 
 def test_companion_files_are_published_with_the_weights_only(tmp_path):
-    from refit_app.checkpoint.safetensors_io import save_tensors
+    from refit_app.checkpoint.writer import save_tensors
 
     src = tmp_path / "src"
     src.mkdir()
@@ -179,7 +176,7 @@ def test_fracast_int8_variant_mixed_dtypes(fracast_dir, tmp_path):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_llama_saved_opens_with_from_pretrained(tmp_path, sharded):
     transformers = pytest.importorskip("transformers")
-    from refit_app.models.hf_model import write_tiny_llama
+    from refit_app.models.hf import write_tiny_llama
 
     src = write_tiny_llama(tmp_path / "src", seed=3, dtype=torch.bfloat16)
     if sharded:

@@ -13,7 +13,7 @@ import pytest
 from mp_utils import STARTUP_LIMIT_S, free_port
 from omegaconf import OmegaConf
 
-from refit_app.checkpoint.safetensors_io import Checkpoint, SafetensorsFile
+from refit_app.checkpoint.reader import Checkpoint, SafetensorsFile
 from refit_app.core.wire import host_bytes as tensor_bytes
 
 # What issue 3 promises in every successful run's metrics.json.

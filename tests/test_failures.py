@@ -36,7 +36,7 @@ import torch
 from failure_utils import Launcher, Outcome, RefitProcess, listing, snapshot, write_checkpoint
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port
 
-from refit_app.checkpoint.safetensors_io import save_tensors
+from refit_app.checkpoint.writer import save_tensors
 from refit_app.models.sources import SyntheticSource
 from refit_app.packed_tensor import chunk_ids
 

@@ -15,10 +15,11 @@ import torch
 
 pytest.importorskip("transformers", reason="source=model / sink=model need transformers (pip install transformers)")
 
-from refit_app.checkpoint.safetensors_io import SINGLE_FILE_NAME, Checkpoint
+from refit_app.checkpoint.layout import SINGLE_FILE_NAME
+from refit_app.checkpoint.reader import Checkpoint
 from refit_app.common.errors import SinkError, SourceError, VerificationError
 from refit_app.core.meta import TensorMeta
-from refit_app.models.hf_model import ModelSink, ModelSource, write_tiny_llama
+from refit_app.models.hf import ModelSink, ModelSource, write_tiny_llama
 from refit_app.models.probe import decode_probe, encode_probe, logit_tolerance
 from refit_app.protocol.manifest import Manifest
 
@@ -295,5 +296,5 @@ def test_write_tiny_llama_is_deterministic(tmp_path):
 
 
 def test_importing_the_module_does_not_import_transformers():
-    code = "import sys, refit_app.models.hf_model; sys.exit('transformers' in sys.modules)"
+    code = "import sys, refit_app.models.hf; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0

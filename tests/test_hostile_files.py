@@ -1,7 +1,7 @@
 """Hostile or odd files as a source: each is refused at start-up with one line naming the file and the problem,
 never a hang, a traceback, C++ frames from torch or the wrong advice.
 
-Headers are checked once, where they are read (``safetensors_io.read_header``): a number of thousands of digits,
+Headers are checked once, where they are read (``checkpoint.header.read_header``): a number of thousands of digits,
 JSON nested 200k deep, a zero-element shape whose other sizes overflow int64, a duplicate key, an impossible
 header length. A FIFO (or any non-regular file) is refused from ``stat`` alone, before anything opens it.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_app.checkpoint.safetensors_io import Checkpoint, SafetensorsFile
+from refit_app.checkpoint.reader import Checkpoint, SafetensorsFile
 from refit_app.common.errors import SourceError
 
 CLI_LIMIT_S = 120.0

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_app.checkpoint.safetensors_io import Checkpoint
+from refit_app.checkpoint.reader import Checkpoint
 from refit_app.models.sources import SyntheticSource
 
 pytest.importorskip("transformers")
 
-from refit_app.models.hf_model import write_tiny_llama
+from refit_app.models.hf import write_tiny_llama
 
 COVER_STARTUP = "group.timeout_s=180"
 """role=local starts its ranks ungated; on a loaded machine their start-ups can differ by tens of seconds, inside

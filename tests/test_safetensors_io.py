@@ -14,16 +14,10 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from refit_app.checkpoint.safetensors_io import (
-    DTYPE_CODES,
-    INDEX_FILE_NAME,
-    SINGLE_FILE_NAME,
-    Checkpoint,
-    CheckpointWriter,
-    SafetensorsFile,
-    SafetensorsWriter,
-    save_tensors,
-)
+from refit_app.checkpoint.dtypes import DTYPE_CODES
+from refit_app.checkpoint.layout import INDEX_FILE_NAME, SINGLE_FILE_NAME
+from refit_app.checkpoint.reader import Checkpoint, SafetensorsFile
+from refit_app.checkpoint.writer import CheckpointWriter, SafetensorsWriter, save_tensors
 from refit_app.common.errors import SinkError, SourceError
 from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import host_bytes as tensor_bytes

@@ -14,13 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_app.checkpoint.safetensors_io import (
-    INDEX_FILE_NAME,
-    SINGLE_FILE_NAME,
-    Checkpoint,
-    CheckpointWriter,
-    save_tensors,
-)
+from refit_app.checkpoint.layout import INDEX_FILE_NAME, SINGLE_FILE_NAME
+from refit_app.checkpoint.reader import Checkpoint
+from refit_app.checkpoint.writer import CheckpointWriter, save_tensors
 from refit_app.common.errors import ConfigError, HandshakeError, SinkError, VerificationError
 from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import host_bytes as tensor_bytes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_app.checkpoint.safetensors_io import SINGLE_FILE_NAME, CheckpointWriter, save_tensors
+from refit_app.checkpoint.layout import SINGLE_FILE_NAME
+from refit_app.checkpoint.writer import CheckpointWriter, save_tensors
 from refit_app.common.errors import ConfigError
 from refit_app.common.sizes import format_size, parse_size
 from refit_app.core.meta import TensorMeta

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from refit_app.app.schema import GROUP_SCHEMAS
+from refit_app.checkpoint.layout import CONFIG_FILE_NAME
 from refit_app.common.checks import Problems, is_int, show
 from refit_app.common.errors import ConfigError, one_line
 from refit_app.common.sizes import parse_size
@@ -348,8 +349,8 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
 def _check_model_source(c: _Checker) -> dict[str, Any]:
     """A transformers model directory and the training settings of the trainer that sends it."""
     path = c.get("source.path")
-    if path is not _ABSENT and not (Path(path) / "config.json").is_file():
-        c.fail("source.path", path, "must be a Hugging Face model directory with a config.json")
+    if path is not _ABSENT and not (Path(path) / CONFIG_FILE_NAME).is_file():
+        c.fail("source.path", path, f"must be a Hugging Face model directory with a {CONFIG_FILE_NAME}")
     dtype = c.get("source.dtype")
     if dtype not in (None, _ABSENT) and dtype not in FLOAT_DTYPES:
         c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES) + " (or null: the checkpoint's)")

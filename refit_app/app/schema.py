@@ -202,7 +202,7 @@ class SafetensorsSource(Source):
 class ModelSource(Source):
     """A trainer: a transformers causal LM that takes optimizer steps between rounds."""
 
-    _target_: str = "refit_app.models.hf_model.ModelSource"
+    _target_: str = "refit_app.models.hf.ModelSource"
     kind: str = "model"
     path: str = MISSING
     """A Hugging Face model directory (config.json + safetensors); the trainer's model is built from it."""
@@ -253,7 +253,7 @@ class SaveSink(Sink):
 class ModelSink(Sink):
     """An inference model built from the producer's config.json, loaded in place as tensors arrive."""
 
-    _target_: str = "refit_app.models.hf_model.ModelSink"
+    _target_: str = "refit_app.models.hf.ModelSink"
     kind: str = "model"
     probe_tokens: int = DEFAULT_PROBE_TOKENS
     """After every round, compare this many positions of the model's logits and greedy tokens with the producer's

@@ -2,7 +2,7 @@
 
 The producer runs ``probe_token_ids`` through its model and sends its logits (every ``stride``-th vocabulary column)
 and greedy next tokens with :func:`encode_probe`; the consumer runs the same ids through its own model and compares
-(``refit_app.models.hf_model.ModelSink.check``), within :data:`LOGIT_TOLERANCE`.
+(``refit_app.models.hf.ModelSink.check``), within :data:`LOGIT_TOLERANCE`.
 """
 
 from __future__ import annotations

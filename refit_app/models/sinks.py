@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from refit_app.checkpoint.safetensors_io import CheckpointWriter
+from refit_app.checkpoint.writer import CheckpointWriter
 from refit_app.common.errors import SinkError
 from refit_app.common.sizes import format_size
 from refit_app.models.plugins import instantiate
@@ -76,7 +76,7 @@ class SaveSink:
     the producer sent (a model directory's config.json and tokenizer files), so ``from_pretrained`` opens it.
 
     Written into a hidden directory beside ``path`` that replaces it as a whole only when every tensor is on
-    disk (see :class:`~refit_app.checkpoint.safetensors_io.CheckpointWriter`): a killed or failed run leaves the existing
+    disk (see :class:`~refit_app.checkpoint.writer.CheckpointWriter`): a killed or failed run leaves the existing
     checkpoint there intact, and the user's other files in ``path`` are carried into the new one.
     """
 

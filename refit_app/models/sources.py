@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from refit_app.checkpoint.safetensors_io import Checkpoint, read_companion_files
+from refit_app.checkpoint.reader import Checkpoint, read_companion_files
 from refit_app.common.sizes import format_size
 from refit_app.core.meta import TensorMeta, dtype_itemsize
 from refit_app.models.plugins import instantiate
@@ -75,7 +75,7 @@ class SafetensorsSource:
 
     def companion_files(self) -> dict[str, str | bytes]:
         """A model directory's config.json, generation config and tokenizer files (see
-        :data:`~refit_app.checkpoint.safetensors_io.COMPANION_FILE_NAMES`); none for a single file."""
+        :data:`~refit_app.checkpoint.layout.COMPANION_FILE_NAMES`); none for a single file."""
         return dict(self._files)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

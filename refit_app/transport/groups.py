@@ -7,7 +7,8 @@ default group can refit, and closing one group and connecting again in the same 
 Everything in :func:`connect` shares one deadline of ``spec.timeout_s``; so does every phase gather afterwards.
 
 The pieces: :mod:`refit_app.transport.rendezvous` (the store and the check-in), :mod:`refit_app.transport.control` (phase reports,
-errors, the deadline store), :mod:`refit_app.transport.backends` (gloo, NCCL, pynccl behind one seam).
+errors, the deadline store), :mod:`refit_app.transport.signed_store` (the store as gloo sees it, signed),
+:mod:`refit_app.transport.backends` (gloo, NCCL, pynccl behind one seam).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from refit_app.transport.control import Control, DeadlineStore
 from refit_app.transport.rendezvous import (
     announce,
     await_producer,
-    backend_store,
     consumer_checkin,
     join_store,
     producer_checkin,
     run_store,
     start_store,
 )
+from refit_app.transport.signed_store import backend_store
 from refit_app.transport.spec import PRODUCER_RANK, GroupSpec
 
 __all__ = ["ERROR_LINGER_S", "GroupSpec", "RefitGroup", "connect"]

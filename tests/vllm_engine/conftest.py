@@ -46,6 +46,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """refit_app's tiny Llama (2 layers, hidden 64, head_dim 32, vocab 256), float32, made here."""
     import torch
 
-    from refit_app.models.hf_model import write_tiny_llama
+    from refit_app.models.hf import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), dtype=torch.float32)

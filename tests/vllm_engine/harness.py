@@ -1,7 +1,7 @@
 """What the vLLM tests share: a trainer that improves the tiny Llama, greedy decoding on both sides, and the
 engine's control plane across a pipe (the trainer in a spawned process, the engine in the test's).
 
-The model is :func:`refit_app.models.hf_model.write_tiny_llama`'s (float32: bf16 greedy tokens diverge between vLLM and
+The model is :func:`refit_app.models.hf.write_tiny_llama`'s (float32: bf16 greedy tokens diverge between vLLM and
 transformers on ties; ``head_dim`` 32, the least vLLM's CPU attention accepts), made in the test.
 """
 

@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
+from refit_app.checkpoint.layout import CONFIG_FILE_NAME
 from refit_app.common.errors import SinkError, VerificationError, some_of
 from refit_app.core.meta import dtype_to_str
 from refit_app.integrations.vllm.backend import BACKEND, register
-from refit_app.models.hf_model import model_spec
+from refit_app.models.hf.spec import model_spec
 from refit_app.models.probe import (
     DEFAULT_PROBE_TOKENS,
     MAX_PROBE_COLUMNS,
@@ -50,7 +51,6 @@ VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vLLM CPU's KV cache in GiB; ``sink=vllm`` sets it from ``sink.kv_cache_gib`` unless the user did."""
 
-CONFIG_FILE_NAME = "config.json"
 DEFAULT_MAX_MODEL_LEN = 256
 """The engine's context length (capped by the config's ``max_position_embeddings``): the probe needs
 ``probe_tokens + 1`` positions, and vLLM sizes its KV cache for at least one sequence this long."""
