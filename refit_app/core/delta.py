@@ -35,6 +35,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from refit_app.core import _delta_kernel as kernel
+except ImportError:  # built where a C compiler was at install time; numpy does the same where not
+    kernel = None
+
 DENSE = 0
 BITMASK = 1
 GAPS8 = 2
@@ -93,9 +98,27 @@ class Changes:
         return int(self.positions.size)
 
 
-def diff(new: np.ndarray, old: np.ndarray, itemsize: int, *, update: bool = True, hasher: Any = None) -> Changes:
+DENSE_ABOVE = 0.9
+"""A tensor goes whole once more than this share of its elements changed: its changes would take nearly as many
+bytes as the tensor (a bitmask and the values: ``1/8 + share * itemsize`` bytes per element), and finding and
+applying them costs far more than a copy."""
+_GIVE_UP_AFTER = 1 << 20
+"""Bytes compared before a tensor may be declared dense (a share measured on less is noise)."""
+
+
+def diff(
+    new: np.ndarray,
+    old: np.ndarray,
+    itemsize: int,
+    *,
+    update: bool = True,
+    hasher: Any = None,
+    dense_above: float = DENSE_ABOVE,
+) -> Changes | None:
     """The elements whose bytes differ between ``new`` and ``old`` (uint8 arrays of one tensor's bytes), and their
-    new bytes; with ``update``, ``old`` is made equal to ``new`` (only the changed words are written).
+    new bytes; with ``update``, ``old`` is made equal to ``new`` (only the changed words are written). None where more
+    than ``dense_above`` of the elements changed (measured as it goes): the tensor is then sent whole, and ``old``
+    is made equal to ``new`` by a copy.
 
     ``hasher`` (an object with ``update(buffer)``) is fed ``new`` block by block while the block is in cache, so a
     round's checksums cost no second read of the tensor. Compares 8-byte words first (most words are unchanged),
@@ -111,10 +134,31 @@ def diff(new: np.ndarray, old: np.ndarray, itemsize: int, *, update: bool = True
     words = n // 8 * 8
     # A block is a whole number of words and of elements (itemsize divides 16 for every dtype torch has).
     step = BLOCK_BYTES - BLOCK_BYTES % max(16, itemsize)
-    mask = np.empty(step // 8, dtype=bool)
+    use_kernel = kernel is not None and itemsize in (1, 2, 4, 8, 16)
+    if use_kernel:
+        pos_out = np.empty(step // itemsize, dtype=np.int64)
+        val_out = np.empty(step, dtype=np.uint8)
+    else:
+        mask = np.empty(step // 8, dtype=bool)
+    changed_so_far = 0
     for start in range(0, words, step):
+        if start >= _GIVE_UP_AFTER and changed_so_far > dense_above * (start // itemsize):
+            if update:
+                np.copyto(old[start:], new[start:])
+            if hasher is not None:
+                hasher.update(new[start:])
+            return None
         stop = min(start + step, words)
         nb, ob = new[start:stop], old[start:stop]
+        if use_kernel:
+            count = kernel.diff(nb, ob, itemsize, pos_out, val_out, start // itemsize, update)
+            if hasher is not None:
+                hasher.update(nb)
+            if count:
+                changed_so_far += count
+                positions.append(pos_out[:count].copy())
+                values.append(val_out[: count * itemsize].copy())
+            continue
         nw, ow = nb.view(np.uint64), ob.view(np.uint64)
         m = mask[: nw.size]
         np.not_equal(nw, ow, out=m)
@@ -124,6 +168,7 @@ def diff(new: np.ndarray, old: np.ndarray, itemsize: int, *, update: bool = True
         if changed.size == 0:
             continue
         local = _changed_elements(nw, ow, changed, itemsize)
+        changed_so_far += local.size
         positions.append(local + start // itemsize)
         values.append(_gather(nb, local, itemsize))
         if update:
@@ -153,9 +198,9 @@ def _changed_elements(nw: np.ndarray, ow: np.ndarray, changed: np.ndarray, items
             elements = elements[np.concatenate(([True], elements[1:] != elements[:-1]))]
         return elements
     lanes = 8 // itemsize
-    x = (nw[changed] ^ ow[changed]).view(_UINT[itemsize]).reshape(-1, lanes)
-    rows, cols = np.nonzero(x)
-    return changed[rows] * lanes + cols
+    # One 1-D nonzero over the changed words' lanes (a 2-D nonzero is several times slower).
+    flat = np.flatnonzero((nw[changed] ^ ow[changed]).view(_UINT[itemsize]))
+    return changed[flat // lanes] * lanes + flat % lanes
 
 
 def _gather(block: np.ndarray, elements: np.ndarray, itemsize: int) -> np.ndarray:
@@ -191,7 +236,8 @@ class Encoded:
     count: int
     escapes: int
     positions: bytes | np.ndarray
-    """The positions section as sent (compressed where ``flags & ZSTD``), unpadded; empty for DENSE."""
+    """The positions section as sent (compressed where ``flags & ZSTD``; bytes or a uint8 array), unpadded; empty
+    for DENSE."""
 
     def header(self, index: int, values_nbytes: int) -> bytes:
         return RECORD.pack(index, self.encoding, self.flags, 0, self.count, self.escapes, len(self.positions),
@@ -224,24 +270,39 @@ def encode(positions: np.ndarray, numel: int, itemsize: int, *, compressor: Any 
         return Encoded(DENSE, 0, numel, 0, b"")
     raw = _positions_section(encoding, positions, gaps, numel, escapes)
     flags = 0
-    if compressor is not None and len(raw) >= ZSTD_MIN_BYTES:
+    if compressor is not None and len(raw) >= ZSTD_MIN_BYTES and _compresses(compressor, raw):
         packed = compressor.compress(raw)
         if len(packed) <= (1 - ZSTD_MIN_SAVING) * len(raw):
             raw, flags = packed, ZSTD
     return Encoded(encoding, flags, count, escapes, raw)
 
 
-def _positions_section(encoding: int, positions: np.ndarray, gaps: np.ndarray, numel: int, escapes: int) -> bytes:
+_ZSTD_SAMPLE = 64 * 1024
+
+
+def _compresses(compressor: Any, raw: np.ndarray) -> bool:
+    """Whether the first 64 KiB of ``raw`` shrink enough to try all of it: scattered changes' gaps do not, and
+    compressing megabytes of them for nothing would cost more than the bytes it might save."""
+    if len(raw) <= 2 * _ZSTD_SAMPLE:
+        return True
+    sample = raw[:_ZSTD_SAMPLE]
+    return len(compressor.compress(sample)) <= (1 - ZSTD_MIN_SAVING) * len(sample)
+
+
+def _positions_section(
+    encoding: int, positions: np.ndarray, gaps: np.ndarray, numel: int, escapes: int
+) -> np.ndarray:
+    """The raw positions section as uint8."""
     if encoding == BITMASK:
         mask = np.zeros(numel, dtype=bool)
         mask[positions] = True
-        return np.packbits(mask, bitorder="little").tobytes()
+        return np.packbits(mask, bitorder="little")
     limit, dtype = _GAP_LIMIT[encoding], _GAP_DTYPE[encoding]
-    small = np.minimum(gaps, limit).astype(dtype)
-    section = small.tobytes()
-    if escapes:
-        section += b"\0" * (padded(len(section)) - len(section)) + gaps[gaps >= limit].astype("<u8").tobytes()
-    return section
+    small = np.minimum(gaps, limit).astype(dtype).view(np.uint8)
+    if not escapes:
+        return small
+    pad = np.zeros(padded(small.size) - small.size, dtype=np.uint8)
+    return np.concatenate([small, pad, gaps[gaps >= limit].astype("<u8").view(np.uint8)])
 
 
 def raw_positions_nbytes(encoding: int, count: int, escapes: int, numel: int) -> int:
@@ -279,6 +340,9 @@ def decode_positions(encoding: int, section: np.ndarray, count: int, escapes: in
 def apply(target: np.ndarray, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
     """Write ``values`` (uint8, ``itemsize`` bytes per position) at ``positions`` of ``target`` (a tensor's uint8
     bytes, writable)."""
+    if kernel is not None and target.flags.c_contiguous and target.flags.writeable:
+        kernel.scatter(target, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values), itemsize)
+        return
     if itemsize in _UINT:
         target.view(_UINT[itemsize])[positions] = values.view(_UINT[itemsize])
     else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -198,16 +199,16 @@ class ProducerDelta:
                 new = host_bytes_array(t)
                 started = time.perf_counter()
                 hasher = Incremental(checksum_algorithm) if checksum_algorithm else None
-                changes = codec.diff(new, image.tensor_bytes(index), meta.dtype.itemsize, hasher=hasher)
+                changes = _diff(new, image.tensor_bytes(index), meta.dtype.itemsize, hasher)
                 if sums is not None:
                     sums.append(hasher.value())
                 stats.total_elements += meta.numel
-                if changes.count:
-                    encoded = codec.encode(changes.positions, meta.numel, meta.dtype.itemsize,
-                                           compressor=self._compressor)
+                if changes is None or changes.count:
+                    encoded = codec.Encoded(codec.DENSE, 0, meta.numel, 0, b"") if changes is None else codec.encode(
+                        changes.positions, meta.numel, meta.dtype.itemsize, compressor=self._compressor)
                     stats.seconds += time.perf_counter() - started
                     _write_record(stream, index, encoded, new if encoded.encoding == codec.DENSE else changes.values)
-                    stats.changed_elements += changes.count
+                    stats.changed_elements += encoded.count
                     stats.changed_tensors += 1
                     stats.encodings[codec.ENCODING_NAMES[encoded.encoding]] += 1
                 else:
@@ -223,6 +224,32 @@ class ProducerDelta:
         stats.wire_bytes = stream.wire_bytes
         self.share = stats.wire_bytes / image.nbytes if image.nbytes else 0.0
         return stats, sums
+
+
+PARALLEL_MIN_BYTES = 8 << 20
+"""Tensors at least this large are compared in two halves at once: the C comparison releases the GIL, and a
+round's critical path is this comparison while the consumer waits for the changes."""
+_HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-diff")
+
+
+def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec.Changes | None:
+    """:func:`refit_app.core.delta.diff` of one tensor, its second half on a helper thread where it is large."""
+    n = new.size
+    half = n // 2 - (n // 2) % 16
+    if n < PARALLEL_MIN_BYTES or codec.kernel is None:
+        return codec.diff(new, old, itemsize, hasher=hasher)
+    second = _HELPER.submit(codec.diff, new[half:], old[half:], itemsize)
+    try:
+        first = codec.diff(new[:half], old[:half], itemsize, hasher=hasher)
+    finally:
+        rest = second.result()
+    if hasher is not None:
+        hasher.update(new[half:])
+    if first is None or rest is None:
+        return None  # both halves' snapshots are up to date: each half copied or patched its own
+    offset = half // itemsize
+    return codec.Changes(np.concatenate([first.positions, rest.positions + offset]),
+                         np.concatenate([first.values, rest.values]))
 
 
 def _write_record(stream: ChunkStream, index: int, encoded: codec.Encoded, values: np.ndarray) -> None:
