@@ -64,6 +64,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
         "num_buffers": 2,
         "use_legacy_packing": False,
         "rounds": 1,
+        "delta": "off",
         "debug": {"corrupt_chunk": None},
     }
     s = validate(cfg)
@@ -320,7 +321,7 @@ def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
     [
         (["refit.buffer_sz=1"], {},
          "unknown key 'refit.buffer_sz' (value '1'); keys under refit: buffer_size_bytes, num_buffers, "
-         "use_legacy_packing, rounds, debug"),
+         "use_legacy_packing, rounds, delta, debug"),
         (["role=consumer", "role.num_consumers=2"], {},
          "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name"),
         (["role=foo"], {}, "role=foo is not an option; choose one of auto, consumer, local, producer"),

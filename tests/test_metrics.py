@@ -16,12 +16,12 @@ from refit_app.app.metrics import (
     METRICS_KEYS,
     PeakMemory,
     RunMetrics,
-    gb_per_s,
     summary_line,
     write_metrics,
 )
 from refit_app.app.progress import Progress
 from refit_app.common.errors import one_line
+from refit_app.common.sizes import gb_per_s
 
 MiB = 2**20
 linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory needs Linux /proc")

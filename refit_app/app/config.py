@@ -21,6 +21,7 @@ from refit_app.common.checks import Problems, is_int, show
 from refit_app.common.errors import ConfigError, one_line
 from refit_app.common.sizes import parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
+from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.models.defaults import FLOAT_DTYPES
 from refit_app.models.presets import PRESETS
 from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
@@ -38,6 +39,8 @@ class RefitSpec:
     """None (a consumer's default): adopt the producer's mode."""
     rounds: int = 1
     """Refits one run performs over one group."""
+    delta: str = DEFAULT_DELTA
+    """Delta rounds: off, on or auto (:data:`refit_app.protocol.defaults.DELTA_MODES`)."""
     corrupt_chunk: int | None = None
     """Test-only fault hook: a consumer flips one byte of this received chunk."""
 
@@ -226,6 +229,9 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     rounds = c.get("refit.rounds")
     if rounds is not _ABSENT and not (is_int(rounds) and rounds >= 1):
         c.fail("refit.rounds", rounds, "must be an integer >= 1")
+    delta = c.get("refit.delta")
+    if delta is not _ABSENT and delta not in DELTA_MODES:
+        c.fail("refit.delta", delta, _one_of(DELTA_MODES))
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
         c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
@@ -233,7 +239,7 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
         return None
     return RefitSpec(
         buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, rounds=rounds,
-        corrupt_chunk=corrupt_chunk,
+        delta=delta, corrupt_chunk=corrupt_chunk,
     )
 
 

@@ -35,7 +35,7 @@ class RoundMetrics:
     round: int = field(metadata=_doc("1 for the first refit of the run"))
     seconds: float = field(metadata=_doc("wall time of this round's transfer, checksums included"))
     gb_per_s: float | None = field(metadata=_doc("bytes / 1e9 / seconds"))
-    bytes: int = field(metadata=_doc("payload bytes moved in this round"))
+    bytes: int = field(metadata=_doc("the model's bytes this round brought up to date"))
     verified: bool | None = field(metadata=_doc("consumer: true when this round was checked bit for bit"))
     manifest_sent: bool = field(metadata=_doc("whether this round carried a manifest (the first, or a changed list)"))
     handshake_seconds: float = field(metadata=_doc("time to send and accept this round's manifest; 0 without one"))
@@ -48,6 +48,22 @@ class RoundMetrics:
         metadata=_doc("sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
                       "producer's after this round"),
     )
+    wire_bytes: int | None = field(
+        default=None, metadata=_doc("bytes that crossed the group for this round's data: the packed chunks, or a "
+                                    "delta round's stream with its chunk headers"))
+    delta: bool = field(default=False, metadata=_doc("whether this round sent only the changed elements"))
+    base_round: int | None = field(default=None, metadata=_doc("the round a delta round was based on"))
+    changed_elements: int | None = field(
+        default=None, metadata=_doc("delta rounds: elements whose bytes changed since the base round"))
+    changed_fraction: float | None = field(
+        default=None, metadata=_doc("delta rounds: changed_elements over all the model's elements"))
+    encodings: dict[str, int] | None = field(
+        default=None, metadata=_doc("delta rounds: tensors sent per encoding (dense, bitmask, gaps8, gaps16); "
+                                    "unchanged tensors are not sent"))
+    diff_seconds: float | None = field(
+        default=None, metadata=_doc("producer, delta rounds: time spent comparing and encoding"))
+    apply_seconds: float | None = field(
+        default=None, metadata=_doc("consumer, delta rounds: time spent decoding and applying"))
 
 
 @dataclass
@@ -59,7 +75,10 @@ class RunMetrics:
     rank: int | None = field(metadata=_doc("rank in the refit group; the producer is 0"))
     status: str = field(default="ok", metadata=_doc('"ok" or "failed"'))
     error: str | None = field(default=None, metadata=_doc("null, or the failure as one line"))
-    bytes: int | None = field(default=None, metadata=_doc("payload bytes moved, summed over rounds"))
+    bytes: int | None = field(default=None, metadata=_doc("the model's bytes refitted, summed over rounds"))
+    wire_bytes: int | None = field(
+        default=None, metadata=_doc("bytes that crossed the group for the rounds' data, summed over rounds"))
+    delta: str | None = field(default=None, metadata=_doc("producer: refit.delta (off, on or auto)"))
     num_tensors: int | None = field(default=None, metadata=_doc("tensors per round"))
     num_chunks: int | None = field(default=None, metadata=_doc("packed chunks per round"))
     num_broadcasts: int | None = field(
@@ -346,6 +365,9 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         return f"{who}: failed: {metrics.get('error') or 'unknown error'}"
 
     parts = [f"{who}: {format_decimal(metrics.get('bytes') or 0)}"]
+    wire = metrics.get("wire_bytes")
+    if wire is not None and metrics.get("bytes") and wire != metrics.get("bytes"):
+        parts.append(f" ({format_decimal(wire)} on the wire)")
     parts.append(f" in {metrics.get('num_tensors', '?')} tensors / {metrics.get('num_chunks', '?')} chunks")
     rounds = metrics.get("rounds_done") or 0
     if rounds > 1:

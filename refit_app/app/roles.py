@@ -24,7 +24,7 @@ from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics
 from refit_app.app.progress import Progress
 from refit_app.common.errors import ConfigError, RefitError
 from refit_app.common.sizes import gb_per_s
-from refit_app.models.sinks import Sink, make_sink
+from refit_app.models.sinks import DELTAS, MIRROR, TARGETS, Sink, make_sink
 from refit_app.models.sources import Source, make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.manifest import Manifest
@@ -60,7 +60,7 @@ class _RoundProgress:
             self._current = None
 
 
-def _round_metrics(r: Round, memory: PeakMemory) -> RoundMetrics:
+def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics:
     return RoundMetrics(
         round=r.round,
         seconds=r.seconds,
@@ -73,6 +73,14 @@ def _round_metrics(r: Round, memory: PeakMemory) -> RoundMetrics:
         peak_rss_bytes=memory.peak_rss,
         loss=r.facts.get("loss"),
         model_check=r.facts.get("model_check"),
+        wire_bytes=r.wire_bytes,
+        delta=r.delta,
+        base_round=r.base_round or None,
+        changed_elements=r.changed_elements,
+        changed_fraction=r.changed_fraction,
+        encodings=r.encodings or None,
+        diff_seconds=r.delta_seconds if r.delta and producer else None,
+        apply_seconds=r.delta_seconds if r.delta and not producer else None,
     )
 
 
@@ -108,7 +116,8 @@ def _run_metrics(
         cuda_peak_bytes=max(cuda) if cuda else None,
         cuda_peak_extra_bytes=max(cuda_extra) if cuda_extra else None,
         source=None if manifest is None else manifest.source,
-        rounds=[_round_metrics(r, m) for r, m in zip(rounds, memories)],
+        rounds=[_round_metrics(r, m, rg.is_producer) for r, m in zip(rounds, memories)],
+        wire_bytes=sum(r.wire_bytes for r in rounds),
     )
 
 
@@ -131,7 +140,8 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     memories: list[PeakMemory] = []
     with connect(s.group) as rg:
         session = ProducerSession(rg, buffer_size_bytes=target, num_buffers=s.refit.num_buffers,
-                                  use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk)
+                                  use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk,
+                                  delta=s.refit.delta)
         progress.session = session
         extra_for = _probe_encoder(probe, session.probe_tokens, source)
         files = _companion_files(source)
@@ -154,6 +164,7 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
         session.close()
         metrics = _run_metrics(s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds)
         metrics.checksums = session.checksums_needed
+        metrics.delta = s.refit.delta
         return metrics.to_json()
 
 
@@ -182,16 +193,20 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     memories: list[PeakMemory] = []
     try:
         with connect(s.group) as rg:
+            storage = getattr(sink, "delta_storage", None)
             session = ConsumerSession(rg, buffer_size_bytes=s.refit.buffer_size_bytes,
                                       use_legacy_packing=s.refit.use_legacy_packing,
                                       num_buffers=s.refit.num_buffers, verify=verify, probe_tokens=probe_tokens,
-                                      on_chunk=progress.on_chunk)
+                                      on_chunk=progress.on_chunk, mirror=storage == MIRROR,
+                                      accept_deltas=storage == DELTAS)
             progress.session = session
             on_round_end = _round_end(sink, probe_tokens)
+            targets = sink.targets if storage == TARGETS else None
             while True:
                 with PeakMemory() as memory:
                     try:
-                        r = session.receive(sink.consume, on_manifest=sink.begin, on_round_end=on_round_end)
+                        r = session.receive(sink.consume, on_manifest=sink.begin, on_round_end=on_round_end,
+                                            targets=targets)
                     finally:
                         progress.stop()
                 if r is None:

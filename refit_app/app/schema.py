@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from refit_app.app.launchers import launcher_setting
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.models.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_LR,
@@ -121,6 +122,10 @@ class Refit:
     """true: vLLM-compatible chunks. null (a consumer's default): adopt the producer's mode."""
     rounds: int = 1
     """How many refits one run performs over one group (the RL loop); the source changes between rounds."""
+    delta: str = field(default=DEFAULT_DELTA, metadata={CHOICES: DELTA_MODES})
+    """Rounds after the first send only the elements whose bytes changed: off, on, or auto (a delta where the
+    changes take under half the dense bytes). on/auto keep one host copy of the model on the producer and on a
+    verify or save consumer."""
     debug: RefitDebug = field(default_factory=RefitDebug)
     """Test-only fault hooks; not for users."""
 

@@ -19,12 +19,23 @@ from refit_app.protocol.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
+MIRROR = "mirror"
+"""``delta_storage``: the session keeps a copy of the model that delta rounds patch, and ``consume`` gets views of
+it (every tensor, every round)."""
+TARGETS = "targets"
+"""``delta_storage``: the sink's own tensors, from ``targets()`` (called once the manifest is in), are written into
+every round, dense or delta, and ``consume`` gets those tensors."""
+DELTAS = "deltas"
+"""``delta_storage``: ``consume`` gets ``(name, TensorDelta)`` items for the changed tensors of a delta round."""
+
+
 class Sink(Protocol):
     """A consumer's destination for the weights, round after round (``sink=``, or your own class by ``_target_``).
 
     Optional attributes the application reads: ``verifies`` (True: check every round bit for bit against the
-    producer's checksums) and ``probe_tokens`` (> 0: after every round, compare the sink's model with the producer's
-    through ``check(probe, probe_tokens) -> dict``).
+    producer's checksums), ``probe_tokens`` (> 0: after every round, compare the sink's model with the producer's
+    through ``check(probe, probe_tokens) -> dict``) and ``delta_storage`` (:data:`MIRROR`, :data:`TARGETS` or
+    :data:`DELTAS`: how the sink takes delta rounds; without it the consumer asks for dense rounds only).
     """
 
     def begin(self, manifest: Manifest) -> None:
@@ -51,9 +62,11 @@ class Sink(Protocol):
 
 
 class VerifySink:
-    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums."""
+    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums (with
+    delta rounds, on the session's copy of the model)."""
 
     verifies = True
+    delta_storage = MIRROR
 
     def begin(self, manifest: Manifest) -> None:
         """The session refuses a manifest without checksums itself."""
@@ -79,6 +92,9 @@ class SaveSink:
     disk (see :class:`~refit_app.checkpoint.writer.CheckpointWriter`): a killed or failed run leaves the existing
     checkpoint there intact, and the user's other files in ``path`` are carried into the new one.
     """
+
+    delta_storage = MIRROR
+    """With delta rounds the session's copy holds the whole model, and every round writes all of it."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -127,7 +143,9 @@ class SaveSink:
 
 
 class DiscardSink:
-    """Keeps nothing: measures the transfer alone."""
+    """Keeps nothing: measures the transfer alone (a delta round's changes too)."""
+
+    delta_storage = DELTAS
 
     def begin(self, manifest: Manifest) -> None:
         """Nothing can fail early: there is nowhere to write."""

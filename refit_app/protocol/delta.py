@@ -41,15 +41,10 @@ from refit_app.core.meta import TensorMeta
 from refit_app.core.stream import HEADER_BYTES, ChunkStream, receive_stream
 from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function
+from refit_app.protocol.defaults import AUTO_SHARE, DELTA_MODES
 
 logger = logging.getLogger(__name__)
 
-DELTA_MODES = ("off", "on", "auto")
-"""``off``: every round dense, nothing kept. ``on``: every round that can be a delta round is one (each tensor
-still goes dense where its changes would take more bytes). ``auto``: as ``on`` while the changes take less than
-:data:`AUTO_SHARE` of the dense bytes, dense otherwise."""
-AUTO_SHARE = 0.5
-"""``auto``'s threshold: the share of the dense round's bytes under which a round goes as a delta."""
 _SAMPLE_EVERY = 32
 
 

@@ -468,10 +468,11 @@ class ConsumerSession(_Session):
         self.on_chunk = on_chunk
         self.accept_deltas = accept_deltas
         self._verifier: Verifier | None = None
-        self._delta = ConsumerDelta(mirror=mirror)
         self.last_round: Round | None = None
         """The round :meth:`receive` finished last (for the iterator form, once it is exhausted)."""
         self._delta_on, _, _ = self._exchange_needs(False, verify, probe_tokens)
+        # The copy is kept only where the producer may send deltas: dense rounds need none.
+        self._delta = ConsumerDelta(mirror=mirror and self._delta_on)
 
     @property
     def mirror(self) -> bool:
@@ -484,7 +485,7 @@ class ConsumerSession(_Session):
         *,
         on_manifest: Callable[[Manifest], None] | None = None,
         on_round_end: Callable[[Round], dict[str, Any] | None] | None = None,
-        targets: Mapping[str, torch.Tensor] | None = None,
+        targets: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
     ) -> Round | Iterator[tuple[str, Any]] | None:
         """Receive one round; None once the producer has closed the session.
 
@@ -495,9 +496,11 @@ class ConsumerSession(_Session):
         all-ranks "done") when it is exhausted; :attr:`last_round` then holds its figures.
 
         ``targets``: tensors by name that this round writes into, bit for bit (a dense round copies every tensor,
-        a delta round patches the changed elements); the batches then hold those tensors, and in a delta round
-        only the changed ones. With ``mirror`` the batches hold views of the session's copy, likewise. Without
-        either, a delta round hands ``(name, TensorDelta)`` items (``accept_deltas``).
+        a delta round patches the changed elements), or a function returning them once the manifest is in (the
+        first round builds the model they belong to); the batches then hold those tensors, every one of them
+        every round, each once it is final for the round. With ``mirror`` the batches hold views of the session's
+        copy, likewise. Without either, a delta round hands ``(name, TensorDelta)`` items for the changed tensors
+        only (``accept_deltas``).
 
         ``on_manifest(manifest)`` runs when a fresh manifest arrives (first round, or the tensor list changed),
         before any tensor moves: what it raises is this consumer's refusal, and every rank stops with it.
@@ -508,9 +511,10 @@ class ConsumerSession(_Session):
             return None
         k = self.rounds + 1
         result = Round(round=k)
+        given = targets
         try:
             if self._delta_on:
-                self._exchange_held(self._held(targets))
+                self._exchange_held(self._held(given))
             header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._broadcast_header(header)
             magic, round_index, flags, extra_len, base = (int(x) for x in header.cpu().tolist())
@@ -535,6 +539,7 @@ class ConsumerSession(_Session):
                                      f"holds {'no round' if not self._delta.held_round else f'round {self._delta.held_round}'}")
             manifest = self.manifest
             assert manifest is not None
+            targets = given() if callable(given) else given
             store = self._delta.targets_for(manifest.tensors, targets) if (
                 self._delta.mirror or targets is not None) else None
         except BaseException as e:
@@ -572,11 +577,14 @@ class ConsumerSession(_Session):
         result.wire_bytes = result.bytes
         return self._end_round(result, started, extra_len, on_round_end, targets)
 
-    def _held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
+    def _held(self, given: Any) -> int:
         """The round this consumer can take changes against (0: send it a dense round)."""
-        stores = self._delta.mirror or targets is not None
+        stores = self._delta.mirror or given is not None
         if not stores and (self.verify or not self.accept_deltas):
             return 0
+        if self.manifest is None:
+            return 0
+        targets = given() if callable(given) else given
         return self._delta.held(targets if stores else None)
 
     def _stored_batches(
@@ -594,10 +602,10 @@ class ConsumerSession(_Session):
         verifier = self._verifier
 
         def deliver(batch: Batch) -> Batch:
-            if verifier is not None:
-                verifier.consume([(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
             if post_unpack_func is not None and batch:
                 post_unpack_func(batch)
+            if verifier is not None:
+                verifier.consume([(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
             return batch
 
         result.bytes = manifest.total_bytes
@@ -605,18 +613,14 @@ class ConsumerSession(_Session):
         if result.base_round:
             # The verifier sees every tensor once it is final (changed or not); the callback only what changed.
             stats = DeltaStats()
-            for final, changed, deltas in self._delta.receive_delta(
+            for final, _, deltas in self._delta.receive_delta(
                 metas, self.group.group, PRODUCER_RANK, stats, device=self.device, targets=store,
                 on_chunk=self._stream_counter(result),
             ):
-                if verifier is not None:
-                    verifier.consume([(metas[i].name, self._delta.view(metas, i, targets)) for i in final])
-                batch: Batch = [(d.name, d) for d in deltas]
                 if store is not None:
-                    batch = [(metas[i].name, self._delta.view(metas, i, targets)) for i in changed]
-                if post_unpack_func is not None and batch:
-                    post_unpack_func(batch)
-                yield batch
+                    yield deliver([(metas[i].name, self._delta.view(metas, i, targets)) for i in final])
+                else:
+                    yield deliver([(d.name, d) for d in deltas])
             _record_delta(result, result.base_round, stats)
             return
         result.num_broadcasts = self._broadcasts

@@ -52,6 +52,15 @@ class ModelSink:
         self.builds = 0
         """How many times a model was built (a test and the metrics can see that rounds reuse it)."""
 
+    delta_storage = "targets"
+    """Delta rounds patch the model's own parameters and buffers (:meth:`targets`)."""
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The model's tensor under each manifest name: what every round writes into, in place."""
+        if self._weights is None:
+            raise RuntimeError("ModelSink.targets() before begin()")
+        return {name: self._weights.tensor(name) for name in self._metas}
+
     def begin(self, manifest: Manifest, config_json: str | None = None) -> None:
         """Build (or keep) the model for ``config_json``, by default the ``config.json`` the manifest carries."""
         config_dict, dtype, key = model_spec(manifest, config_json, hint="use source=model")
@@ -93,7 +102,9 @@ class ModelSink:
                     )
                 if name in self._arrived:
                     raise SinkError(f"received tensor {name!r} twice in one round")
-                self._weights.tensor(name).copy_(t)
+                own = self._weights.tensor(name)
+                if own is not t:  # the session wrote into it already (targets)
+                    own.copy_(t)
                 self._arrived.add(name)
 
     def finish_round(self) -> dict:
