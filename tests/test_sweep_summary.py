@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from matplotlib.axes import Axes
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
@@ -84,13 +86,100 @@ def test_write_summary_over_a_sweep_directory(tmp_path: Path) -> None:
     assert table[3]["status"] == "failed" and table[3]["error"] == "PeerError: consumer 1 died"
     assert table[4]["buffer_size_bytes"] == str(256 * MiB) and table[4]["num_buffers"] == "1"
 
+    # Files without per-round figures (one-round runs): the whole run's figures, as before rounds existed.
+    assert {r["figure"] for r in rows if r["status"] == "ok"} == {"whole run"}
+    assert all(r["steady_gb_per_s"] is None for r in rows)
+
     md = (sweep / "summary.md").read_text().splitlines()
     assert len(md) == 2 + 6
     assert md[1 + 2].startswith("| 1 | refit.buffer_size_bytes=64MiB refit.num_buffers=1 | ok | 64 MiB | 1 | bounded")
+    assert "| whole run | 1 GB | 0.625 | 1.600 |" in md[1 + 2]
     assert "| failed |" in md[2 + 5] and "no metrics.json" in md[2 + 5]
 
     _assert_png(sweep / "throughput.png")
     assert sorted(p.name for p in sweep.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+def _rounds(model_bytes: int, seconds: list[float], wire: list[int] | None) -> dict[str, object]:
+    """A run's metrics with its per-round entries, as roles.py writes them; ``wire=None``: a file written before
+    wire bytes were counted (no ``wire_bytes`` anywhere)."""
+    entries = []
+    for i, s in enumerate(seconds):
+        entry: dict[str, object] = {"round": i + 1, "seconds": s, "bytes": model_bytes}
+        if wire is not None:
+            entry["wire_bytes"] = wire[i]
+        entries.append(entry)
+    metrics: dict[str, object] = {
+        "bytes": model_bytes * len(seconds),
+        "seconds": sum(seconds),
+        "gb_per_s": model_bytes * len(seconds) / 1e9 / sum(seconds),
+        "rounds_done": len(seconds),
+        "first_round_seconds": seconds[0],
+        "steady_round_seconds": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
+        "rounds": entries,
+    }
+    if wire is not None:
+        metrics["wire_bytes"] = sum(wire)
+    return metrics
+
+
+def test_multi_round_jobs_are_shown_and_plotted_by_their_steady_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sweep = tmp_path / "multirun"
+    # Four rounds of a 1 GB model: a slow first round (handshake, cold buffers), then delta rounds that send little.
+    # Whole run: 4 GB in 6 s = 0.667 GB/s; steady: 1 GB in the median 1.0 s = 1.0 GB/s, median wire 200 MB.
+    _job(sweep, 0, _overrides(16, 1), **{**_ok(16, 1, 1.0), **_rounds(10**9, [3.0, 1.0, 1.25, 0.75],
+                                                                     wire=[10**9, 2 * 10**8, 10**8, 3 * 10**8])})
+    # The same, in a metrics file from before wire bytes were counted.
+    _job(sweep, 1, _overrides(64, 1), **{**_ok(64, 1, 1.0), **_rounds(10**9, [2.0, 0.5, 0.5], wire=None)})
+    # One round: today's figures, whole run.
+    _job(sweep, 2, _overrides(256, 1), **{**_ok(256, 1, 1.0), **_rounds(10**9, [0.8], wire=[10**9])})
+
+    plotted: list[tuple[list[float], list[float]]] = []
+    real_plot = Axes.plot
+
+    def record_plot(self: Axes, x: list[float], y: list[float], *args: object, **kwargs: object) -> object:
+        plotted.append((list(x), list(y)))
+        return real_plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record_plot)
+    rows = write_summary(sweep)
+
+    steady, old, single = rows
+    assert steady["figure"] == old["figure"] == "steady round" and single["figure"] == "whole run"
+    # The run's own columns keep their meaning: the whole run, first round included.
+    assert steady["seconds"] == 6.0 and steady["gb_per_s"] == pytest.approx(4 / 6, rel=1e-4)
+    assert steady["wire_bytes"] == 16 * 10**8 and steady["rounds_done"] == 4
+    assert steady["steady_round_seconds"] == 1.0 and steady["steady_gb_per_s"] == pytest.approx(1.0)
+    assert steady["steady_wire_bytes"] == 2 * 10**8
+    assert old["steady_gb_per_s"] == pytest.approx(2.0) and old["steady_wire_bytes"] is None
+    assert old["wire_bytes"] is None
+    assert single["steady_round_seconds"] is single["steady_gb_per_s"] is single["steady_wire_bytes"] is None
+    assert single["seconds"] == 0.8 and single["gb_per_s"] == pytest.approx(1.25) and single["wire_bytes"] == 10**9
+
+    with open(sweep / "summary.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["figure"], r["steady_round_seconds"], r["steady_wire_bytes"]) for r in table] == [
+        ("steady round", "1.0", str(2 * 10**8)), ("steady round", "0.5", ""), ("whole run", "", ""),
+    ]  # fmt: skip
+
+    md = (sweep / "summary.md").read_text().splitlines()
+    header = [c.strip() for c in md[0].strip("|").split("|")]
+    cells = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in md[2:]]
+    figures = [{k: c[k] for k in ("rounds", "figure", "bytes", "seconds", "GB/s", "wire bytes")} for c in cells]
+    assert figures == [
+        {"rounds": "4", "figure": "steady round (median of rounds 2-4)", "bytes": "1 GB", "seconds": "1.000",
+         "GB/s": "1.000", "wire bytes": "200 MB"},
+        {"rounds": "3", "figure": "steady round (median of rounds 2-3)", "bytes": "1 GB", "seconds": "0.500",
+         "GB/s": "2.000", "wire bytes": ""},
+        {"rounds": "1", "figure": "whole run", "bytes": "1 GB", "seconds": "0.800", "GB/s": "1.250",
+         "wire bytes": "1 GB"},
+    ]  # fmt: skip
+
+    # One line (1 buffer) through the three buffer sizes, at each job's headline throughput.
+    assert plotted == [([16.0, 64.0, 256.0], [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(1.25)])]
+    _assert_png(sweep / "throughput.png")
 
 
 def test_job_number_comes_from_hydra_yaml_when_the_directory_is_not_named_by_it(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 from refit_app.common.files import write_atomic
-from refit_app.common.sizes import format_decimal, format_size
+from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +276,62 @@ def overall_verified(metrics: Mapping[str, Any]) -> bool | None:
     if verdicts and all(v is True for v in verdicts):
         return True
     return None
+
+
+STEADY_ROUND = "steady round"
+"""Headline basis: one steady round (median of rounds 2..N), for a run of more than one round."""
+WHOLE_RUN = "whole run"
+"""Headline basis: the whole run, for a run of one round (or a metrics file without per-round figures)."""
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The figures a run is judged by: the sweep summary's and its plot's, and the value the optuna sweeper
+    maximizes. With more than one round they are one steady round's, since every step of an RL loop is a steady
+    round; the whole run's figures would count the first round's manifest handshake and cold buffers, which a
+    training run pays once, and would favour settings that start fast over settings that refit fast."""
+
+    basis: str
+    """:data:`STEADY_ROUND` or :data:`WHOLE_RUN`: which figures the others are."""
+    bytes: int | None
+    """The model's bytes one steady round brings up to date (median of rounds 2..N); else the run's ``bytes``."""
+    seconds: float | None
+    """``steady_round_seconds``; else the run's ``seconds``."""
+    gb_per_s: float | None
+    """Effective throughput: ``bytes`` / 1e9 / ``seconds`` (a delta round counts the model's bytes, not the wire's)."""
+    wire_bytes: int | None
+    """What crossed the group: median of rounds 2..N's ``wire_bytes``; else the run's. None in a metrics file
+    written before wire bytes were counted."""
+
+
+def _median_of(entries: list[Mapping[str, Any]], key: str) -> int | None:
+    """Median of ``key`` over the entries, as a whole number of bytes; None when any entry lacks it."""
+    values = [e.get(key) for e in entries]
+    if not values or any(not isinstance(v, (int, float)) for v in values):
+        return None
+    return round(statistics.median(values))
+
+
+def headline(metrics: Mapping[str, Any]) -> Headline:
+    """The figures ``metrics`` (a metrics.json dict, see :class:`RunMetrics`) is judged by; see :class:`Headline`."""
+    steady_rounds = list(metrics.get("rounds") or [])[1:]
+    steady_s = metrics.get("steady_round_seconds")
+    if steady_rounds and isinstance(steady_s, (int, float)) and math.isfinite(steady_s):
+        nbytes = _median_of(steady_rounds, "bytes")
+        return Headline(
+            basis=STEADY_ROUND,
+            bytes=nbytes,
+            seconds=steady_s,
+            gb_per_s=None if nbytes is None else gb_per_s(nbytes, steady_s),
+            wire_bytes=_median_of(steady_rounds, "wire_bytes"),
+        )
+    return Headline(
+        basis=WHOLE_RUN,
+        bytes=metrics.get("bytes"),
+        seconds=metrics.get("seconds"),
+        gb_per_s=metrics.get("gb_per_s"),
+        wire_bytes=metrics.get("wire_bytes"),
+    )
 
 
 def _rounded(value: Any) -> Any:

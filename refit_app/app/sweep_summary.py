@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from refit_app.app.metrics import METRICS_FILE, overall_verified
+from refit_app.app.metrics import METRICS_FILE, STEADY_ROUND, WHOLE_RUN, Headline, headline, overall_verified
 from refit_app.common.errors import one_line
 from refit_app.common.files import write_atomic
 from refit_app.common.sizes import format_decimal, format_size
@@ -51,7 +51,20 @@ SUMMARY_COLUMNS = (
     "peak_rss_bytes",
     "peak_extra_bytes",
     "verified",
+    "rounds_done",
+    "wire_bytes",
+    "steady_round_seconds",
+    "steady_gb_per_s",
+    "steady_wire_bytes",
+    "figure",
 )
+"""``bytes`` to ``verified``, ``rounds_done`` and ``wire_bytes`` are the run's metrics.json figures, as they are for
+a one-round run; ``steady_*`` are one steady round's (:func:`~refit_app.app.metrics.headline`), empty with one
+round; ``figure`` says which of the two the plot and the optuna objective use (``steady round`` or ``whole run``).
+New columns go at the end, so that a script reading columns by position keeps working."""
+_METRICS_COLUMNS = ("role", "backend", "buffer_size_bytes", "num_buffers", "use_legacy_packing", "bytes", "seconds",
+                    "gb_per_s", "peak_rss_bytes", "peak_extra_bytes", "rounds_done", "wire_bytes")
+"""Columns copied from metrics.json as they are."""
 
 # Overrides that place a job on the plot; the rest distinguish its lines (e.g. a sweep over model presets).
 _PLOT_AXES_KEYS = ("refit.buffer_size_bytes", "refit.num_buffers", "refit.use_legacy_packing")
@@ -93,11 +106,17 @@ def _job_row(num: int, job_dir: Path) -> dict[str, Any]:
     ended = _read_json(job_dir / JOB_STATUS_FILE) or {}
     overrides = _overrides(job_dir)
     row: dict[str, Any] = {column: None for column in SUMMARY_COLUMNS}
-    row.update(job=num, overrides=" ".join(overrides))
+    row.update(job=num, overrides=" ".join(overrides), _headline=None)
     if metrics is not None:
-        for column in SUMMARY_COLUMNS[4:]:
+        for column in _METRICS_COLUMNS:
             row[column] = metrics.get(column)
         row["verified"] = overall_verified(metrics)
+        figures = headline(metrics)
+        row["figure"] = figures.basis
+        if figures.basis == STEADY_ROUND:
+            row.update(steady_round_seconds=figures.seconds, steady_gb_per_s=figures.gb_per_s,
+                       steady_wire_bytes=figures.wire_bytes)
+        row["_headline"] = figures
     failed = metrics is None or metrics.get("status") != "ok" or ended.get("status") == "failed"
     row["status"] = "failed" if failed else "ok"
     if failed:
@@ -141,14 +160,28 @@ def _md_cell(value: Any, fmt: Any = str) -> str:
     return fmt(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _basis_label(figures: Headline, rounds_done: int | None) -> str:
+    if figures.basis == STEADY_ROUND and rounds_done:
+        return f"steady round (median of rounds 2-{rounds_done})" if rounds_done > 2 else "steady round (round 2)"
+    return figures.basis
+
+
 def _md_text(rows: list[dict[str, Any]]) -> str:
+    # One set of figure columns whose row says what they are ("figure"): a reader compares one column down the
+    # sweep, and a sweep over refit.rounds mixes one-round and multi-round jobs.
     header = [
-        "job", "overrides", "status", "buffer", "buffers", "packing",
-        "bytes", "seconds", "GB/s", "peak RSS", "peak extra", "verified", "error",
+        "job", "overrides", "status", "buffer", "buffers", "packing", "rounds",
+        "figure", "bytes", "seconds", "GB/s", "wire bytes", "peak RSS", "peak extra", "verified", "error",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         packing = None if r["use_legacy_packing"] is None else ("legacy" if r["use_legacy_packing"] else "bounded")
+        f: Headline | None = r["_headline"]
+        basis, nbytes, seconds, rate, wire = (
+            (None,) * 5
+            if f is None
+            else (_basis_label(f, r["rounds_done"]), f.bytes, f.seconds, f.gb_per_s, f.wire_bytes)
+        )
         cells = [
             _md_cell(r["job"]),
             _md_cell(r["overrides"]),
@@ -156,9 +189,12 @@ def _md_text(rows: list[dict[str, Any]]) -> str:
             _md_cell(r["buffer_size_bytes"], format_size),
             _md_cell(r["num_buffers"]),
             _md_cell(packing),
-            _md_cell(r["bytes"], format_decimal),
-            _md_cell(r["seconds"], lambda s: f"{s:.3f}"),
-            _md_cell(r["gb_per_s"], lambda g: f"{g:.3f}"),
+            _md_cell(r["rounds_done"]),
+            _md_cell(basis),
+            _md_cell(nbytes, format_decimal),
+            _md_cell(seconds, lambda s: f"{s:.3f}"),
+            _md_cell(rate, lambda g: f"{g:.3f}"),
+            _md_cell(wire, format_decimal),
             _md_cell(r["peak_rss_bytes"], format_size),
             _md_cell(r["peak_extra_bytes"], format_size),
             _md_cell(r["verified"], lambda v: "yes" if v else "NO"),
@@ -168,15 +204,24 @@ def _md_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _throughput(row: dict[str, Any]) -> float | None:
+    """What the plot shows for a job: its headline throughput (one steady round's when it had several)."""
+    figures: Headline | None = row["_headline"]
+    if figures is None or figures.gb_per_s is None or not math.isfinite(figures.gb_per_s):
+        return None
+    return figures.gb_per_s
+
+
 def _plot_png(rows: list[dict[str, Any]]) -> bytes | None:
     """Throughput against buffer size, one line per buffer count; None when no job finished with figures."""
-    points = [
-        r for r in rows
-        if r["status"] == "ok" and r["buffer_size_bytes"] and r["gb_per_s"] is not None
-        and math.isfinite(r["gb_per_s"])
-    ]  # fmt: skip
+    points = [r for r in rows if r["status"] == "ok" and r["buffer_size_bytes"] and _throughput(r) is not None]
     if not points:
         return None
+    bases = {r["_headline"].basis for r in points}
+    ylabel = {
+        frozenset({STEADY_ROUND}): "steady-round throughput (GB/s)",
+        frozenset({WHOLE_RUN}): "throughput (GB/s)",
+    }.get(frozenset(bases), "throughput (GB/s): the steady round's where rounds > 1")
     # Imported here: matplotlib costs a second to import and only sweeps need it. The object API with an
     # explicit Agg canvas leaves pyplot's global backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -198,7 +243,7 @@ def _plot_png(rows: list[dict[str, Any]]) -> bytes | None:
             others = " ".join(
                 o for o in r["_overrides"] if o not in shared and o.split("=", 1)[0].lstrip("+~") not in _PLOT_AXES_KEYS
             )
-            lines[(r["num_buffers"], others)][r["buffer_size_bytes"] / 2**20].append(r["gb_per_s"])
+            lines[(r["num_buffers"], others)][r["buffer_size_bytes"] / 2**20].append(_throughput(r))
         for (num_buffers, others), by_size in sorted(lines.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
             sizes = sorted(by_size)
             # Repeated settings (e.g. a sweep over seeds) plot as their mean.
@@ -210,7 +255,7 @@ def _plot_png(rows: list[dict[str, Any]]) -> bytes | None:
         ax.set_xticks(mib, [f"{m:g}" for m in mib])
         ax.minorticks_off()
         ax.set_xlabel("buffer size (MiB)")
-        ax.set_ylabel("throughput (GB/s)")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.set_title(f"{'legacy' if legacy else 'bounded'} packing")
