@@ -29,6 +29,7 @@ index is :data:`END`.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -102,8 +103,9 @@ DENSE_ABOVE = 0.9
 """A tensor goes whole once more than this share of its elements changed: its changes would take nearly as many
 bytes as the tensor (a bitmask and the values: ``1/8 + share * itemsize`` bytes per element), and finding and
 applying them costs far more than a copy."""
-_GIVE_UP_AFTER = 1 << 20
-"""Bytes compared before a tensor may be declared dense (a share measured on less is noise)."""
+_FIRST_BLOCK_BYTES = 64 * 1024
+"""The first block compared is this small, so that a tensor that changed throughout is found to be dense after a
+64 KiB look rather than after a whole comparison; a share measured on less would be noise."""
 
 
 def diff(
@@ -141,14 +143,15 @@ def diff(
     else:
         mask = np.empty(step // 8, dtype=bool)
     changed_so_far = 0
-    for start in range(0, words, step):
-        if start >= _GIVE_UP_AFTER and changed_so_far > dense_above * (start // itemsize):
+    first = min(_FIRST_BLOCK_BYTES, step)
+    for start in itertools.chain((0,), range(first, words, step)) if words else ():
+        if start and changed_so_far > dense_above * (start // itemsize):
             if update:
                 np.copyto(old[start:], new[start:])
             if hasher is not None:
                 hasher.update(new[start:])
             return None
-        stop = min(start + step, words)
+        stop = min(start + (first if start == 0 else step), words)
         nb, ob = new[start:stop], old[start:stop]
         if use_kernel:
             count = kernel.diff(nb, ob, itemsize, pos_out, val_out, start // itemsize, update)

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from refit_app.core.buffers import HOST_POOL
 from refit_app.core.group import BroadcastGroup, Work
 
 logger = logging.getLogger(__name__)
@@ -43,11 +42,32 @@ class _Out:
             self.keep = []
 
 
+class Buffers:
+    """Host byte buffers an end of a stream keeps from one round to the next: fresh memory is faulted in page by
+    page, which on a VM costs more than a small round's whole transfer (see :class:`~refit_app.core.buffers.
+    HostBufferPool`); a stream's buffers are its own, never shared with a caller, so they need no checks."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._buffers[index].numel() < nbytes:
+            self._buffers[index] = torch.empty(0, dtype=torch.uint8)  # the old one goes first
+            self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffers[index]
+
+    def clear(self) -> None:
+        self._buffers = []
+
+
 class ChunkStream:
     """The producer's end: :meth:`write` bytes in order, :meth:`close` to send the rest and end the stream.
 
     ``on_chunk(nbytes)`` is called as each chunk is handed to the group. :attr:`wire_bytes` counts every byte
-    broadcast, headers included.
+    broadcast, headers included. ``buffers``: where its ``num_buffers`` send buffers come from (kept by the caller
+    across rounds).
     """
 
     def __init__(
@@ -58,6 +78,7 @@ class ChunkStream:
         chunk_bytes: int,
         num_buffers: int,
         device: torch.device,
+        buffers: Buffers,
         on_chunk: Callable[[int], None] | None = None,
     ) -> None:
         if chunk_bytes < 1 or num_buffers < 1:
@@ -67,7 +88,7 @@ class ChunkStream:
         self._chunk = chunk_bytes
         self._device = device
         self._on_chunk = on_chunk
-        self._outs = [_Out(_host_buffer(chunk_bytes)) for _ in range(num_buffers)]
+        self._outs = [_Out(buffers.get(i, chunk_bytes)[:chunk_bytes]) for i in range(num_buffers)]
         self._current = 0
         self._fill = 0
         self._view = self._outs[0].buffer.numpy()
@@ -99,7 +120,6 @@ class ChunkStream:
         self._closed = True
         self._send(last=True)
         self._drain()
-        HOST_POOL.give([out.buffer for out in self._outs])
 
     def abort(self) -> None:
         """Wait for what is in flight, ignoring its errors (the caller's exception is the one that matters)."""
@@ -146,39 +166,26 @@ def receive_stream(
     src: int,
     *,
     device: torch.device,
+    buffers: Buffers,
     on_chunk: Callable[[int], None] | None = None,
 ) -> Iterator[np.ndarray]:
     """The consumer's end: each chunk's bytes (a uint8 array, valid until the next one is asked for), in order,
     until the producer's last. ``on_chunk(nbytes)`` runs for every chunk header, the empty last one included.
     Every receive has the group's own deadline."""
-    buffer = HOST_POOL.take() if device.type == "cpu" else None
-    try:
-        while True:
-            header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
-            group.broadcast(header, src)
-            n, last = (int(x) for x in header.cpu().tolist())
-            if n < 0 or last not in (0, 1):
-                raise ValueError(f"a stream chunk header says {n} bytes, last={last}: the peer is not in step")
-            if on_chunk is not None:
-                on_chunk(n)
-            if n:
-                if buffer is None or buffer.numel() < n:
-                    buffer = torch.empty(n, dtype=torch.uint8, device=device)
-                data = buffer[:n]
-                group.broadcast(data, src)
-                yield data.cpu().numpy()
-            if last:
-                return
-    finally:
-        if buffer is not None and buffer.device.type == "cpu":
-            HOST_POOL.give([buffer])
-
-
-def _host_buffer(nbytes: int) -> torch.Tensor:
-    buffer = HOST_POOL.take()
-    if buffer is None or buffer.numel() < nbytes:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-    return buffer[:nbytes]
+    while True:
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
+        group.broadcast(header, src)
+        n, last = (int(x) for x in header.cpu().tolist())
+        if n < 0 or last not in (0, 1):
+            raise ValueError(f"a stream chunk header says {n} bytes, last={last}: the peer is not in step")
+        if on_chunk is not None:
+            on_chunk(n)
+        if n:
+            data = buffers.get(0, n)[:n] if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
+            group.broadcast(data, src)
+            yield data.cpu().numpy()
+        if last:
+            return
 
 
 def _bytes_of(data: Any) -> np.ndarray:

@@ -39,7 +39,7 @@ from refit_app.core.chunks import Chunk
 from refit_app.core.group import BroadcastGroup
 from refit_app.core.image import Image, receive_image, send_image
 from refit_app.core.meta import TensorMeta
-from refit_app.core.stream import HEADER_BYTES, ChunkStream, receive_stream
+from refit_app.core.stream import HEADER_BYTES, Buffers, ChunkStream, receive_stream
 from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function
 from refit_app.protocol.defaults import AUTO_SHARE, DELTA_MODES
@@ -89,8 +89,9 @@ class ProducerDelta:
         self.share: float | None = None
         """The last round's share of the dense bytes that its changes took (measured, or estimated from a
         sample); None before any."""
-        self._compressor = _zstd_compressor() if compress else None
+        self._compressor = _zstd_compressor() if compress and mode != "off" else None
         self._sample: list[int] = [0, 0]
+        self.buffers = Buffers()
 
     @property
     def enabled(self) -> bool:
@@ -189,7 +190,7 @@ class ProducerDelta:
         stats = DeltaStats()
         sums: list[int] | None = [] if checksum_algorithm else None
         stream = ChunkStream(group, src, chunk_bytes=chunk_bytes, num_buffers=num_buffers, device=device,
-                             on_chunk=on_chunk)
+                             buffers=self.buffers, on_chunk=on_chunk)
         image.round = 0
         count = 0
         try:
@@ -347,6 +348,7 @@ class ConsumerDelta:
         self.image: Image | None = None
         self.held_round = 0
         self._fingerprint: Any = None
+        self.buffers = Buffers()
 
     def reset(self, metas: list[TensorMeta]) -> None:
         self.held_round = 0
@@ -435,7 +437,7 @@ class ConsumerDelta:
             if on_chunk is not None:
                 on_chunk(nbytes)
 
-        for chunk in receive_stream(group, src, device=device, on_chunk=counted):
+        for chunk in receive_stream(group, src, device=device, buffers=self.buffers, on_chunk=counted):
             reader.feed(chunk)
             taken = reader.take()
             if taken[0] or taken[2]:

@@ -354,6 +354,7 @@ class ProducerSession(_Session):
         self.closed = True
         self._plan.release()
         self._delta.image = None
+        self._delta.buffers.clear()
         if notify:
             if self._delta_on:
                 self._exchange_held(0)

@@ -1,0 +1,167 @@
+"""The delta codec on its own: every dtype's bytes compared exactly (NaN payloads, -0.0, fp8, ints, bool), every
+encoding decoded back to the same positions, corrupt records refused, with the C kernel and with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from refit_app.core import delta as codec
+from refit_app.core.wire import tensor_bytes
+from refit_app.protocol.delta import TensorDelta, apply_positions
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.int64, torch.bool, torch.complex128]
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def path(request, monkeypatch):
+    if request.param == "kernel":
+        if codec.kernel is None:
+            pytest.skip("the C kernel was not built here")
+    else:
+        monkeypatch.setattr(codec, "kernel", None)
+    return request.param
+
+
+def _tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),), generator=g,
+                        dtype=torch.uint8)
+    t = raw.view(dtype) if dtype != torch.bool else (raw % 2).view(torch.bool)
+    return t.clone()
+
+
+def _change(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """A copy of ``t`` with one bit of each listed element flipped (the low bit of the element's first byte)."""
+    out = t.clone()
+    b = tensor_bytes(out).view(-1, out.element_size())
+    for p in positions:
+        b[p, 0] ^= 1
+    return out
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return tensor_bytes(t).numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("share", [0.0, 1e-4, 0.01, 0.3, 1.0])
+def test_diff_finds_exactly_the_changed_elements_and_applies_back(path, dtype, share):
+    for numel in (1, 5, 8, 1001, 70_000):
+        old = _tensor(dtype, numel, numel)
+        k = round(numel * share)
+        positions = sorted(np.random.default_rng(numel).choice(numel, size=k, replace=False).tolist())
+        new = _change(old, positions)
+        snapshot = _np(old).copy()
+        changes = codec.diff(_np(new), snapshot, new.element_size())
+        assert np.array_equal(snapshot, _np(new))  # the snapshot follows
+        if changes is None:  # declared dense: nearly everything changed
+            assert share > codec.DENSE_ABOVE - 0.1
+            continue
+        assert changes.positions.tolist() == positions
+        target = old.clone()
+        codec.apply(_np(target), changes.positions, changes.values, target.element_size())
+        assert torch.equal(tensor_bytes(target), tensor_bytes(new))
+
+
+def test_special_values_are_compared_as_bytes(path):
+    old = torch.tensor([0.0, 1.0, float("nan"), float("inf"), 2.0], dtype=torch.float32)
+    new = old.clone()
+    new[0] = -0.0  # == 0.0 as a value
+    nan_bits = tensor_bytes(new)[8:12]
+    nan_bits[0] ^= 1  # another NaN payload: still NaN, other bytes
+    changes = codec.diff(_np(new), _np(old).copy(), 4)
+    assert changes.positions.tolist() == [0, 2]
+    assert changes.values.view(np.uint32)[0] == 0x8000_0000
+
+
+def test_a_tensor_that_changed_throughout_is_declared_dense_early(path):
+    old = _tensor(torch.bfloat16, 1 << 20, 1)
+    new = _tensor(torch.bfloat16, 1 << 20, 2)
+    snapshot = _np(old).copy()
+    assert codec.diff(_np(new), snapshot, 2) is None
+    assert np.array_equal(snapshot, _np(new))
+
+
+def test_hashing_during_the_comparison_covers_every_byte(path):
+    from refit_app.protocol.checksum import Incremental, checksum_function
+
+    old = _tensor(torch.float32, 300_001, 3)
+    new = _change(old, [5, 200_000])
+    h = Incremental("xxh3_64")
+    codec.diff(_np(new), _np(old).copy(), 4, hasher=h)
+    assert h.value() == checksum_function("xxh3_64")(memoryview(_np(new)))
+
+
+@pytest.mark.parametrize("positions, numel", [
+    ([], 10), ([0], 1), ([3], 10), ([0, 1, 2], 3), ([0, 255, 256, 70_000, 70_001, 10**6], 10**6 + 1),
+    (list(range(0, 100_000, 3)), 100_000), (list(range(1000, 2000)), 10**7),
+])
+def test_every_encoding_round_trips(positions, numel):
+    positions = np.array(positions, dtype=np.int64)
+    gaps = np.diff(positions, prepend=-1) - 1
+    for encoding in (codec.BITMASK, codec.GAPS8, codec.GAPS16):
+        escapes = int(np.count_nonzero(gaps >= codec._GAP_LIMIT[encoding])) if encoding != codec.BITMASK else 0
+        section = codec._positions_section(encoding, positions, gaps, numel, escapes)
+        assert len(section) == codec.raw_positions_nbytes(encoding, positions.size, escapes, numel)
+        back = codec.decode_positions(encoding, np.asarray(section, dtype=np.uint8), positions.size, escapes, numel)
+        assert back.tolist() == positions.tolist()
+
+
+def test_encode_picks_the_smallest_and_dense_where_that_is_smaller():
+    numel = 1_000_000
+    sparse = np.arange(0, numel, 1000, dtype=np.int64)  # gaps of 999: u16
+    assert codec.encode(sparse, numel, 2).encoding == codec.GAPS16
+    dense_ish = np.arange(0, numel, 2, dtype=np.int64)  # half: a bitmask beats gaps
+    assert codec.encode(dense_ish, numel, 2).encoding == codec.BITMASK
+    scattered = np.arange(0, numel, 50, dtype=np.int64)  # gaps of 49: u8
+    assert codec.encode(scattered, numel, 2).encoding == codec.GAPS8
+    assert codec.encode(np.arange(numel, dtype=np.int64), numel, 2).encoding == codec.DENSE
+    assert codec.encode(np.arange(numel, dtype=np.int64)[:-1], numel, 1).encoding == codec.DENSE
+
+
+def test_zstd_only_where_it_pays():
+    compressor = zstandard.ZstdCompressor(level=1)
+    clustered = np.arange(500_000, 700_000, dtype=np.int64)  # one block of changes: gaps of 0 compress away
+    e = codec.encode(clustered, 10_000_000, 2, compressor=compressor)
+    assert e.flags & codec.ZSTD and len(e.positions) < 0.2 * clustered.size
+    rng = np.random.default_rng(0)
+    scattered = np.unique(rng.integers(0, 10_000_000, 100_000))  # geometric gaps: barely compressible
+    assert not codec.encode(scattered, 10_000_000, 2, compressor=compressor).flags & codec.ZSTD
+
+
+@pytest.mark.parametrize("section, count, escapes, numel", [
+    (np.array([5, 5], dtype=np.uint8), 2, 0, 5),  # positions past the end
+    (np.array([255, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], dtype=np.uint8), 1, 0, 10),  # escape not counted
+])
+def test_an_inconsistent_record_is_refused(section, count, escapes, numel):
+    with pytest.raises(ValueError):
+        codec.decode_positions(codec.GAPS8, section, count, escapes, numel)
+
+
+def test_scatter_refuses_a_position_outside_the_target():
+    if codec.kernel is None:
+        pytest.skip("the C kernel was not built here")
+    target = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        codec.kernel.scatter(target, np.array([4], dtype=np.int64), np.zeros(2, dtype=np.uint8), 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensor_delta_applies_on_raw_bits(dtype):
+    old = _tensor(dtype, 100, 7)
+    new = _change(old, [0, 50, 99])
+    changes = codec.diff(_np(new), _np(old).copy(), new.element_size())
+    d = TensorDelta("t", tuple(old.shape), dtype, torch.from_numpy(changes.positions),
+                    torch.from_numpy(changes.values).view(dtype))
+    target = old.clone()
+    d.apply_to(target)
+    assert torch.equal(tensor_bytes(target), tensor_bytes(new))
+    with pytest.raises(ValueError, match="cannot apply"):
+        d.apply_to(torch.zeros(3, dtype=dtype))
+    t2 = old.clone()
+    apply_positions(t2, torch.from_numpy(changes.positions), torch.from_numpy(changes.values).view(dtype))
+    assert torch.equal(tensor_bytes(t2), tensor_bytes(new))
