@@ -115,3 +115,94 @@ def test_chain_and_three_consumers():
         for k, base, verified, state in consumer:
             assert state == {n: _plain(t) for n, t in _model(k, shares)}
             assert verified is True
+
+
+def _fallbacks(rank: int, world_size: int, port: int, shares: list[float]) -> list:
+    """Round 3: consumer 1 writes into its targets first; consumer 2 keeps nothing and accepts no deltas."""
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            out = []
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta="on") as session:
+                for k in range(1, len(shares) + 1):
+                    r = session.send(_model(k, shares))
+                    out.append((r.round, r.base_round))
+            return out
+        if rank == 2:
+            session = ConsumerSession(rg, verify=True)
+            out = []
+            while (r := session.receive(lambda b: None)) is not None:
+                out.append((r.round, r.base_round, r.verified))
+            return out
+        session = ConsumerSession(rg, verify=True)
+        targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)}
+        out = []
+        while True:
+            if session.rounds == 2:
+                targets["w"].add_(1.0)  # in place: the next round cannot be a delta against these bytes
+            r = session.receive(targets=targets)
+            if r is None:
+                return out
+            out.append((r.round, r.base_round, r.verified, {n: _plain(t) for n, t in targets.items()}))
+
+
+def test_a_consumer_that_cannot_vouch_for_its_tensors_gets_a_dense_round():
+    shares = [0, 0.01, 0.01, 0.01]
+    producer, changed, keeper = run_ranks(_fallbacks, 3, shares, timeout=240)
+    # Round 2: consumer 2 keeps nothing, so every round is dense for everyone.
+    assert [b for _, b in producer] == [0, 0, 0, 0]
+    assert [v for _, _, v in keeper] == [True] * 4
+    for k, base, verified, state in changed:
+        assert verified is True and state == {n: _plain(t) for n, t in _model(k, shares)}
+
+
+def _two_consumers_one_writes(rank: int, world_size: int, port: int, shares: list[float]) -> list:
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta="on") as session:
+                return [session.send(_model(k, shares)).base_round for k in range(1, len(shares) + 1)]
+        session = ConsumerSession(rg, verify=True)
+        targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)}
+        bases = []
+        while True:
+            if rank == 1 and session.rounds == 2:
+                targets["w"].add_(1.0)
+            r = session.receive(targets=targets)
+            if r is None:
+                return bases
+            assert {n: _plain(t) for n, t in targets.items()} == {n: _plain(t) for n, t in _model(r.round, shares)}
+            bases.append(r.base_round)
+
+
+def test_written_targets_turn_the_next_round_dense_and_then_deltas_resume():
+    shares = [0, 0.01, 0.01, 0.01]
+    producer, *consumers = run_ranks(_two_consumers_one_writes, 3, shares, timeout=240)
+    assert producer == [0, 1, 0, 3]
+    assert consumers == [producer, producer]
+
+
+def _mismatched_base(rank: int, world_size: int, port: int) -> str:
+    shares = [0, 0.01, 0.01]
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta="on") as session:
+                for k in range(1, 4):
+                    session.send(_model(k, shares))
+            return "done"
+        session = ConsumerSession(rg, mirror=True)
+        session.receive()
+        session.receive()
+        # This consumer's copy goes stale without its knowing (as if it missed round 2) but it claims round 2.
+        session._delta.held_round = 1
+        session._held = lambda given: 2  # type: ignore[method-assign]
+        session.receive()
+        return "applied"
+
+
+def test_a_consumer_whose_base_differs_never_applies_a_delta():
+    from mp_utils import RankFailure
+
+    results = run_ranks(_mismatched_base, 2, timeout=120, return_exceptions=True)
+    failure = results[1]
+    assert isinstance(failure, RankFailure)
+    assert "round 3 as changes to round 2, but this consumer holds round 1" in failure.message
+    assert isinstance(results[0], RankFailure) and "round 3" in results[0].message
