@@ -1,0 +1,396 @@
+"""An engine's end of a session: :class:`ConsumerSession` (see :mod:`refit_app.protocol.session`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from refit_app.common.errors import HandshakeError, RefitError
+from refit_app.core.wire import tensor_bytes
+from refit_app.packed_tensor import (
+    ChunkCallback,
+    _packed_broadcast_consumer_batches,
+    get_num_buffers,
+    packed_broadcast_consumer,
+)
+from refit_app.protocol.checksum import checksum_function
+from refit_app.protocol.delta import DeltaStats, TensorDelta
+from refit_app.protocol.delta_receive import ConsumerDelta
+from refit_app.protocol.handshake import (
+    accept_manifest,
+    finish,
+    recv_checksums,
+)
+from refit_app.protocol.manifest import Manifest, tensor_list_changes
+from refit_app.protocol.producer_session import record_delta
+from refit_app.protocol.rounds import (
+    DELTA,
+    END,
+    HEADER_WORDS,
+    MANIFEST,
+    ROUND_MAGIC,
+    ChunkCounter,
+    Round,
+    round_error,
+    with_round,
+)
+from refit_app.protocol.session_base import Batch, Session
+from refit_app.protocol.verify import Verifier
+from refit_app.transport.groups import RefitGroup
+from refit_app.transport.spec import PRODUCER_RANK
+
+logger = logging.getLogger(__name__)
+
+
+class ConsumerSession(Session):
+    """An engine's side: :meth:`receive` one round at a time until the producer closes the session.
+
+    Args:
+        group: a connected :class:`~refit_app.transport.groups.RefitGroup` on which this rank is a consumer.
+        buffer_size_bytes, use_legacy_packing: None adopts the producer's; a value that differs from the
+            producer's stops every rank at the handshake, naming both.
+        num_buffers: receive buffers in flight (need not match the producer's).
+        verify: ask for per-tensor checksums and check every tensor bit for bit, every round.
+        probe_tokens: ask the producer for a model probe of this many positions after every round (0: none); it
+            arrives as :attr:`Round.extra`.
+        on_chunk: called with (bytes, tensors) as each chunk arrives.
+        mirror: keep a copy of the model here (one host copy) that every round, dense or delta, brings up to date;
+            the callback and the iterator get views of it. For a consumer that keeps no tensors of its own but
+            wants the producer's deltas.
+        accept_deltas: in a delta round, hand each changed tensor's changes to the callback as a
+            :class:`~refit_app.protocol.delta.TensorDelta` (an engine that applies them through its own loader),
+            where neither ``mirror`` nor :meth:`receive`'s ``targets`` hold the tensors.
+
+    A consumer that holds no tensors the producer could send a delta against (no mirror, no targets, not
+    accepting deltas, or verifying without tensors to verify) gets dense rounds only. Construct it on every rank
+    at the same point as the producer's session.
+    """
+
+    def __init__(
+        self,
+        group: RefitGroup,
+        *,
+        buffer_size_bytes: int | None = None,
+        use_legacy_packing: bool | None = None,
+        num_buffers: int | None = None,
+        verify: bool = False,
+        probe_tokens: int = 0,
+        on_chunk: ChunkCallback | None = None,
+        mirror: bool = False,
+        accept_deltas: bool = False,
+    ) -> None:
+        super().__init__(group)
+        if group.rank == PRODUCER_RANK:
+            raise ValueError(f"a ConsumerSession runs on a consumer rank, not on rank {PRODUCER_RANK}")
+        self.buffer_size_bytes = buffer_size_bytes
+        self.use_legacy_packing = use_legacy_packing
+        self.num_buffers = num_buffers
+        self.verify = verify
+        self.on_chunk = on_chunk
+        self.accept_deltas = accept_deltas
+        self._verifier: Verifier | None = None
+        self.last_round: Round | None = None
+        """The round :meth:`receive` finished last (for the iterator form, once it is exhausted)."""
+        self._delta_on, _, _ = self._exchange_needs(False, verify, probe_tokens)
+        # The copy is kept only where the producer may send deltas: dense rounds need none.
+        self._delta = ConsumerDelta(mirror=mirror and self._delta_on)
+
+    @property
+    def mirror(self) -> bool:
+        return self._delta.mirror
+
+    def receive(
+        self,
+        post_unpack_func: Callable[[Batch], None] | None = None,
+        return_iterator: bool = False,
+        *,
+        on_manifest: Callable[[Manifest], None] | None = None,
+        on_round_end: Callable[[Round], dict[str, Any] | None] | None = None,
+        targets: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ) -> Round | Iterator[tuple[str, Any]] | None:
+        """Receive one round; None once the producer has closed the session.
+
+        ``post_unpack_func`` gets each batch of ``(name, tensor)`` as it arrives, exactly as with
+        :func:`~refit_app.packed_tensor.packed_broadcast_consumer` (views into receive buffers: load or copy them;
+        a buffer is not refilled while a tensor from it is still referenced). With ``return_iterator`` the
+        round's tensors come back as a lazy iterator instead, and the round ends (trailers, verification, the
+        all-ranks "done") when it is exhausted; :attr:`last_round` then holds its figures.
+
+        ``targets``: tensors by name that this round writes into, bit for bit (a dense round copies every tensor,
+        a delta round patches the changed elements), or a function returning them once the manifest is in (the
+        first round builds the model they belong to); the batches then hold those tensors, every one of them
+        every round, each once it is final for the round. With ``mirror`` the batches hold views of the session's
+        copy, likewise. Without either, a delta round hands ``(name, TensorDelta)`` items for the changed tensors
+        only (``accept_deltas``).
+
+        ``on_manifest(manifest)`` runs when a fresh manifest arrives (first round, or the tensor list changed),
+        before any tensor moves: what it raises is this consumer's refusal, and every rank stops with it.
+        ``on_round_end(round)`` runs after the data and trailers, before the round's all-ranks "done": what it
+        raises fails the round on every rank; what it returns is merged into ``round.facts``.
+        """
+        if self.closed:
+            return None
+        k = self.rounds + 1
+        result = Round(round=k)
+        given = targets
+        try:
+            if self._delta_on:
+                self._exchange_held(self._held(given))
+            header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            self._broadcast_header(header)
+            magic, round_index, flags, extra_len, base = (int(x) for x in header.cpu().tolist())
+            if magic != ROUND_MAGIC:
+                raise HandshakeError(
+                    "the producer's round header is not a refit_app session's; run the same refit_app version "
+                    "with a session on every rank"
+                )
+            if flags & END:
+                self.closed = True
+                return None
+            if round_index != k:
+                raise HandshakeError(f"the producer is in round {round_index}, this consumer in round {k}")
+            if flags & MANIFEST:
+                started = time.perf_counter()
+                self._accept(on_manifest)
+                result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
+            elif self.manifest is None:
+                raise HandshakeError("the producer sent no manifest in the first round")
+            if flags & DELTA and base != self._delta.held_round:
+                raise HandshakeError(f"the producer sends round {k} as changes to round {base}, but this consumer "
+                                     f"holds {'no round' if not self._delta.held_round else f'round {self._delta.held_round}'}")
+            manifest = self.manifest
+            assert manifest is not None
+            targets = given() if callable(given) else given
+            store = self._delta.targets_for(manifest.tensors, targets) if (
+                self._delta.mirror or targets is not None) else None
+        except BaseException as e:
+            self._fail(k, e)
+        started = time.perf_counter()
+        if flags & DELTA or self._delta.mirror or targets is not None:
+            result.base_round = base if flags & DELTA else 0
+            batches = self._stored_batches(result, store, targets, post_unpack_func)
+            if return_iterator:
+                return self._iterate(_flatten(batches), result, extra_len, on_round_end, targets)
+            try:
+                for _ in batches:
+                    pass
+            except BaseException as e:
+                self._fail(k, e)
+            return self._end_round(result, started, extra_len, on_round_end, targets)
+        result.num_broadcasts = self._broadcasts
+        try:
+            stream = packed_broadcast_consumer(
+                ((t.name, (t.shape, t.dtype)) for t in manifest.tensors),
+                self.group.group,
+                PRODUCER_RANK,
+                self._consumer(post_unpack_func),
+                return_iterator=return_iterator,
+                num_buffers=self.num_buffers,
+                buffer_size_bytes=manifest.buffer_size_bytes,
+                use_legacy_packing=manifest.use_legacy_packing,
+                on_chunk=ChunkCounter(result, self.on_chunk),
+                plan=self._plan,
+            )
+        except BaseException as e:
+            self._fail(k, e)
+        if return_iterator:
+            return self._iterate(stream, result, extra_len, on_round_end, targets)
+        result.wire_bytes = result.bytes
+        return self._end_round(result, started, extra_len, on_round_end, targets)
+
+    def _held(self, given: Any) -> int:
+        """The round this consumer can take changes against (0: send it a dense round)."""
+        stores = self._delta.mirror or given is not None
+        if not stores and (self.verify or not self.accept_deltas):
+            return 0
+        if self.manifest is None:
+            return 0
+        targets = given() if callable(given) else given
+        return self._delta.held(targets if stores else None)
+
+    def _stored_batches(
+        self,
+        result: Round,
+        store: list[Any] | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        post_unpack_func: Callable[[Batch], None] | None,
+    ) -> Iterator[Batch]:
+        """The round's batches where the session writes into tensors (mirror or targets) or a delta round hands
+        changes out: each batch is shown to the verifier and ``post_unpack_func`` before it is yielded."""
+        manifest = self.manifest
+        assert manifest is not None
+        metas = manifest.tensors
+        verifier = self._verifier
+
+        def deliver(batch: Batch) -> Batch:
+            if post_unpack_func is not None and batch:
+                post_unpack_func(batch)
+            if verifier is not None:
+                verifier.consume([(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
+            return batch
+
+        result.bytes = manifest.total_bytes
+        result.num_tensors = len(metas)
+        if result.base_round:
+            # The verifier sees every tensor once it is final (changed or not); the callback only what changed.
+            stats = DeltaStats()
+            for final, _, deltas in self._delta.receive_delta(
+                metas, self.group.group, PRODUCER_RANK, stats, device=self.device, targets=store,
+                on_chunk=self._stream_counter(result),
+            ):
+                if store is not None:
+                    yield deliver([(metas[i].name, self._delta.view(metas, i, targets)) for i in final])
+                else:
+                    yield deliver([(d.name, d) for d in deltas])
+            record_delta(result, result.base_round, stats)
+            return
+        result.num_broadcasts = self._broadcasts
+        result.wire_bytes = manifest.total_bytes
+        if self._delta.mirror:
+            assert self._delta.image is not None
+            for chunk in self._delta.receive_dense(self._chunks, self.group.group, PRODUCER_RANK,
+                                                   num_buffers=self.num_buffers or get_num_buffers(), device=self.device):
+                result.num_chunks += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk.nbytes, chunk.count)
+                yield deliver([(metas[i].name, self._delta.image.view(i)) for i in range(chunk.first, chunk.stop)])
+            return
+        # Targets: receive into rotating buffers, copy each tensor into its target.
+        assert targets is not None
+        for batch in _packed_broadcast_consumer_batches(
+            ((t.name, (t.shape, t.dtype)) for t in metas), self.group.group, PRODUCER_RANK,
+            num_buffers=self.num_buffers, buffer_size_bytes=manifest.buffer_size_bytes,
+            use_legacy_packing=manifest.use_legacy_packing, on_chunk=ChunkCounter(result, self.on_chunk),
+            plan=self._plan,
+        ):
+            out: Batch = []
+            for name, view in batch:
+                target = targets[name]
+                tensor_bytes(target).copy_(tensor_bytes(view))
+                out.append((name, target))
+            del batch
+            yield deliver(out)
+
+    def _stream_counter(self, result: Round) -> Callable[[int], None]:
+        def counted(nbytes: int) -> None:
+            result.num_chunks += 1
+            result.num_broadcasts += 1
+            if self.on_chunk is not None:
+                self.on_chunk(nbytes, 0)
+
+        return counted
+
+    def _consumer(self, post_unpack_func: Callable[[Batch], None] | None) -> Callable[[Batch], None] | None:
+        verifier = self._verifier
+        if verifier is None:
+            return post_unpack_func
+        if post_unpack_func is None:
+            return verifier.consume
+
+        def both(batch: Batch) -> None:
+            post_unpack_func(batch)
+            verifier.consume(batch)
+
+        return both
+
+    def _accept(self, on_manifest: Callable[[Manifest], None] | None) -> None:
+        previous = self.manifest
+
+        def prepare(manifest: Manifest) -> None:
+            if self.verify and not manifest.checksums:
+                raise HandshakeError("this consumer verifies, but the producer's manifest says it sends no checksums")
+            if self.verify:
+                checksum_function(manifest.checksum_algorithm)  # refuses, naming it, when this host lacks it
+            if previous is not None:
+                changes = tensor_list_changes(previous.tensors, manifest.tensors)
+                logger.info("rank %d: round %d brings a fresh manifest (%s)", self.group.rank, self.rounds + 1,
+                            "; ".join(changes) or "settings or files changed")
+            if on_manifest is not None:
+                try:
+                    on_manifest(manifest)
+                except RefitError as e:
+                    # Acknowledged as this consumer's refusal right away: the reason every rank sees names the round.
+                    raise with_round(self.rounds + 1, e) from e
+
+        self.manifest = accept_manifest(
+            self.group,
+            buffer_size_bytes=self.buffer_size_bytes,
+            use_legacy_packing=self.use_legacy_packing,
+            prepare=prepare,
+        )
+        self._verifier = Verifier(self.manifest.tensors, self.manifest.checksum_algorithm) if self.verify else None
+        self._delta.reset(self.manifest.tensors)
+        self._new_plan()
+
+    def _iterate(
+        self,
+        stream: Iterator[tuple[str, Any]],
+        result: Round,
+        extra_len: int,
+        on_round_end: Callable[[Round], dict[str, Any] | None] | None,
+        targets: Mapping[str, torch.Tensor] | None,
+    ) -> Iterator[tuple[str, Any]]:
+        started = time.perf_counter()
+        try:
+            yield from stream
+        except GeneratorExit:
+            # The caller stopped early: the round cannot complete, and the peers must learn it.
+            self._delta.failed()
+            self._report_failure(result.round, RefitError("the consumer stopped reading before the round ended"))
+            raise
+        except BaseException as e:
+            self._fail(result.round, e)
+        if not result.wire_bytes:
+            result.wire_bytes = result.bytes
+        self._end_round(result, started, extra_len, on_round_end, targets)
+
+    def _end_round(
+        self,
+        result: Round,
+        started: float,
+        extra_len: int,
+        on_round_end: Callable[[Round], dict[str, Any] | None] | None,
+        targets: Mapping[str, torch.Tensor] | None,
+    ) -> Round:
+        k = result.round
+        manifest = self.manifest
+        assert manifest is not None
+        try:
+            if manifest.checksums:
+                result.checksums = recv_checksums(self.group, len(manifest.tensors))
+            result.seconds = time.perf_counter() - started
+            result.extra = self._extra(None, extra_len)
+            if self._verifier is not None:
+                result.facts.update(self._verifier.verdict(result.checksums))
+                result.verified = True
+            if on_round_end is not None:
+                result.facts.update(on_round_end(result) or {})
+        except BaseException as e:
+            self._fail(k, e)
+        finish(self.group, None)
+        self.rounds += 1
+        self._delta.completed(k, targets)
+        self.last_round = result
+        return result
+
+    def _report_failure(self, k: int, exc: BaseException) -> None:
+        finish(self.group, round_error(k, exc))
+
+    def _fail(self, k: int, exc: BaseException) -> None:
+        self._delta.failed()
+        self._report_failure(k, exc)
+        raise with_round(k, exc) from exc
+
+    def close(self) -> None:
+        """Nothing to tell the producer: it ends the session. Marks this side closed."""
+        self.closed = True
+
+
+def _flatten(batches: Iterator[Batch]) -> Iterator[tuple[str, Any]]:
+    for batch in batches:
+        yield from batch
+

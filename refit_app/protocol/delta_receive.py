@@ -1,0 +1,282 @@
+"""The consumer's side of delta rounds: which round its tensors hold, and each record applied as it arrives
+into them (see :mod:`refit_app.protocol.delta` for the whole scheme)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from refit_app.common.errors import HandshakeError
+from refit_app.core import delta as codec
+from refit_app.core.chunks import Chunk
+from refit_app.core.group import BroadcastGroup
+from refit_app.core.image import Image, receive_image
+from refit_app.core.meta import TensorMeta
+from refit_app.core.stream import HEADER_BYTES, Buffers, receive_stream
+from refit_app.core.wire import tensor_bytes
+from refit_app.protocol.delta import DeltaStats, TensorDelta, apply_positions
+
+logger = logging.getLogger(__name__)
+
+
+class Target:
+    """Where one tensor's bytes live on the consumer: a numpy byte view (host) or a device tensor."""
+
+    __slots__ = ("array", "tensor")
+
+    def __init__(self, tensor: torch.Tensor | None = None, array: np.ndarray | None = None) -> None:
+        self.tensor = tensor
+        self.array = array if array is not None else (
+            tensor_bytes(tensor).numpy() if tensor is not None and tensor.device.type == "cpu" else None)
+
+    def write_dense(self, data: np.ndarray) -> None:
+        if self.array is not None:
+            self.array[:] = data
+        else:
+            tensor_bytes(self.tensor).copy_(torch.from_numpy(data).to(self.tensor.device))
+
+    def apply(self, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
+        if self.array is not None:
+            codec.apply(self.array, positions, values, itemsize)
+        else:
+            apply_positions(self.tensor, torch.from_numpy(positions).to(self.tensor.device),
+                            torch.from_numpy(values).to(self.tensor.device))
+
+
+class ConsumerDelta:
+    """A consumer session's side of delta rounds: which round its tensors hold, and applying records to them.
+
+    ``mirror``: the session keeps its own copy of the model (an :class:`Image`) and hands out views of it; else the
+    caller's ``targets`` are patched, or, with neither, each change goes to the callback as a
+    :class:`TensorDelta`.
+    """
+
+    def __init__(self, *, mirror: bool) -> None:
+        self.mirror = mirror
+        self.image: Image | None = None
+        self.held_round = 0
+        self._fingerprint: Any = None
+        self.buffers = Buffers()
+
+    def reset(self, metas: list[TensorMeta]) -> None:
+        self.held_round = 0
+        if self.mirror:
+            self.image = None
+            self.image = Image(metas)
+
+    def held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
+        """The round this consumer's tensors hold, or 0 where it cannot vouch for them."""
+        if self.held_round and self._fingerprint != self._take_fingerprint(targets):
+            logger.info("the tensors changed since round %d (written to, or others given): asking for a dense round",
+                        self.held_round)
+            self.held_round = 0
+        return self.held_round
+
+    def completed(self, round_index: int, targets: Mapping[str, torch.Tensor] | None) -> None:
+        """The round ended everywhere: the tensors now hold it."""
+        self.held_round = round_index
+        self._fingerprint = self._take_fingerprint(targets)
+
+    def failed(self) -> None:
+        self.held_round = 0
+
+    def _take_fingerprint(self, targets: Mapping[str, torch.Tensor] | None) -> Any:
+        # torch bumps a tensor's version on every in-place write through it or any view of it.
+        if self.image is not None:
+            return ("mirror", id(self.image), self.image.buffer._version)
+        if targets is not None:
+            return tuple((name, t.data_ptr(), t._version) for name, t in targets.items())
+        return None
+
+    def targets_for(self, metas: list[TensorMeta], targets: Mapping[str, torch.Tensor] | None) -> list[Target] | None:
+        """Each manifest tensor's target, checked (every one present, with its shape and dtype, contiguous)."""
+        if self.image is not None:
+            return [Target(array=self.image.tensor_bytes(i)) for i in range(len(metas))]
+        if targets is None:
+            return None
+        problems = []
+        out = []
+        for m in metas:
+            t = targets.get(m.name)
+            if t is None:
+                problems.append(f"{m.name!r} has no target")
+            elif tuple(t.shape) != m.shape or t.dtype != m.dtype or not t.is_contiguous():
+                problems.append(f"{m.name!r} is {list(t.shape)} {t.dtype}{'' if t.is_contiguous() else ' strided'}, "
+                                f"the manifest says {list(m.shape)} {m.dtype}")
+            out.append(Target(tensor=t) if t is not None else None)
+        if problems:
+            raise HandshakeError("the targets do not match the manifest: " + "; ".join(problems[:5]))
+        return out
+
+    def view(self, metas: list[TensorMeta], index: int, targets: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        if self.image is not None:
+            return self.image.view(index)
+        assert targets is not None
+        return targets[metas[index].name]
+
+    def receive_dense(
+        self, chunks: list[Chunk], group: BroadcastGroup, src: int, *, num_buffers: int, device: torch.device
+    ) -> Iterator[Chunk]:
+        """A dense round into the mirror, each chunk received in place; yields each chunk as it lands."""
+        assert self.image is not None
+        self.image.round = 0
+        yield from receive_image(self.image, chunks, group, src, num_buffers=num_buffers, device=device)
+
+    def receive_delta(
+        self,
+        metas: list[TensorMeta],
+        group: BroadcastGroup,
+        src: int,
+        stats: DeltaStats,
+        *,
+        device: torch.device,
+        targets: list[Target] | None,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> Iterator[tuple[list[int], list[int], list[TensorDelta]]]:
+        """Receive and apply a delta round, filling ``stats``. Yields ``(final, changed, deltas)`` after each chunk:
+        ``final`` are the indices of the tensors now final for the round (in order, changed or not: everything up to
+        the last record applied), ``changed`` those of them that a record changed, ``deltas`` the changes handed
+        over where there are no targets."""
+        stats.total_elements = sum(m.numel for m in metas)
+        reader = _RecordReader(metas, targets, stats)
+
+        def counted(nbytes: int) -> None:
+            stats.wire_bytes += HEADER_BYTES + nbytes
+            if on_chunk is not None:
+                on_chunk(nbytes)
+
+        for chunk in receive_stream(group, src, device=device, buffers=self.buffers, on_chunk=counted):
+            reader.feed(chunk)
+            taken = reader.take()
+            if taken[0] or taken[2]:
+                yield taken
+        reader.finish()
+        taken = reader.take()
+        if taken[0] or taken[2]:
+            yield taken
+
+
+class _RecordReader:
+    """Parses a round's records from its chunks, whatever their boundaries, and applies each once complete."""
+
+    def __init__(self, metas: list[TensorMeta], targets: list[Target] | None, stats: DeltaStats) -> None:
+        self._metas = metas
+        self._targets = targets
+        self._stats = stats
+        self._chunk = np.empty(0, dtype=np.uint8)
+        self._pos = 0
+        self._final_upto = 0  # tensors below this index are final for the round
+        self._reported = 0
+        self._changed: list[int] = []
+        self._deltas: list[TensorDelta] = []
+        self._ended = False
+        self._parser = self._parse()
+        next(self._parser)
+        self._decompressor: Any = None
+
+    def feed(self, chunk: np.ndarray) -> None:
+        if self._ended:
+            raise HandshakeError("the producer's delta stream goes on after its end record")
+        self._chunk, self._pos = chunk, 0
+        self._parser.send(None)
+
+    def take(self) -> tuple[list[int], list[int], list[TensorDelta]]:
+        final = list(range(self._reported, self._final_upto))
+        self._reported = self._final_upto
+        changed, self._changed = self._changed, []
+        deltas, self._deltas = self._deltas, []
+        return final, changed, deltas
+
+    def finish(self) -> None:
+        if not self._ended:
+            raise HandshakeError("the producer's delta stream ended without its end record")
+        self._final_upto = len(self._metas)
+
+    def _read(self, n: int, into: np.ndarray | None = None) -> Iterator[None]:
+        out = into if into is not None else np.empty(n, dtype=np.uint8)
+        got = 0
+        while got < n:
+            if self._pos == self._chunk.size:
+                yield
+                continue
+            take = min(n - got, self._chunk.size - self._pos)
+            out[got : got + take] = self._chunk[self._pos : self._pos + take]
+            self._pos += take
+            got += take
+        return out
+
+    def _parse(self) -> Iterator[None]:
+        metas, last = self._metas, -1
+        while True:
+            raw = yield from self._read(codec.RECORD.size)
+            index, encoding, flags, _, count, escapes, pos_nbytes, values_nbytes = codec.RECORD.unpack(raw.tobytes())
+            if index == codec.END:
+                self._ended = True
+                if self._pos != self._chunk.size:
+                    raise HandshakeError("the producer's delta stream goes on after its end record")
+                self._final_upto = len(metas)
+                while True:
+                    yield
+                    raise HandshakeError("the producer's delta stream goes on after its end record")
+            if not last < index < len(metas) or encoding not in codec.ENCODING_NAMES:
+                raise HandshakeError(f"a delta record for tensor {index} (after {last}) with encoding {encoding}: the "
+                                     "producer's stream is not in step with this consumer's manifest")
+            meta = metas[index]
+            itemsize, numel = meta.dtype.itemsize, meta.numel
+            want_values = numel * itemsize if encoding == codec.DENSE else count * itemsize
+            if values_nbytes != want_values or count > numel:
+                raise HandshakeError(f"the delta record of {meta.name!r} carries {values_nbytes} value bytes for "
+                                     f"{count} of {numel} elements")
+            self._final_upto = index  # every tensor before this one has no record this round: final
+            target = self._targets[index] if self._targets is not None else None
+            positions = None
+            if encoding != codec.DENSE:
+                section = yield from self._read(codec.padded(pos_nbytes))
+                section = section[:pos_nbytes]
+                if flags & codec.ZSTD:
+                    section = self._decompress(section, codec.raw_positions_nbytes(encoding, count, escapes, numel))
+                try:
+                    positions = codec.decode_positions(encoding, section, count, escapes, numel)
+                except ValueError as e:
+                    raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
+            direct = target is not None and target.array is not None and encoding == codec.DENSE
+            values = yield from self._read(values_nbytes, into=target.array if direct else None)
+            yield from self._read(codec.padded(values_nbytes) - values_nbytes)
+            started = time.perf_counter()
+            if target is not None and not direct:
+                if positions is None:
+                    target.write_dense(values)
+                else:
+                    target.apply(positions, values, itemsize)
+            elif target is None:
+                self._deltas.append(TensorDelta(
+                    meta.name, meta.shape, meta.dtype,
+                    None if positions is None else torch.from_numpy(positions),
+                    torch.from_numpy(values).view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
+                ))
+            self._stats.seconds += time.perf_counter() - started
+            self._stats.changed_elements += count
+            self._stats.changed_tensors += 1
+            self._stats.encodings[codec.ENCODING_NAMES[encoding]] += 1
+            self._changed.append(index)
+            self._final_upto = index + 1
+            last = index
+
+    def _decompress(self, section: np.ndarray, raw_nbytes: int) -> np.ndarray:
+        if self._decompressor is None:
+            import zstandard
+
+            self._decompressor = zstandard.ZstdDecompressor()
+        try:
+            data = self._decompressor.decompress(section.tobytes(), max_output_size=raw_nbytes)
+        except Exception as e:
+            raise HandshakeError(f"a delta record's compressed positions do not decompress: {e}") from e
+        if len(data) != raw_nbytes:
+            raise HandshakeError(f"a delta record's positions decompress to {len(data)} bytes, not {raw_nbytes}")
+        return np.frombuffer(data, dtype=np.uint8)
+
