@@ -271,8 +271,12 @@ def packed_broadcast_consumer(
             ``return_iterator`` is True; when given together with it, it still sees each batch first.
         return_iterator: return a lazy, flattened ``(name, tensor)`` iterator (for vLLM's ``reload_weights``)
             instead of consuming everything now.
-        num_buffers, buffer_size_bytes, use_legacy_packing, device, on_chunk, on_chunk_done: as for
-            :func:`_packed_broadcast_consumer_batches`; the chunking settings must match the producer's.
+        num_buffers: receive buffers in flight; need not match the producer's.
+        buffer_size_bytes: chunk target; must match the producer's.
+        use_legacy_packing: chunking mode; must match the producer's.
+        device: where the receive buffers live, as for :func:`packed_broadcast_producer`.
+        on_chunk: called with (bytes, tensors) as each chunk arrives.
+        on_chunk_done: called with each planned :class:`Chunk` as it is received (or, not broadcast, reached).
         plan: a :class:`PackedPlan` kept by a session across rounds of the same tensor list: the first round
             records each chunk's layout, later rounds reuse it (the metadata is still checked against it).
 

@@ -106,3 +106,26 @@ def test_the_check_sees_an_upward_import(tmp_path):
     src = tmp_path / "x.py"
     src.write_text("def f():\n    from refit_app.app.config import validate\n")
     assert _imports(src, "refit_app.core.x") == {"refit_app.app.config"}
+
+
+def test_the_docs_picture_shows_every_layer_bottom_first_and_every_module_in_its_layer():
+    # docs/architecture.md's picture (scripts/draw_layers.py, drawn on every docs build) reads this module.
+    import importlib.util
+    import xml.etree.ElementTree as ET
+
+    path = PACKAGE.parent / "scripts" / "draw_layers.py"
+    spec = importlib.util.spec_from_file_location("draw_layers", path)
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    graph = _graph()
+    rows = draw.layer_table(LAYERS, graph, OUTSIDE)
+    assert [layer for layer, _, _ in rows] == LAYERS
+    for layer, modules, used in rows:
+        inside = {m.split(".", 2)[2] for m in graph if m.split(".")[1] == layer and m.count(".") >= 2}
+        assert set(modules) == inside, layer
+        assert all(LAYERS.index(u) < LAYERS.index(layer) for u in used), (layer, used)
+    elements = list(ET.fromstring(draw.layers_svg(rows)).iter("{http://www.w3.org/2000/svg}text"))
+    texts = [t.text for t in elements]
+    names = [t.text for t in elements if t.get("font-weight") == "bold" and t.text in LAYERS]  # not the chips
+    assert names == LAYERS[::-1], "the top layer first, the bottom one last"
+    assert {m for _, modules, _ in rows for m in modules} <= set(texts)

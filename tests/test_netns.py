@@ -1,7 +1,7 @@
 """Across hosts for real: the producer and its consumers in separate network namespaces (``scripts/netns_hosts.sh``)
 joined by a bridge, with rate-limited links, a partition and an unreachable host. Each host's name resolves to
-127.0.0.1 inside its namespace, as in many containers and VMs; the README's across-hosts recipe must work as
-written. Needs root (CI runs as root); skipped with the reason elsewhere."""
+127.0.0.1 inside its namespace, as in many containers and VMs; the across-hosts recipe of README.md and
+docs/multi-host.md must work as written. Needs root (CI runs as root); skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _sh(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(autouse=True)
 def _token(monkeypatch) -> None:
-    """The recipe's hosts talk over non-loopback addresses, where a group needs a token (README, "Security")."""
+    """The recipe's hosts talk over non-loopback addresses, where a group needs a token (docs/security.md)."""
     monkeypatch.setenv("REFIT_APP_TOKEN", "netns-test-token")
 
 

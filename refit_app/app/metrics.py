@@ -30,7 +30,7 @@ def _doc(text: str) -> dict[str, str]:
 
 @dataclass
 class RoundMetrics:
-    """One refit of a run (``rounds`` in metrics.json); the README's table is checked against these fields."""
+    """One refit of a run (``rounds`` in metrics.json); docs/metrics.md shows these fields (markdown_table)."""
 
     round: int = field(metadata=_doc("1 for the first refit of the run"))
     seconds: float = field(metadata=_doc("wall time of this round's transfer, checksums included"))
@@ -127,6 +127,13 @@ METRICS_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RunMet
 """Every key of metrics.json and its meaning, from :class:`RunMetrics`."""
 ROUND_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RoundMetrics)}
 """Every key of a ``rounds`` entry and its meaning, from :class:`RoundMetrics`."""
+
+
+def markdown_table(keys: Mapping[str, str]) -> str:
+    """``keys`` (:data:`METRICS_KEYS` or :data:`ROUND_KEYS`) as a Markdown table of key and meaning: docs/hooks.py
+    puts both into docs/metrics.md when the site is built, so the page is these fields. The meanings are written as
+    Markdown already (their ``code`` spans)."""
+    return "\n".join(["| key | meaning |", "| --- | --- |", *(f"| `{k}` | {m} |" for k, m in keys.items())])
 
 
 # Enough digits to compare runs, few enough that a diff of two metrics.json files is readable.

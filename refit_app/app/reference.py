@@ -31,24 +31,133 @@ _KEY_COLUMN = 40
 _ENV_DEFAULT = re.compile(r"^\$\{oc\.env:(?P<var>\w+),(?P<default>[^}]*)\}$")
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One key of the reference: ``shown`` is its default as typed on the command line, ``(required)`` or
+    ``(set by the option)``; ``env`` the environment variable that overrides that default; ``choices`` the values
+    it takes, where the schema names them."""
+
+    key: str
+    shown: str
+    meaning: str
+    choices: tuple[str, ...] = ()
+    env: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionDoc:
+    """One option of a config group: its own keys, and what it sets beyond its node (a role's group.rank)."""
+
+    option: str
+    meaning: str
+    keys: list[KeyDoc]
+    also_sets: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionDoc:
+    """A top-level part of the config. ``kind`` is ``node`` (refit, group: keys only), ``group`` (role, source,
+    sink: ``keys`` are the ones every option sets, then each option's own) or ``optional`` (a group the schema has
+    no node for, such as hparams_search: options only, none chosen by default)."""
+
+    name: str
+    kind: str
+    meaning: str
+    default: str | None
+    keys: list[KeyDoc]
+    options: list[OptionDoc]
+
+
+def reference() -> list[SectionDoc]:
+    """Every key and option of the config, in the schema's order, optional groups last: what both renderings
+    (:func:`help_reference`, :func:`markdown_reference`) show."""
+    docs = _field_docs()
+    defaults = _default_options()
+    sections: list[SectionDoc] = []
+    for f in dataclasses.fields(schema.Config):
+        if f.name in schema.GROUP_SCHEMAS:
+            sections.append(_group_section(f.name, defaults.get(f.name), docs))
+        else:
+            keys = _keys(f.name, f.default_factory(), docs)  # type: ignore[misc]
+            sections.append(SectionDoc(f.name, "node", "", None, keys, []))
+    for group in _optional_groups():
+        options = [OptionDoc(option, _file_doc(group, option), [], []) for option in group_options(group)]
+        sections.append(SectionDoc(group, "optional", "", None, [], options))
+    return sections
+
+
 def help_reference() -> str:
     """Every key of the config, group by group, as ``key=default  meaning [choices]``, one line each.
 
     Hydra substitutes ``$NAME`` in its help template, so every ``$`` here is doubled.
     """
-    docs = _field_docs()
-    defaults = _default_options()
     lines: list[str] = []
-    for f in dataclasses.fields(schema.Config):
-        if f.name in schema.GROUP_SCHEMAS:
-            lines += _group_lines(f.name, defaults.get(f.name), docs)
+    for section in reference():
+        name = section.name
+        if section.kind == "node":
+            lines.append(f"{name}:")
+        elif section.kind == "group":
+            options = ", ".join(o.option for o in section.options)
+            lines.append(f"{name}: choose one with {name}=OPTION ({options}); default {section.default}. "
+                         f"{section.meaning}")
         else:
-            lines.append(f"{f.name}:")
-            lines += _key_lines(f.name, f.default_factory(), docs)  # type: ignore[misc]
-    for group in _optional_groups():
-        lines.append(f"{group}: none by default; choose one with {group}=OPTION")
-        lines += [f"{_INDENT}{group}={option}: {_file_doc(group, option)}" for option in group_options(group)]
+            lines.append(f"{name}: none by default; choose one with {name}=OPTION")
+        lines += [_line(k) for k in section.keys]
+        for option in section.options:
+            lines.append(f"{_INDENT}{name}={option.option}: {option.meaning}")
+            lines += [_line(k, depth=2) for k in option.keys]
+            if option.also_sets:
+                lines.append(f"{_INDENT * 2}also sets: {' '.join(option.also_sets)}")
     return "\n".join(lines).replace("$", "$$")
+
+
+def markdown_reference(level: int = 2) -> str:
+    """The same reference as Markdown for the docs site: a heading per section and per option (``level`` and one
+    below it), a table of keys under each. docs/hooks.py puts it into docs/configuration.md when the site is built.
+    """
+    head, sub = "#" * level, "#" * (level + 1)
+    out: list[str] = []
+    for section in reference():
+        name = section.name
+        out += [f"{head} `{name}`", ""]
+        if section.kind == "group":
+            options = ", ".join(f"`{o.option}`" + (" (default)" if o.option == section.default else "")
+                                for o in section.options)
+            out += [f"{_md(section.meaning)} Choose one with `{name}=OPTION`: {options}.", ""]
+        elif section.kind == "optional":
+            out += [f"None by default; choose one with `{name}=OPTION`.", ""]
+        if section.keys:
+            out += [*_md_table(section.keys), ""]
+        for option in section.options:
+            out += [f"{sub} `{name}={option.option}`", "", _md(option.meaning), ""]
+            if option.keys:
+                out += [*_md_table(option.keys), ""]
+            if option.also_sets:
+                out += ["Also sets: " + ", ".join(f"`{a}`" for a in option.also_sets) + ".", ""]
+    return "\n".join(out)
+
+
+def _md_table(keys: list[KeyDoc]) -> list[str]:
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for k in keys:
+        shown = k.shown.strip("()") if k.shown.startswith("(") else f"`{k.shown}`"
+        if k.env:
+            shown += f", or `${k.env}`"
+        meaning = _md(k.meaning)
+        if k.choices:
+            meaning += " One of " + ", ".join(f"`{c}`" for c in k.choices) + "."
+        rows.append(f"| `{k.key}` | {shown} | {meaning} |")
+    return rows
+
+
+_MD_SPECIAL = re.compile(r"([\\*_|\[\]<>])")
+
+
+def _md(text: str) -> str:
+    """``text`` as literal Markdown: what would format (``*``, ``_``, ``|`` in a table, ``<``) is escaped outside
+    the text's own ``code`` spans, which stay code."""
+    parts = text.split("`")
+    return "`".join(part if i % 2 else _MD_SPECIAL.sub(r"\\\1", part) for i, part in enumerate(parts))
 
 
 def group_options(group: str) -> list[str]:
@@ -59,49 +168,41 @@ def group_options(group: str) -> list[str]:
     return builtin + [o for o in names if o not in builtin]
 
 
-def _group_lines(group: str, default: str | None, docs: dict[str, dict[str, str]]) -> list[str]:
-    options = group_options(group)
+def _group_section(group: str, default: str | None, docs: dict[str, dict[str, str]]) -> SectionDoc:
     base = next(iter(schema.GROUP_SCHEMAS[group].values())).__mro__[1]
-    header = f"{group}: choose one with {group}=OPTION ({', '.join(options)}); default {default}."
-    lines = [f"{header} {_class_doc(base, docs)}"]
     # The base node's keys (name, _target_, ...) are set by the option: listed once, without a default.
     base_keys = [f.name for f in dataclasses.fields(base)]
-    lines += [_line(f"{group}.{name}", "(set by the option)", docs[base.__name__].get(name, ""))
-              for name in base_keys]
-    for option in options:
+    keys = [KeyDoc(f"{group}.{name}", "(set by the option)", docs[base.__name__].get(name, "")) for name in base_keys]
+    options = []
+    for option in group_options(group):
         cls = schema.GROUP_SCHEMAS[group].get(option)
         meaning = _class_doc(cls, docs) if cls is not None else _file_doc(group, option)
-        lines.append(f"{_INDENT}{group}={option}: {meaning}")
-        if cls is not None:
-            node = cls()
-            lines += _key_lines(group, node, docs, skip=base_keys, depth=2)
-        also = _also_sets(group, option)
-        if also:
-            lines.append(f"{_INDENT * 2}also sets: {' '.join(also)}")
-    return lines
+        own = _keys(group, cls(), docs, skip=base_keys) if cls is not None else []
+        options.append(OptionDoc(option, meaning, own, _also_sets(group, option)))
+    return SectionDoc(group, "group", _class_doc(base, docs), default, keys, options)
 
 
-def _key_lines(prefix: str, node: Any, docs: dict[str, dict[str, str]], skip: list[str] = (), depth: int = 1
-               ) -> list[str]:
-    lines = []
+def _keys(prefix: str, node: Any, docs: dict[str, dict[str, str]], skip: list[str] = ()) -> list[KeyDoc]:
+    keys = []
     for f in dataclasses.fields(node):
         if f.name in skip:
             continue
         key = f"{prefix}.{f.name}"
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
-            lines += _key_lines(key, value, docs, depth=depth)
+            keys += _keys(key, value, docs)
             continue
-        meaning = _doc_of(type(node), f.name, docs)
-        choices = f.metadata.get(schema.CHOICES)
-        if choices:
-            meaning += f" [{', '.join(choices)}]"
-        lines.append(_line(key, _show(value), meaning, depth))
-    return lines
+        choices = tuple(f.metadata.get(schema.CHOICES) or ())
+        env = _ENV_DEFAULT.match(str(value))
+        shown = _show(env["default"]) if env else _show(value)
+        keys.append(KeyDoc(key, shown, _doc_of(type(node), f.name, docs), choices, env["var"] if env else None))
+    return keys
 
 
-def _line(key: str, shown: str, meaning: str, depth: int = 1) -> str:
-    head = f"{_INDENT * depth}{key}={shown}" if not shown.startswith("(") else f"{_INDENT * depth}{key} {shown}"
+def _line(k: KeyDoc, depth: int = 1) -> str:
+    meaning = k.meaning + (f" [{', '.join(k.choices)}]" if k.choices else "")
+    shown = f"{k.shown} (or ${k.env})" if k.env else k.shown
+    head = f"{_INDENT * depth}{k.key}={shown}" if not shown.startswith("(") else f"{_INDENT * depth}{k.key} {shown}"
     return f"{head:<{_KEY_COLUMN - 1}} {meaning}".rstrip()
 
 

@@ -169,7 +169,7 @@ class Group:
 @dataclass
 class Source:
     """Where the producer's weights come from (the ``source`` config group). A source of your own is a config
-    file with ``_target_: your.module.YourSource`` and its keyword arguments (see README, "Plug in your own")."""
+    file with ``_target_: your.module.YourSource`` and its keyword arguments (see the docs, "Extending")."""
 
     _target_: str = MISSING
     """The class that builds the source, called with the other keys as keyword arguments."""

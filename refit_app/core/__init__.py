@@ -1,7 +1,7 @@
 """The packed-broadcast core: pure planning and byte layout, buffer lifetimes, and the two sides' loops.
 
 Read in this order; each module imports only the ones above it (and nothing else of refit_app but
-:mod:`refit_app.app.launchers`):
+:mod:`refit_app.common`):
 
 - :mod:`~refit_app.core.chunks`: which tensors share a chunk and which chunks travel (pure, no torch).
 - :mod:`~refit_app.core.wire`: the byte layout of a chunk; pack one tensor in, view one back out.

@@ -84,7 +84,7 @@ class HostBufferPool:
 
     A refit repeats every training step with the same sizes. Fresh host memory is faulted in page by page on first
     write, which on VMs that hand freed pages back to their host runs at 0.5-1 GB/s, slower than the transport
-    itself (see the benchmark in README); reused buffers are already resident. Memory stays bounded: the pool keeps
+    itself (docs/results.md); reused buffers are already resident. Memory stays bounded: the pool keeps
     at most as many buffers as the last call used, the largest ones. A consumer's buffer may still back tensors
     the caller holds; the pool keeps it (that costs nothing while the caller holds it) but never hands it out until
     nothing else uses it. CUDA buffers are not pooled here: torch's caching allocator keeps them already, and an

@@ -67,7 +67,7 @@ def get_target_packed_tensor_size() -> int:
     is two chunks, the second waits for the first, and the consumer holds two 482 MiB receive buffers. Measured
     with ``python -m refit_app.bench`` over gloo on a 2-core VM (1 GB Llama-shaped model, 2 buffers, refit and the
     transport limit interleaved, medians of 5, machine under load): 16 MiB x 2 reached 0.91x and 1.10x the limit
-    in two runs (0.93-1.11x in the README's earlier sweeps), 32 MiB 0.75x, 64 MiB 0.63-0.91x, 482 MiB 0.82-0.94x;
+    in two runs (0.93-1.11x in earlier sweeps, docs/results.md), 32 MiB 0.75x, 64 MiB 0.63-0.91x, 482 MiB 0.82-0.94x;
     4-8 MiB did no better than 16 MiB (0.91-1.11x) while each chunk still costs a collective. A chunk
     of 16 MiB is about 5 ms on the wire at 3 GB/s, so the per-broadcast cost (tens of microseconds) stays under
     2%. The buffers' memory is ``num_buffers x max(target, largest tensor)``, which the largest tensor dominates.

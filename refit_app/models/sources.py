@@ -39,7 +39,7 @@ class Source(Protocol):
         """The tensors, lazily. They may alias files or each other: callers read them, never write them."""
         ...
 
-    # Optional, for runs of several rounds and model checks (see README, "Plug in your own source or sink"):
+    # Optional, for runs of several rounds and model checks (docs/extending.md):
     # advance(round_index) -> dict: change the weights before round round_index (2, 3, ...), as a training step
     #     does; the dict (a "loss", say) goes into that round's metrics. Without it every round sends the same.
     # model_config() -> str: a config.json that travels with the manifest (sink=model builds its model from it).

@@ -51,8 +51,9 @@ class ConsumerSession(Session):
 
     Args:
         group: a connected :class:`~refit_app.transport.groups.RefitGroup` on which this rank is a consumer.
-        buffer_size_bytes, use_legacy_packing: None adopts the producer's; a value that differs from the
-            producer's stops every rank at the handshake, naming both.
+        buffer_size_bytes: None adopts the producer's; a value that differs from the producer's stops every rank
+            at the handshake, naming both.
+        use_legacy_packing: None adopts the producer's; a difference stops every rank, as for the buffer size.
         num_buffers: receive buffers in flight (need not match the producer's).
         verify: ask for per-tensor checksums and check every tensor bit for bit, every round.
         probe_tokens: ask the producer for a model probe of this many positions after every round (0: none); it

@@ -52,9 +52,11 @@ class ProducerSession(Session):
         group: a connected :class:`~refit_app.transport.groups.RefitGroup` (from
             :func:`~refit_app.transport.groups.connect` or :func:`~refit_app.transport.groups.from_process_group`)
             on which this rank is the producer (rank 0).
-        buffer_size_bytes, num_buffers, use_legacy_packing: as for
-            :func:`~refit_app.packed_tensor.packed_broadcast_producer`; the buffer size and packing mode travel in
-            the manifest, so consumers that leave theirs unset adopt them.
+        buffer_size_bytes: as for :func:`~refit_app.packed_tensor.packed_broadcast_producer`; it travels in the
+            manifest, so consumers that leave theirs unset adopt it.
+        num_buffers: as for :func:`~refit_app.packed_tensor.packed_broadcast_producer`.
+        use_legacy_packing: as for :func:`~refit_app.packed_tensor.packed_broadcast_producer`; it travels in the
+            manifest like the buffer size.
         on_chunk: called with (bytes, tensors) as each chunk is handed to the group (progress, metrics).
         checksum_algorithm: how to checksum for verifying consumers (:mod:`refit_app.protocol.checksum`); None picks
             the fastest installed. It travels in the manifest; a consumer that cannot compute it refuses at the

@@ -1,0 +1,111 @@
+"""The docs site's generated parts and the README's commands, checked without building the site (CI builds it with
+``mkdocs build --strict``, which also fails on a broken link, anchor or snippet): every generated part has its
+marker on its page, the configuration page lists exactly the keys ``--help`` lists, and the README installs and
+tests exactly as CI does."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from refit_app.app.reference import _md, group_options, help_reference, markdown_reference, reference
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(scope="module")
+def hooks() -> ModuleType:
+    return _hooks()
+
+
+def test_every_generated_part_has_its_marker_once_on_its_page(hooks: ModuleType) -> None:
+    assert hooks.GENERATED, "nothing generated?"
+    for page, parts in hooks.GENERATED.items():
+        text = (DOCS / page).read_text()
+        for marker, make in parts.items():
+            assert text.count(marker) == 1, f"{page}: {marker}"
+            assert make().startswith(("#", "|")), f"{page}: {marker} made nothing"
+
+
+def _help_keys() -> list[tuple[str, str]]:
+    """``(key, default as shown)`` for every key line of ``--help``, in order."""
+    found = []
+    for line in help_reference().replace("$$", "$").splitlines():
+        m = re.match(r"\s+([a-z_]+(?:\.[a-z_]+)+)(=| )(\S+)", line)
+        if m:
+            shown = m[3] if m[2] == "=" else line.split(None, 1)[1].split("  ")[0].strip()
+            found.append((m[1], shown))
+    return found
+
+
+def _page_keys() -> list[tuple[str, str]]:
+    found = []
+    for line in markdown_reference().splitlines():
+        m = re.match(r"\| `([a-z_.]+)` \| (.+?) \| ", line)
+        if m and m[1] != "key":
+            found.append((m[1], m[2]))
+    return found
+
+
+def test_the_configuration_page_lists_the_keys_of_help_with_their_defaults() -> None:
+    page, shown = _page_keys(), _help_keys()
+    assert [k for k, _ in page] == [k for k, _ in shown]
+    assert len(page) > 30, page
+    for (key, on_page), (_, in_help) in zip(page, shown):
+        if in_help.startswith("("):  # (required), (set by the option)
+            assert on_page == in_help.strip("()"), key
+        else:
+            assert on_page.startswith(f"`{in_help}`"), (key, on_page, in_help)
+    # An environment default names its variable on both.
+    assert ("refit.num_buffers", "`2`, or `$NRL_REFIT_NUM_BUFFERS`") in page
+
+
+def test_the_configuration_page_has_a_heading_per_option() -> None:
+    text = markdown_reference()
+    for section in reference():
+        assert f"## `{section.name}`" in text
+        for option in (group_options(section.name) if section.kind != "node" else []):
+            assert f"### `{section.name}={option}`" in text
+
+
+def test_markdown_text_is_escaped_outside_its_code_spans() -> None:
+    assert _md("a _target_ `x_y` a|b <c> *d*") == r"a \_target\_ `x_y` a\|b \<c\> \*d\*"
+
+
+def _pip_lines(text: str) -> list[str]:
+    return [" ".join(w for w in line.split() if w != "-q") for line in text.splitlines()
+            if line.strip().startswith("pip install")]
+
+
+def test_the_readme_installs_and_tests_as_ci_does() -> None:
+    ci, readme = (ROOT / ".ci" / "run").read_text(), (ROOT / "README.md").read_text()
+    ci_installs = [line for line in _pip_lines(ci) if "[docs]" not in line]
+    assert len(ci_installs) == 2, ci_installs
+    assert ci_installs == _pip_lines(readme)[:2]
+    assert "python -m pytest -q\n" in ci and "python -m pytest -q\n" in readme
+    assert "mkdocs build --strict" in ci and "mkdocs build --strict" in readme
+
+
+def test_the_readme_sections_the_docs_include_are_marked() -> None:
+    readme = (ROOT / "README.md").read_text()
+    included = set()
+    for page in DOCS.glob("*.md"):
+        included |= set(re.findall(r'--8<-- "README\.md:(\w+)"', page.read_text()))
+    assert "install" in included, included
+    for name in included:
+        start, end = f"--8<-- [start:{name}]", f"--8<-- [end:{name}]"
+        assert readme.count(start) == 1 and readme.count(end) == 1 and readme.index(start) < readme.index(end)
+        # The site cannot resolve the README's own links to docs/*.md: a section it includes has none.
+        assert "](docs/" not in readme[readme.index(start):readme.index(end)], name
