@@ -80,18 +80,22 @@ def main() -> int:
         group = [f"group.port={port}", "group.timeout_s=120"]
         producer = subprocess.Popen([sys.executable, "-m", "refit_app", "role=producer", "source=safetensors",
                                      f"source.path={checkpoint}", "hydra.run.dir=" + tmp, *group])
+        error = None
         try:
             with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
                 cfg = compose("config", overrides=["role=consumer", "sink=custom", "sink._target_=__main__.ModuleSink",
                                                    *group])
             metrics = run(cfg)
         except RefitError as e:
-            print(f"custom_sink: refit failed: {e}", file=sys.stderr)
-            return 1
+            error = e
         finally:
-            if producer.wait(timeout=120) != 0:
-                print(f"custom_sink: the producer exited {producer.returncode}", file=sys.stderr)
-                return 1
+            producer_code = producer.wait(timeout=120)
+        if error is not None:
+            print(f"custom_sink: refit failed: {error}", file=sys.stderr)
+            return 1
+        if producer_code != 0:
+            print(f"custom_sink: the producer exited {producer_code}", file=sys.stderr)
+            return 1
     x = torch.randn(4, 32)
     same = torch.equal(MODEL(x), trained(x))
     print(f"loaded {metrics['num_tensors']} tensors into the network; outputs match the trainer's: {same}")

@@ -60,7 +60,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an old path, warns once, and hands the import the module at the new path (the same object, so that
     classes and their isinstance checks are shared)."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)

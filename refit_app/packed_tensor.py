@@ -70,7 +70,7 @@ from refit_app.core.plan import PackedPlan, follow_plan, produce_planned
 from refit_app.core.producer import Sender, produce_streaming
 from refit_app.core.wire import pack_into, pack_tensors, tensor_bytes, unpack_from
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped as the spec lists them, not sorted
     # The spec's API.
     "get_target_packed_tensor_size",
     "get_num_buffers",

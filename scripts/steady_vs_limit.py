@@ -69,7 +69,8 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     args = p.parse_args()
     if args.pairs < 1 or args.rounds < 2 or args.bench_reps < 1:
-        raise SystemExit("steady_vs_limit: error: --pairs and --bench-reps must be >= 1, --rounds >= 2 (a steady round)")
+        raise SystemExit(
+            "steady_vs_limit: error: --pairs and --bench-reps must be >= 1, --rounds >= 2 (a steady round)")
     out = Path(args.out).resolve()
     rows = []
     for i in range(1, args.pairs + 1):

@@ -217,7 +217,7 @@ def _keys_of(node: Any, object_type: Any) -> list[str]:
     if dataclasses.is_dataclass(object_type):
         return [f.name for f in dataclasses.fields(object_type)]
     if isinstance(node, DictConfig):
-        return [str(k) for k in node.keys() if k != "hydra"]
+        return [str(k) for k in node if k != "hydra"]
     return []
 
 

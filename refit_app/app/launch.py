@@ -405,7 +405,8 @@ def _start_together(
     failed = {}
     for r, p in enumerate(procs):
         if r in ready:
-            failed[r] = RankOutcome(r, False, error=f"rank {r} started, but a peer did not; stopped", exc_type="Stopped")
+            failed[r] = RankOutcome(r, False, error=f"rank {r} started, but a peer did not; stopped",
+                                    exc_type="Stopped")
         elif not p.is_alive():
             failed[r] = RankOutcome(r, False, error=f"rank {r} died during start-up (exit code {p.exitcode})",
                                     exc_type="Died")

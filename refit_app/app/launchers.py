@@ -152,7 +152,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list in full: ``node[01-03,07],gpu5`` -> node01, node02, node03, node07, gpu5.
 
     Ranges keep the zero padding of their lower bound; several bracket groups in one name (``r[1-2]n[1-2]``) expand
-    as a product, the first varying slowest. Raises :class:`ConfigError` on a malformed list (no ``scontrol`` is needed).
+    as a product, the first varying slowest. Raises :class:`ConfigError` on a malformed list (no ``scontrol`` is
+    needed).
     """
     hosts: list[str] = []
     for item in _split_top_level(nodelist):

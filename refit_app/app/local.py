@@ -1,6 +1,7 @@
 """``role=local``: one producer and ``role.num_consumers`` consumers as processes on this machine.
 
-The ranks are started and supervised by :mod:`refit_app.app.launch`; each runs :func:`refit_app.app.roles.run_producer` or
+The ranks are started and supervised by :mod:`refit_app.app.launch`; each runs :func:`refit_app.app.roles.run_producer`
+or
 :func:`~refit_app.app.roles.run_consumer` exactly as a separate launch would, and logs into this job's log too.
 """
 

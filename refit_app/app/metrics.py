@@ -385,7 +385,8 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
     if metrics.get("gb_per_s") is not None:
         parts.append(f" = {metrics['gb_per_s']:.2f} GB/s")
     if rounds > 1 and metrics.get("steady_round_seconds") is not None:
-        parts.append(f" (first round {metrics['first_round_seconds']:.3f} s, then {metrics['steady_round_seconds']:.3f} s)")
+        first, steady = metrics["first_round_seconds"], metrics["steady_round_seconds"]
+        parts.append(f" (first round {first:.3f} s, then {steady:.3f} s)")
 
     settings = []
     if metrics.get("buffer_size_bytes") is not None:
@@ -408,7 +409,7 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         parts.append(", verified")
     elif verified is False:
         parts.append(", VERIFICATION FAILED")
-    checks = [r.get("model_check") for c in [metrics, *consumers] for r in c.get("rounds") or [] if r.get("model_check")]
+    checks = [r["model_check"] for c in [metrics, *consumers] for r in c.get("rounds") or [] if r.get("model_check")]
     if checks:
         worst = max(c["max_abs_logit_diff"] for c in checks)
         same = all(c["tokens_match"] for c in checks)

@@ -3,7 +3,8 @@ values of every choice, generated when ``--help`` asks for it, so it cannot drif
 
 Each fact comes from its one home: a key's meaning from its field docstring in :mod:`refit_app.app.schema` (read from
 the module's source: Python keeps no field docstrings at run time), its default from the schema dataclass, its
-values from the field's ``CHOICES`` metadata (:data:`refit_app.models.presets.PRESETS`, :data:`refit_app.transport.spec.BACKENDS`,
+values from the field's ``CHOICES`` metadata (:data:`refit_app.models.presets.PRESETS`,
+:data:`refit_app.transport.spec.BACKENDS`,
 ...), a group's options from the files Hydra reads in conf/, and the keys an option sets beyond its own node (a
 role's group.rank, say) from that option's file.
 """

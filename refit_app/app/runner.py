@@ -80,7 +80,8 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
         _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": reason}, output_dir)
         raise
     except Exception as e:
-        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": one_line(e, with_type=True)}, output_dir)
+        error = one_line(e, with_type=True)
+        _report({"role": settings.role, "rank": settings.rank, "status": "failed", "error": error}, output_dir)
         raise
     if output_dir is not None:
         _write_used_config(output_dir, cfg, settings, metrics)

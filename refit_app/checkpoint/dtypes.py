@@ -50,10 +50,10 @@ dimension of torch's shape counts elements."""
 def torch_shape(code: str, shape: Sequence[int]) -> tuple[int, ...]:
     """A file's shape (in values) as torch's shape of the tensor holding it (in elements)."""
     per = PACKED_PER_ELEMENT.get(code, 1)
-    return tuple(shape[:-1]) + (shape[-1] // per,) if per > 1 and shape else tuple(shape)
+    return (*tuple(shape[:-1]), shape[-1] // per) if per > 1 and shape else tuple(shape)
 
 
 def file_shape(code: str, shape: Sequence[int]) -> list[int]:
     """Torch's shape (in elements) as the file's shape (in values): the inverse of :func:`torch_shape`."""
     per = PACKED_PER_ELEMENT.get(code, 1)
-    return list(shape[:-1]) + [shape[-1] * per] if per > 1 and shape else list(shape)
+    return [*list(shape[:-1]), shape[-1] * per] if per > 1 and shape else list(shape)

@@ -65,7 +65,8 @@ def _explain(path: Path, error: Exception, header: dict[str, object] | None = No
     text = " ".join(str(error).split()).removeprefix("Error while deserializing header: ")
     if text.startswith("header too small"):
         size = path.stat().st_size
-        return SourceError(f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length")
+        return SourceError(
+            f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length")
     if text.startswith("header too large"):
         return SourceError(
             f"{path} is not a safetensors file: its first 8 bytes give a header length above the format's limit"

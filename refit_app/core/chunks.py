@@ -83,10 +83,7 @@ class ChunkPlanner:
         open chunk. The tensor itself is then in the open chunk, :attr:`open_index`."""
         closed = None
         if self._count:
-            if self._legacy:
-                full = self._bytes > self._target
-            else:
-                full = self._bytes + nbytes > self._target
+            full = self._bytes > self._target if self._legacy else self._bytes + nbytes > self._target
             if full:
                 closed = self._close()
         self._bytes += nbytes

@@ -194,7 +194,7 @@ class _Flight:
     def abort(self) -> None:
         try:
             self.drain()
-        except BaseException:  # noqa: BLE001 - the caller's exception is the one that matters
+        except BaseException:
             pass
 
 

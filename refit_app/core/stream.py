@@ -127,7 +127,7 @@ class ChunkStream:
         for out in self._outs:
             try:
                 out.wait()
-            except BaseException:  # noqa: BLE001 - unwinding
+            except BaseException:
                 logger.debug("a chunk in flight failed while unwinding", exc_info=True)
 
     def _send(self, *, last: bool) -> None:

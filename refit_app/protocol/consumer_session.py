@@ -161,8 +161,9 @@ class ConsumerSession(Session):
             elif self.manifest is None:
                 raise HandshakeError("the producer sent no manifest in the first round")
             if flags & DELTA and base != self._delta.held_round:
+                held = self._delta.held_round
                 raise HandshakeError(f"the producer sends round {k} as changes to round {base}, but this consumer "
-                                     f"holds {'no round' if not self._delta.held_round else f'round {self._delta.held_round}'}")
+                                     f"holds {f'round {held}' if held else 'no round'}")
             manifest = self.manifest
             assert manifest is not None
             targets = given() if callable(given) else given
@@ -253,8 +254,9 @@ class ConsumerSession(Session):
         result.wire_bytes = manifest.total_bytes
         if self._delta.mirror:
             assert self._delta.image is not None
+            num_buffers = self.num_buffers or get_num_buffers()
             for chunk in self._delta.receive_dense(self._chunks, self.group.group, PRODUCER_RANK,
-                                                   num_buffers=self.num_buffers or get_num_buffers(), device=self.device):
+                                                   num_buffers=num_buffers, device=self.device):
                 result.num_chunks += 1
                 if self.on_chunk is not None:
                     self.on_chunk(chunk.nbytes, chunk.count)

@@ -12,7 +12,8 @@ Sequence, over one :class:`~refit_app.transport.groups.RefitGroup`::
 
 A consumer that rejects the manifest makes every rank stop before any tensor moves, each naming the setting
 and both values; ``finish`` makes sure no rank reports success for a refit that did not fully happen. With
-``group.token`` the manifest and each checksum trailer carry the run's signature (:mod:`refit_app.transport.auth`), which a
+``group.token`` the manifest and each checksum trailer carry the run's signature (:mod:`refit_app.transport.auth`),
+which a
 consumer checks before it believes them.
 """
 

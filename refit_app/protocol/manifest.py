@@ -25,7 +25,8 @@ class Manifest:
     checksums: bool = False
     """Whether the producer sends per-tensor checksums after the data (for ``sink=verify``)."""
     checksum_algorithm: str = field(default_factory=default_algorithm)
-    """How those checksums are computed (:mod:`refit_app.protocol.checksum`); a verifying consumer must compute the same."""
+    """How those checksums are computed (:mod:`refit_app.protocol.checksum`); a verifying consumer must compute the
+    same."""
     metadata: dict[str, str] = field(default_factory=dict)
     """Checkpoint-level metadata (safetensors ``__metadata__``) carried to a saving consumer."""
     source: str = ""
@@ -63,7 +64,8 @@ class Manifest:
         try:
             doc = json.loads(data.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HandshakeError(f"the producer's manifest is not valid JSON ({e}); is the peer a refit_app producer?") from e
+            raise HandshakeError(
+                f"the producer's manifest is not valid JSON ({e}); is the peer a refit_app producer?") from e
         if doc.get("version") != MANIFEST_VERSION:
             raise HandshakeError(
                 f"manifest version {doc.get('version')!r} from the producer, this consumer speaks {MANIFEST_VERSION}; "

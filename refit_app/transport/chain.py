@@ -2,7 +2,8 @@
 
 torch's gloo broadcasts a buffer along a binomial tree, the whole buffer per hop, and the producer's link carries it
 several times: a refit of B bytes over links of rate R took 2.1x and 2.9x B / R with 2 and 3 consumers (docs/results.md,
-"The link is the limit"). In a chain the source sends to the next rank only; every other rank receives from the one before
+"The link is the limit"). In a chain the source sends to the next rank only; every other rank receives from the one
+before
 it and forwards to the one after it, and it forwards chunk k while chunk k+1 is already arriving (the packed
 broadcast keeps ``num_buffers`` chunks in flight). The chain fills once, then every link streams at R.
 
@@ -251,7 +252,8 @@ class ChainBroadcastGroup:
                 hop = None
 
     def shutdown(self, *, abort: bool) -> None:
-        """Stop the relay and drop the backend, as :meth:`refit_app.transport.backends.TorchBroadcastGroup.shutdown` does:
+        """Stop the relay and drop the backend, as :meth:`refit_app.transport.backends.TorchBroadcastGroup.shutdown`
+        does:
         gloo's sockets close only once nothing references the backend's work objects any more."""
         if self._closed:
             return

@@ -3,7 +3,8 @@
 Collectives only say *that* a peer went away; this channel carries *why*, so every rank can fail with the reason
 from the rank that failed first. A consumer reaches the store through a :class:`DeadlineStore`, so that a stopped
 producer cannot freeze it, and every phase gather has the group's deadline. Anyone who reaches the store can write
-to it: the first error is a signed record and a phase report a key only a rank can name (:mod:`refit_app.transport.auth`);
+to it: the first error is a signed record and a phase report a key only a rank can name
+(:mod:`refit_app.transport.auth`);
 what does not check is ignored and logged once.
 """
 

@@ -6,7 +6,8 @@ Broadcast groups are built without ``torch.distributed.init_process_group``: a t
 default group can refit, and closing one group and connecting again in the same process needs no global cleanup.
 Everything in :func:`connect` shares one deadline of ``spec.timeout_s``; so does every phase gather afterwards.
 
-The pieces: :mod:`refit_app.transport.rendezvous` (the store and the check-in), :mod:`refit_app.transport.control` (phase reports,
+The pieces: :mod:`refit_app.transport.rendezvous` (the store and the check-in), :mod:`refit_app.transport.control`
+(phase reports,
 errors, the deadline store), :mod:`refit_app.transport.signed_store` (the store as gloo sees it, signed),
 :mod:`refit_app.transport.backends` (gloo, NCCL, pynccl behind one seam).
 """
@@ -53,7 +54,8 @@ class RefitGroup:
     ) -> None:
         self.spec = spec
         self.owns_group = owns_group
-        """False for a wrapped process group of the caller's (:func:`refit_app.transport.process_group.from_process_group`):
+        """False for a wrapped process group of the caller's
+        (:func:`refit_app.transport.process_group.from_process_group`):
         closing leaves it as it is."""
         self.rank = spec.rank
         self.world_size = spec.world_size

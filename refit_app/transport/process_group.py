@@ -1,7 +1,8 @@
 """Bring your own group: a ``torch.distributed`` process group that a trainer already has, as a refit group.
 
 :func:`from_process_group` wraps the default group or a subgroup (gloo or NCCL) so that the packed broadcast, the
-handshake and :mod:`refit_app.protocol.session` run over it, with the asynchronous broadcast that lets gloo overlap packing
+handshake and :mod:`refit_app.protocol.session` run over it, with the asynchronous broadcast that lets gloo overlap
+packing
 and sending. Phase reports and errors travel through a store (by default the default group's), so a failing rank's
 reason still reaches every other rank. Ranks are the group's own: rank 0 of the group is the producer.
 """
@@ -44,7 +45,8 @@ def from_process_group(
     device: torch.device | str | None = None,
     topology: str = DEFAULT_TOPOLOGY,
 ) -> RefitGroup:
-    """A :class:`~refit_app.transport.groups.RefitGroup` over ``pg`` (None: the default group) for the library and sessions.
+    """A :class:`~refit_app.transport.groups.RefitGroup` over ``pg`` (None: the default group) for the library and
+    sessions.
 
     ``store``: the store every rank of ``pg`` shares, for phase reports and errors (None: the default group's).
     ``timeout_s``: the deadline of every phase gather; a collective's deadline is ``pg``'s own timeout.

@@ -15,7 +15,8 @@ BACKENDS = ("auto", "gloo", "nccl", "pynccl")
 """``auto`` resolves, at the rendezvous, to NCCL where every rank has a CUDA GPU and to gloo otherwise."""
 TOPOLOGIES = ("tree", "chain")
 """How a broadcast travels: ``tree``, the backend's own collective (gloo: a binomial tree, the whole buffer per hop;
-NCCL: pipelined rings); ``chain``, each consumer relays every chunk to the next rank (:mod:`refit_app.transport.chain`), gloo
+NCCL: pipelined rings); ``chain``, each consumer relays every chunk to the next rank
+(:mod:`refit_app.transport.chain`), gloo
 only."""
 DEFAULT_TOPOLOGY = "tree"
 RELAY_BACKENDS = ("auto", "gloo")
@@ -58,7 +59,8 @@ class GroupSpec:
     topology: str = DEFAULT_TOPOLOGY
     """``tree`` or ``chain`` (:data:`TOPOLOGIES`); every rank must name the same one."""
     token: str | None = field(default=None, repr=False)
-    """The shared secret every rank proves at check-in and signs control records with (:mod:`refit_app.transport.auth`); never
+    """The shared secret every rank proves at check-in and signs control records with
+    (:mod:`refit_app.transport.auth`); never
     shown. None: anyone who reaches the port can join, so only a loopback ``host`` is allowed without opting in."""
     run_id: str | None = None
     """This run's id: a consumer refuses a producer of another run. None: the producer makes one up and logs it, a
