@@ -3,26 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import yaml
-from conftest import CLI_TIMEOUT_S
+from cli_utils import CLI_TIMEOUT_S
+from conditions import needs_optuna_sweeper
 
-
-def _sweeper_installed() -> bool:
-    try:
-        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
-    except ModuleNotFoundError:  # no Hydra plugin at all
-        return False
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _sweeper_installed(),
-                       reason="hydra-optuna-sweeper is not installed; `pip install -e '.[tune]'` provides it"),
-]
+pytestmark = [pytest.mark.slow, needs_optuna_sweeper]
 
 TRIALS = 3
 
