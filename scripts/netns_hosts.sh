@@ -5,6 +5,7 @@
 #   scripts/netns_hosts.sh up N [RATE] [PREFIX]   create PREFIX1..PREFIXN (RATE like 2gbit; none: unlimited)
 #   scripts/netns_hosts.sh down [PREFIX]          remove them (and the bridge); safe to run twice
 #   scripts/netns_hosts.sh link PREFIXk up|down   bring host k's link up or down (a partition)
+#   scripts/netns_hosts.sh check                  exit 0 if this machine can make the hosts, else 77 with the reason
 #
 # Host k is namespace PREFIXk with address 10.77.0.k/24 on its interface eth0; the bridge lives in its own
 # namespace PREFIX0, so nothing is added to the machine's own network. Needs root (CAP_NET_ADMIN); without it,
@@ -17,6 +18,10 @@ SUBNET=10.77.0
 die() { echo "netns_hosts: $*" >&2; exit 1; }
 
 need_rights() {
+    if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+        echo "netns_hosts: needs iproute2 (ip and tc) on PATH" >&2
+        exit 77
+    fi
     if ! ip netns add refit-probe-$$ 2>/dev/null; then
         echo "netns_hosts: cannot create network namespaces here (needs root / CAP_NET_ADMIN)" >&2
         exit 77
@@ -75,5 +80,6 @@ case "${1:-}" in
     up) shift; up "$@" ;;
     down) shift; down "$@" ;;
     link) shift; link "$@" ;;
-    *) echo "usage: $0 up N [RATE] [PREFIX] | down [PREFIX] | link NS up|down" >&2; exit 2 ;;
+    check) need_rights ;;
+    *) echo "usage: $0 up N [RATE] [PREFIX] | down [PREFIX] | link NS up|down | check" >&2; exit 2 ;;
 esac

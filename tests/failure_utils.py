@@ -24,11 +24,11 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from cli_utils import hermetic_env
 
 from refit_app.checkpoint.writer import save_tensors
 
 _POLL_S = 0.05
-_PASSTHROUGH_ENV_DROP = ("HYDRA_FULL_ERROR", "NRL_REFIT_NUM_BUFFERS", "NRL_REFIT_BUFFER_MEMORY_RATIO")
 
 
 @dataclass
@@ -115,9 +115,7 @@ class RefitProcess:
         self._out_path = cwd / f"{name}.stdout"
         self._err_path = cwd / f"{name}.stderr"
         self._ready_path = cwd / f"{name}.ready" if gated else None
-        child_env = {k: v for k, v in os.environ.items() if k not in _PASSTHROUGH_ENV_DROP}
-        child_env["PYTHONUNBUFFERED"] = "1"
-        child_env.update(env or {})
+        child_env = hermetic_env({"PYTHONUNBUFFERED": "1", **(env or {})})
         if self._ready_path is not None:
             child_env["REFIT_TEST_READY_FILE"] = str(self._ready_path)
         command = ["-c", _GATED_MAIN] if gated else ["-m", "refit_app"]

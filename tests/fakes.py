@@ -56,8 +56,3 @@ class AsyncRecordingGroup(RecordingGroup):
         self.broadcast(tensor, src)
         return _DoneWork(self.events, len(self.sent) - 1)
 
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's bytes in row-major order, computed independently of the code under test."""
-    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.cpu())
-    return bytes(dense.untyped_storage())

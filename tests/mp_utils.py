@@ -8,7 +8,8 @@ Ranks start together: each process imports the test module (from 3 to 30 s on a 
 is ready and waits; ``fn`` runs on every rank once all are ready. Start-up is therefore outside every deadline a
 rank sets (``timeout_s`` of a group) and outside ``run_ranks``'s own ``timeout``.
 
-Also the one home of the start-up limit and of the margin that deadline asserts allow (:func:`deadline_budget`).
+Also the one home of the start-up limit, of the margin that deadline asserts allow (:func:`deadline_budget`) and
+of the group settings every rank of a test connects with (:func:`gloo_spec`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any
 
 from refit_app.app import launch
 from refit_app.app.launch import free_port
+from refit_app.transport.spec import GroupSpec
 
 __all__ = ["DEADLINE_MARGIN", "EXIT_SLACK_S", "STARTUP_LIMIT_S", "RankFailure", "deadline_budget", "free_port",
-           "play_scenarios", "run_ranks"]
+           "gloo_spec", "play_scenarios", "run_ranks"]
 
 STARTUP_LIMIT_S = 180.0
 """Hard limit on one process's start-up (interpreter, torch, Hydra, the code under test). Observed: 3 s idle, up to
@@ -45,6 +47,13 @@ under load)."""
 def deadline_budget(timeout_s: float) -> float:
     """The most a deadline assert allows from the event to the exit, for ranks with ``group.timeout_s=timeout_s``."""
     return DEADLINE_MARGIN * timeout_s + EXIT_SLACK_S
+
+
+def gloo_spec(rank: int, world_size: int, port: int, *, timeout_s: float, **fields: Any) -> GroupSpec:
+    """Rank ``rank``'s settings for a gloo group of ``world_size`` on ``port`` of this host, with ``group.timeout_s``
+    ``timeout_s``; ``fields``: any other GroupSpec field (``backend``, ``token``, ``topology``, ...)."""
+    fields.setdefault("backend", "gloo")
+    return GroupSpec(port=port, world_size=world_size, rank=rank, timeout_s=timeout_s, **fields)
 
 
 @dataclass

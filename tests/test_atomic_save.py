@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mp_utils import STARTUP_LIMIT_S
 from safetensors import safe_open
 
 from refit_app.checkpoint import publish
@@ -25,8 +26,8 @@ from refit_app.checkpoint.reader import Checkpoint
 from refit_app.checkpoint.writer import CheckpointWriter
 from refit_app.core.meta import TensorMeta
 
-SAVE_TIMEOUT_S = 120.0
-"""One save of a few KiB in a fresh interpreter (torch import included), with a wide margin for a busy machine."""
+SAVE_TIMEOUT_S = STARTUP_LIMIT_S
+"""One save of a few KiB in a fresh interpreter: its start-up (torch) is nearly all of it, so the start-up limit."""
 MAX_STEPS = 40
 """More kill points than the writer has steps: reaching it means a save never completes."""
 
@@ -34,7 +35,7 @@ _KILLING_SAVE = textwrap.dedent("""
     import os, shutil, signal, sys
     from refit_app.checkpoint import writer as io  # commit looks the steps up there
     sys.path.insert(0, sys.argv[3])
-    from test_atomic_save import checkpoint_spec, write_checkpoint
+    from test_atomic_save import checkpoint_spec, save_version
 
     kill_at, events, in_commit = int(sys.argv[2]), [0], [False]
 
@@ -60,7 +61,7 @@ _KILLING_SAVE = textwrap.dedent("""
     for name in ("write_atomic", "carry_over", "switch_dirs"):
         setattr(io, name, step(getattr(io, name)))
     shutil.rmtree = step(shutil.rmtree)
-    write_checkpoint(sys.argv[1], "new")
+    save_version(sys.argv[1], "new")
 """)
 
 
@@ -74,7 +75,9 @@ def checkpoint_spec(version: str) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, shard_of, {"config.json": json.dumps({"version": version})}
 
 
-def write_checkpoint(directory: str | Path, version: str) -> None:
+def save_version(directory: str | Path, version: str) -> None:
+    """Save :func:`checkpoint_spec`'s ``version`` into ``directory`` through refit_app's writer (the code under
+    test: its commit is what the kill points wrap)."""
     tensors, shard_of, files = checkpoint_spec(version)
     metas = [TensorMeta(n, tuple(t.shape), t.dtype, shard_of[n]) for n, t in tensors.items()]
     writer = CheckpointWriter(directory, metas, {"format": "pt"}, files)
@@ -116,7 +119,7 @@ def user_files(directory: Path) -> dict[str, str]:
 
 def test_a_save_killed_at_every_step_leaves_old_or_new(tmp_path):
     target = tmp_path / "ckpt"
-    write_checkpoint(target, "old")
+    save_version(target, "old")
     (target / "tokenizer.json").write_text('{"user": "file"}')
     (target / "notes").mkdir()
     (target / "notes" / "readme.txt").write_text("mine")
@@ -144,10 +147,10 @@ def test_a_save_killed_at_every_step_leaves_old_or_new(tmp_path):
 
 def test_a_save_keeps_user_files_and_drops_only_old_weights(tmp_path):
     target = tmp_path / "ckpt"
-    write_checkpoint(target, "old")
+    save_version(target, "old")
     (target / "tokenizer.json").write_text("t")
     (target / "extra.safetensors").write_bytes(b"not named by the index: the user's")
-    write_checkpoint(target, "new")
+    save_version(target, "new")
     assert loaded_version(target) == "new"
     assert (target / "tokenizer.json").read_text() == "t"
     assert (target / "extra.safetensors").exists()
@@ -157,19 +160,19 @@ def test_a_save_keeps_user_files_and_drops_only_old_weights(tmp_path):
 def test_without_directory_exchange_two_renames_publish_it(tmp_path, monkeypatch):
     monkeypatch.setattr(publish, "exchange_dirs", lambda a, b: False)
     target = tmp_path / "ckpt"
-    write_checkpoint(target, "old")
+    save_version(target, "old")
     (target / "tokenizer.json").write_text("t")
-    write_checkpoint(target, "new")
+    save_version(target, "new")
     assert loaded_version(target) == "new" and (target / "tokenizer.json").read_text() == "t"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_a_symlinked_directory_stays_a_link(tmp_path):
     real = tmp_path / "real"
-    write_checkpoint(real, "old")
+    save_version(real, "old")
     link = tmp_path / "link"
     link.symlink_to(real)
-    write_checkpoint(link, "new")
+    save_version(link, "new")
     assert link.is_symlink() and loaded_version(real) == "new"
 
 
@@ -178,7 +181,7 @@ def test_a_live_save_is_not_cleaned_away(tmp_path):
     metas = [TensorMeta(n, tuple(t.shape), t.dtype, shard_of[n]) for n, t in tensors.items()]
     first = CheckpointWriter(tmp_path / "ckpt", metas)
     first.open()
-    write_checkpoint(tmp_path / "ckpt", "new")  # another save into the same place meanwhile
+    save_version(tmp_path / "ckpt", "new")  # another save into the same place meanwhile
     assert first.staging is not None and first.staging.is_dir()
     first.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -204,7 +207,7 @@ def test_a_staging_directory_removed_before_its_lock_is_replaced(tmp_path, monke
 
     monkeypatch.setattr(publish, "_locked_dir", racing_locked_dir)
     target = tmp_path / "ckpt"
-    write_checkpoint(target, "new")
+    save_version(target, "new")
     assert len(calls) == 2 and calls[0] != calls[1]
     assert loaded_version(target) == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

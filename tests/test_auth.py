@@ -14,20 +14,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conditions import needs_outward_ipv4, outward_ipv4_addresses
 from failure_utils import Launcher, RefitProcess
-from mp_utils import (
-    STARTUP_LIMIT_S,
-    deadline_budget,
-    free_port,
-    play_scenarios,
-    run_ranks,
-)
+from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, gloo_spec, run_ranks
 
 from refit_app.app import launch
 from refit_app.common.errors import ConfigError, PeerError
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 from refit_app.transport.rendezvous import start_store
 from refit_app.transport.signed_store import SignedStore
 
@@ -42,12 +37,6 @@ HANG_S = 120.0
 _GARBAGE = [b"{", b"[]", b"null", b'{"rank": "x"}', b'{"rank": 1, "caps": {}}', b"[" * 100_000,
             b"1" * 5000, b'{"body": "{}", "mac": "zz"}', b"\xff\xfe", b'{"ok": false, "kind": "ConfigError"}']
 """Values a rogue writes: malformed JSON, deep nesting, huge numbers, wrong types, missing fields, bad signatures."""
-
-
-def _spec(rank: int, port: int, token: str | None, *, run_id: str | None = None, timeout_s: float = TIMEOUT_S,
-          world_size: int = 2) -> GroupSpec:
-    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token,
-                     run_id=run_id)
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
@@ -137,7 +126,7 @@ class Rogue:
 def _attacked_run(rank: int, world_size: int, port: int, my_port: int, token: str | None, attacked) -> float | None:
     if rank == 1:
         assert attacked.wait(HANG_S), "the rogue never finished its attack"
-    with connect(_spec(rank, my_port, token)) as rg:
+    with connect(gloo_spec(rank, 2, my_port, timeout_s=TIMEOUT_S, token=token)) as rg:
         return _round(rg)
 
 
@@ -171,7 +160,7 @@ def test_rogue_client_cannot_join_with_a_token():
     """With a token, a rogue's check-in as rank 1 (unsigned, wrongly signed, garbage) is ignored: the producer does
     not start a refit with it, and fails at its deadline naming the missing rank and the ignored check-ins."""
     port = free_port()
-    spec = _spec(0, port, TOKEN, timeout_s=SHORT_S)
+    spec = gloo_spec(0, 2, port, timeout_s=SHORT_S, token=TOKEN)
     rogue = Rogue(port)
     with pytest.raises(PeerError) as info:
         connect(spec)
@@ -185,18 +174,18 @@ def test_rogue_client_cannot_join_with_a_token():
 
 def _two_runs(rank: int, world_size: int, port: int, my_port: int, refused) -> object:
     if rank == 0:
-        with connect(_spec(0, my_port, None, run_id="run-b")) as rg:
+        with connect(gloo_spec(0, 2, my_port, timeout_s=TIMEOUT_S, run_id="run-b")) as rg:
             return _round(rg)
     if rank == 2:  # a consumer of run A, pointed at run B's port
         try:
-            connect(_spec(1, my_port, None, run_id="run-a"))
+            connect(gloo_spec(1, 2, my_port, timeout_s=TIMEOUT_S, run_id="run-a"))
         except ConfigError as e:
             return str(e)
         finally:
             refused.set()
         return "joined"
     assert refused.wait(HANG_S)
-    with connect(_spec(1, my_port, None, run_id="run-b")) as rg:
+    with connect(gloo_spec(1, 2, my_port, timeout_s=TIMEOUT_S, run_id="run-b")) as rg:
         return _round(rg)
 
 
@@ -257,17 +246,13 @@ def test_no_token_warns_on_loopback_and_refuses_an_exposed_port_unless_allowed(t
         assert "group.allow_unauthenticated=true: any host" in output, output
 
 
+@needs_outward_ipv4
 def test_the_store_listens_on_group_host_only():
     """The default group.host=127.0.0.1 keeps the port off every other interface."""
     port = free_port()
-    store = start_store(_spec(0, port, None))
+    store = start_store(gloo_spec(0, 2, port, timeout_s=TIMEOUT_S))
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
-        addresses |= _own_addresses()
-        others = [a for a in addresses if not a.startswith("127.")]
-        if not others:
-            pytest.skip("this host has no non-loopback IPv4 address to try")
-        for address in others:
+        for address in sorted(outward_ipv4_addresses()):
             with pytest.raises(OSError):
                 socket.create_connection((address, port), timeout=2).close()
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -275,20 +260,11 @@ def test_the_store_listens_on_group_host_only():
         del store
 
 
-def _own_addresses() -> set[str]:
-    """This host's outward IPv4 address, if it has a route (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return {s.getsockname()[0]}
-        except OSError:
-            return set()
-
-
 @pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no_token"])
 def test_a_record_is_believed_only_as_its_run_signed_it(token):
     """Round trip; then every garbage value, a tampered body, another kind and another run's key: each a
-    RecordError (the one exception callers catch), never a JSONDecodeError, KeyError or RecursionError."""
+    RecordError (the one exception callers catch), never a JSONDecodeError, KeyError or RecursionError. Without a
+    token there is nothing to check a record against: a JSON object comes back as it was written."""
     auth = RunAuth.derive(token, "run-a", "nonce-1", 0)
     record = {"rank": 1, "message": "boom", "phase": None}
     sealed = auth.seal("error", record)
@@ -307,9 +283,14 @@ def test_a_record_is_believed_only_as_its_run_signed_it(token):
                 auth.open("error", value)
     for value in _GARBAGE:
         try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            parsed = None
+        if token is None and isinstance(parsed, dict):
+            assert auth.open("error", value) == parsed, value  # no token, no signature: an object is taken as sent
+            continue
+        with pytest.raises(RecordError):
             auth.open("error", value)
-        except RecordError:
-            pass
 
 
 def test_a_forged_backend_record_fails_the_set_up_instead_of_redirecting_it():
@@ -343,33 +324,3 @@ def test_cli_consumer_of_another_run_refuses_the_producer_and_saves_nothing(tmp_
         _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join")
     assert not sink.exists()
 
-
-def _signed_world_size_mismatch(rank: int, port: int):
-    if rank < 2:
-        connect(_spec(rank, port, TOKEN, timeout_s=TIMEOUT_S, world_size=2 if rank == 0 else 3))
-
-
-def _signed_duplicate_rank(rank: int, port: int):
-    connect(_spec(min(rank, 1), port, TOKEN, timeout_s=TIMEOUT_S, world_size=3))
-
-
-@pytest.mark.parametrize(
-    ("scenario", "ranks", "expected"),
-    [
-        ("world_size_mismatch", (0, 1), "group.world_size differs: the producer has 2, consumer rank 1 has 3"),
-        ("duplicate_rank", (0, 1, 2), "group.rank=1 is claimed by two consumers"),
-    ],
-)
-def test_with_a_token_a_checkin_mismatch_still_stops_every_rank_with_one_message(signed_played, scenario, ranks,
-                                                                                 expected):
-    """The signed outcome carries a real rank's failure to every rank, as the unsigned one does."""
-    for rank in ranks:
-        error = signed_played[rank][scenario]
-        assert isinstance(error, ConfigError), (rank, error)
-        assert expected in str(error)
-
-
-@pytest.fixture(scope="module")
-def signed_played() -> list[dict]:
-    return play_scenarios({"world_size_mismatch": _signed_world_size_mismatch,
-                           "duplicate_rank": _signed_duplicate_rank}, 3)

@@ -8,31 +8,26 @@ model) identical tensor for tensor to the source, with its config and tokenizer 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from mp_utils import run_ranks
+from conditions import needs_transformers
+from mp_utils import gloo_spec, run_ranks
 from safetensors import safe_open
+from tensor_utils import raw_bytes
 
 from refit_app.checkpoint.layout import MAX_COMPANION_FILE_BYTES, SINGLE_FILE_NAME
 from refit_app.checkpoint.reader import read_companion_files
-from refit_app.core.wire import host_bytes
 from refit_app.models.sinks import SaveSink
 from refit_app.models.sources import SafetensorsSource
 from refit_app.protocol.checksum import default_algorithm
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.session import ConsumerSession, ProducerSession
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
-FRACAST_PACKAGE = "fracast"
 BUFFER = 1 << 20
 TIMEOUT_S = 60.0
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return bytes(host_bytes(t))
 
 
 def _reference_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -48,10 +43,11 @@ def _reference_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert want, "no tensors to compare with: the test would not test"
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert (got[name].dtype, got[name].shape) == (t.dtype, t.shape), name
-        assert _raw(got[name]) == _raw(t), f"{name} differs"
+        assert raw_bytes(got[name]) == raw_bytes(t), f"{name} differs"
 
 
 def save_through_sink(source: SafetensorsSource, out: Path, rounds: int = 2) -> dict:
@@ -67,19 +63,6 @@ def save_through_sink(source: SafetensorsSource, out: Path, rounds: int = 2) -> 
             sink.consume([(name, t)])
         sink.finish(None)
     return sink.close()
-
-
-@pytest.fixture(scope="session")
-def fracast_dir() -> Path:
-    """fracast-0's weights directory (config.json, model.safetensors, an int8 variant), as the fracast package ships
-    it; installed with ``pip install --no-deps fracast`` and never imported."""
-    spec = importlib.util.find_spec(FRACAST_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip(f"{FRACAST_PACKAGE} is not installed; `pip install --no-deps fracast==0.1.0` provides it")
-    path = Path(spec.submodule_search_locations[0]) / "weights"
-    if not (path / SINGLE_FILE_NAME).is_file():
-        pytest.skip(f"{FRACAST_PACKAGE} is installed but {path / SINGLE_FILE_NAME} is missing")
-    return path
 
 
 # ------------------------------------------------------------------------------------------ companion files
@@ -136,8 +119,10 @@ def test_save_refuses_companion_names_that_escape_or_replace_weights(tmp_path, n
 # ------------------------------------------------------------------------------------------ real checkpoints
 
 
+@needs_transformers
 def test_minilm_saved_opens_with_from_pretrained(minilm_dir, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     out = tmp_path / "saved"
     save_through_sink(SafetensorsSource(str(minilm_dir)), out)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
@@ -173,9 +158,11 @@ def test_fracast_int8_variant_mixed_dtypes(fracast_dir, tmp_path):
     assert {t.dtype for t in _reference_tensors(out).values()} == {torch.float32, torch.int8}
 
 
+@needs_transformers
 @pytest.mark.parametrize("sharded", [False, True])
 def test_llama_saved_opens_with_from_pretrained(tmp_path, sharded):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from refit_app.models.hf import write_tiny_llama
 
     src = write_tiny_llama(tmp_path / "src", seed=3, dtype=torch.bfloat16)
@@ -197,8 +184,7 @@ def test_llama_saved_opens_with_from_pretrained(tmp_path, sharded):
 
 
 def _refit_and_save(rank: int, world_size: int, port: int, path: str, out: str) -> object:
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
-    with connect(spec) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             source = SafetensorsSource(path)
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
@@ -215,8 +201,10 @@ def _refit_and_save(rank: int, world_size: int, port: int, path: str, out: str) 
         return verified, sink.close()["saved_files"]
 
 
+@needs_transformers
 def test_minilm_refit_over_gloo_saves_a_loadable_directory(minilm_dir, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     out = tmp_path / "saved"
     (algorithm, second_manifest), (verified, saved_files) = run_ranks(
         _refit_and_save, 2, str(minilm_dir), str(out), timeout=120

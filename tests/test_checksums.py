@@ -6,21 +6,18 @@ from __future__ import annotations
 import sys
 
 import torch
-from mp_utils import RankFailure, run_ranks
+from conditions import needs_xxhash
+from mp_utils import RankFailure, gloo_spec, run_ranks
 
 from refit_app.protocol.checksum import available_algorithms, tensor_checksum
 from refit_app.protocol.handshake import recv_checksums, send_checksums
 from refit_app.protocol.session import ConsumerSession, ProducerSession
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
 TIMEOUT_S = 30.0
 BUFFER = 4096
 WIDE = [0, 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 0x8000_0000_DEAD_BEEF]
 """Checksums on both sides of every sign boundary of the int64 trailer."""
-
-
-def _spec(rank: int, world_size: int, port: int) -> GroupSpec:
-    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
@@ -29,7 +26,7 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
 
 
 def _trailer(rank: int, world_size: int, port: int) -> list[int]:
-    with connect(_spec(rank, world_size, port)) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             send_checksums(rg, WIDE)
             return WIDE
@@ -44,7 +41,7 @@ def test_trailer_carries_unsigned_64_bit_checksums_exactly():
 def _every_algorithm(rank: int, world_size: int, port: int) -> list:
     """One session per algorithm this host has, one after another over one group; consumers verify."""
     out = []
-    with connect(_spec(rank, world_size, port)) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         for algorithm in available_algorithms():
             if rank == 0:
                 with ProducerSession(rg, buffer_size_bytes=BUFFER, checksum_algorithm=algorithm) as session:
@@ -61,13 +58,14 @@ def _every_algorithm(rank: int, world_size: int, port: int) -> list:
 def test_every_installed_algorithm_verifies_end_to_end():
     producer, consumer = run_ranks(_every_algorithm, 2, timeout=120)
     assert [a for a, _ in producer] == available_algorithms()
+    assert len(consumer) == len(producer), consumer
     for (algorithm, sent), (named, verified, received) in zip(producer, consumer):
         assert named == algorithm and verified is True
         assert sent == received == [tensor_checksum(t, algorithm) for _, t in _weights()]
 
 
 def _consumer_lacks_xxhash(rank: int, world_size: int, port: int) -> None:
-    with connect(_spec(rank, world_size, port)) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             with ProducerSession(rg, buffer_size_bytes=BUFFER, checksum_algorithm="xxh3_64") as session:
                 session.send(_weights())
@@ -77,11 +75,8 @@ def _consumer_lacks_xxhash(rank: int, world_size: int, port: int) -> None:
         session.receive(lambda batch: None)
 
 
+@needs_xxhash
 def test_a_consumer_without_the_producers_algorithm_refuses_at_the_handshake():
-    if "xxh3_64" not in available_algorithms():
-        import pytest
-
-        pytest.skip("xxhash is not installed here")
     outcomes = run_ranks(_consumer_lacks_xxhash, 2, timeout=60, return_exceptions=True)
     for outcome in outcomes:
         assert isinstance(outcome, RankFailure), outcome

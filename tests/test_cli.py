@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, load_metrics, run_dir, sweep_dir
 from mp_utils import STARTUP_LIMIT_S, free_port
 from omegaconf import OmegaConf
+from tensor_utils import raw_bytes
 
 from refit_app.checkpoint.reader import Checkpoint, SafetensorsFile
-from refit_app.core.wire import host_bytes as tensor_bytes
+from refit_app.core.defaults import NUM_BUFFERS_ENV
 
 # What issue 3 promises in every successful run's metrics.json.
 REQUIRED_METRICS = (
@@ -23,51 +25,14 @@ REQUIRED_METRICS = (
 )  # fmt: skip
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MiB = 2**20
-COVER_STARTUP = f"group.timeout_s={STARTUP_LIMIT_S:g}"
-"""For runs whose ranks start ungated (role=local spawns its own; a producer and a consumer started together): the
-gap between their start-ups, up to one whole start-up on a loaded machine, is inside the rendezvous deadline. No
-test here is about that deadline. test_default_local_refit keeps the default (60 s): it runs the README's command
-as typed."""
-
-
-def run_dir(root: Path, name: str) -> Path:
-    """The one output directory ``outputs/<date>/<time>_<name>`` a single run made under ``root``."""
-    found = sorted((root / "outputs").glob(f"*/*_{name}"))
-    assert len(found) == 1, f"expected one outputs/*/*_{name} directory, found {found}"
-    return found[0]
-
-
-def sweep_dir(root: Path) -> Path:
-    found = sorted((root / "outputs" / "multirun").glob("*/*"))
-    assert len(found) == 1, f"expected one sweep directory, found {found}"
-    return found[0]
-
-
-def load_metrics(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / "metrics.json").read_text())
+# No test here is about the rendezvous deadline: runs pass COVER_STARTUP, except test_default_local_refit, which
+# keeps the default (60 s) because it runs the README's command as typed.
 
 
 def resolved_config(directory: Path) -> Any:
     text = (directory / "config_resolved.yaml").read_text()
     assert "${" not in text, f"config_resolved.yaml still holds an interpolation:\n{text}"
     return OmegaConf.load(directory / "config_resolved.yaml")
-
-
-def assert_ok(result) -> None:
-    assert result.returncode == 0, result.describe()
-    assert "Traceback" not in result.stderr + result.stdout, result.describe()
-
-
-def assert_one_line_error(result, *fragments: str) -> str:
-    """Non-zero exit, exactly one line on stderr naming every fragment, no traceback anywhere."""
-    assert result.returncode != 0, result.describe()
-    lines = result.stderr_lines()
-    assert len(lines) == 1, f"expected one line on stderr\n{result.describe()}"
-    assert lines[0].startswith("refit_app: error: "), result.describe()
-    for fragment in fragments:
-        assert fragment in lines[0], f"{fragment!r} missing from the error line\n{result.describe()}"
-    assert "Traceback" not in result.stdout, result.describe()
-    return lines[0]
 
 
 def assert_complete_metrics(m: dict[str, Any]) -> None:
@@ -90,7 +55,7 @@ def sizes_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def checkpoint_bytes(path: Path) -> dict[str, bytes]:
     """Every tensor's bytes as refit_app's own reader serves them."""
-    return {name: bytes(tensor_bytes(t)) for name, t in Checkpoint(path).iter_tensors()}
+    return {name: raw_bytes(t) for name, t in Checkpoint(path).iter_tensors()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,7 +218,7 @@ def test_sharded_checkpoint_saved_with_same_shards(cli, sharded_checkpoint, read
 
 
 def test_num_buffers_from_environment(cli, tmp_path):
-    result = cli("sink=discard", COVER_STARTUP, env={"NRL_REFIT_NUM_BUFFERS": "3"})
+    result = cli("sink=discard", COVER_STARTUP, env={NUM_BUFFERS_ENV: "3"})
     assert_ok(result)
     out = run_dir(tmp_path, "local")
     m = load_metrics(out)
@@ -262,12 +227,10 @@ def test_num_buffers_from_environment(cli, tmp_path):
     assert resolved_config(out).refit.num_buffers == 3
 
 
-@pytest.mark.parametrize("value", ["abc", "0"])
-def test_bad_num_buffers_from_environment_names_the_variable(cli, value):
-    result = cli("sink=discard", env={"NRL_REFIT_NUM_BUFFERS": value})
-    assert_one_line_error(result, "NRL_REFIT_NUM_BUFFERS", "refit.num_buffers")
-    if value == "abc":
-        assert "abc" in result.stderr
+@pytest.mark.parametrize(("value", "shown"), [("abc", "='abc'"), ("0", "refit.num_buffers=0")])
+def test_bad_num_buffers_from_environment_names_the_variable(cli, value, shown):
+    result = cli("sink=discard", env={NUM_BUFFERS_ENV: value})
+    assert_one_line_error(result, NUM_BUFFERS_ENV, "refit.num_buffers", shown)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,41 +11,25 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from cli_utils import hermetic_env
+from config_utils import compose_config, refused, settings
 from hydra.errors import ConfigCompositionException
+from mp_utils import STARTUP_LIMIT_S
 from omegaconf import OmegaConf
 
-from refit_app.app.config import RunSettings, SinkSpec, SourceSpec, validate
+from refit_app.app.config import SinkSpec, SourceSpec, validate
 from refit_app.app.schema import CONF_MODULE, CONFIG_NAME
-from refit_app.common.errors import ConfigError
+from refit_app.core.defaults import NUM_BUFFERS_ENV
 from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENV = "NRL_REFIT_NUM_BUFFERS"
+ENV = NUM_BUFFERS_ENV
 
 
 @pytest.fixture(autouse=True)
 def _no_env_num_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     # The developer's shell must not decide what these tests see.
     monkeypatch.delenv(ENV, raising=False)
-
-
-def compose_config(overrides: list[str]):
-    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-        return compose(config_name=CONFIG_NAME, overrides=overrides)
-
-
-def settings(*overrides: str) -> RunSettings:
-    return validate(compose_config(list(overrides)))
-
-
-def refused(*overrides: str) -> str:
-    """The message validate() refuses ``overrides`` with; it must be one line."""
-    with pytest.raises(ConfigError) as info:
-        settings(*overrides)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 # --- every group option composes to the documented values and types ------------------------------------------
@@ -181,9 +165,8 @@ def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
      (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2")],
 )
 def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> None:
-    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
-        run_dir, sweep_dir = cfg.hydra.run.dir, cfg.hydra.sweep.dir
+    cfg = compose_config(overrides, return_hydra_config=True)
+    run_dir, sweep_dir = cfg.hydra.run.dir, cfg.hydra.sweep.dir
     assert run_dir.startswith("outputs/") and run_dir.endswith(suffix)
     assert sweep_dir.startswith("outputs/multirun/") and sweep_dir.endswith(suffix)
     assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
@@ -308,12 +291,12 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", ENV)}
+    environment = hermetic_env()
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
     environment.update(env)
     # cwd: Hydra's outputs/ land beside the script, not in the repository.
     return subprocess.run([sys.executable, str(app), *args], cwd=app.parent, env=environment, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=STARTUP_LIMIT_S)
 
 
 @pytest.mark.parametrize(

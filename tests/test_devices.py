@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conditions import needs_cuda, needs_no_cuda
 
 from refit_app.app.devices import local_cuda_device, use_local_gpu
 
@@ -35,7 +36,7 @@ def test_ranks_of_one_host_spread_over_its_gpus():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh there)")
+@needs_cuda
 def test_use_local_gpu_sets_the_current_device():
     count = torch.cuda.device_count()
     before = torch.cuda.current_device()
@@ -50,6 +51,6 @@ def test_use_local_gpu_sets_the_current_device():
     assert use_local_gpu(None) is None and torch.cuda.current_device() == before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+@needs_no_cuda
 def test_use_local_gpu_without_a_gpu_changes_nothing():
     assert use_local_gpu(0) is None and use_local_gpu(3) is None and use_local_gpu(None) is None

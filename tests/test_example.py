@@ -7,22 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from cli_utils import COVER_STARTUP, local_metrics
+from config_utils import compose_config
 from omegaconf import OmegaConf
 
 from refit_app import run
 from refit_app.app.config import validate
 from refit_app.app.runner import RESOLVED_CONFIG_FILE
-from refit_app.app.schema import CONF_MODULE
 from refit_app.common.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compose_run.py"
 MiB = 2**20
-
-
-def compose_config(overrides: list[str]):
-    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def test_run_composed_config_in_process(tmp_path, monkeypatch):
@@ -87,7 +82,7 @@ def test_custom_sink_example_loads_into_the_scripts_own_module(cli):
 
 
 def test_a_custom_sink_that_cannot_be_imported_is_one_line(cli):
-    result = cli("sink=custom", "sink._target_=no_such_module.Sink", "group.timeout_s=180")
+    result = cli("sink=custom", "sink._target_=no_such_module.Sink", COVER_STARTUP)
     assert result.returncode == 1, result.describe()
     assert result.stderr_lines() == [
         "refit_app: error: _target_='no_such_module.Sink': cannot import no_such_module (No module named "
@@ -111,10 +106,10 @@ def test_a_custom_source_of_the_users_own(cli, tmp_path):
         "    def tensors(self):\n"
         "        yield 'ones', torch.ones(self.n)\n"
     )
-    result = cli("source=custom", "source._target_=my_source.Ones", "+source.n=1000", "group.timeout_s=180",
+    result = cli("source=custom", "source._target_=my_source.Ones", "+source.n=1000", COVER_STARTUP,
                  env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.describe()
-    metrics = json.loads(next((tmp_path / "outputs").glob("*/*_local/metrics.json")).read_text())
+    metrics = local_metrics(tmp_path)
     assert (metrics["source"], metrics["bytes"], metrics["verified"]) == ("1000 ones", 4000, True)
 
 

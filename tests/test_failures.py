@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import conditions
 import pytest
 import torch
+from conditions import needs_no_cuda
 from failure_utils import Launcher, Outcome, RefitProcess, listing, snapshot, write_checkpoint
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port
 
@@ -100,8 +102,8 @@ def _record(case: str, *outcomes: Outcome, gated: bool = True) -> None:
 def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
     names = []
     for item in request.session.items:
-        if item.module is not request.module:
-            continue
+        if item.module is not request.module or conditions.unmet(item):
+            continue  # another module's, or skipped here: no processes for it
         callspec = getattr(item, "callspec", None)
         name = callspec.params["case"].name if callspec and "case" in callspec.params else None
         name = name or item.originalname.removeprefix("test_")
@@ -620,6 +622,8 @@ class BadInput:
     """Creates the files the case points at, in the case's directory (the process's cwd)."""
     uses_sink: bool = True
     """Whether the case also names a prior checkpoint as sink.path, to show it stays untouched."""
+    marks: tuple = ()
+    """What the case needs from the machine (:mod:`conditions`)."""
 
     def __str__(self) -> str:
         return self.name
@@ -726,8 +730,10 @@ BAD_INPUTS = [
         ("role=consumer", "group.host=no-such-host.invalid"),
         ("group.host='no-such-host.invalid'", "cannot be resolved"),
     ),
-    BadInput("pynccl_without_vllm_or_gpu", ("group.backend=pynccl",), ("group.backend=pynccl", "vLLM", "GPU")),
-    BadInput("nccl_without_gpu", ("group.backend=nccl",), ("group.backend=nccl", "GPU", "gloo")),
+    BadInput("pynccl_without_vllm_or_gpu", ("group.backend=pynccl",), ("group.backend=pynccl", "vLLM", "GPU"),
+             marks=(needs_no_cuda,)),
+    BadInput("nccl_without_gpu", ("group.backend=nccl",), ("group.backend=nccl", "GPU", "gloo"),
+             marks=(needs_no_cuda,)),
     BadInput(
         "world_size_below_2", ("role=producer", "group.world_size=1"), ("group.world_size=1", ">= 2"), uses_sink=False
     ),
@@ -777,7 +783,7 @@ for _case in BAD_INPUTS:
     SCENARIOS[_case.name] = _bad_input_scenario(_case)
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=str)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=case.marks, id=case.name) for case in BAD_INPUTS])
 def test_bad_input(case: BadInput, results: dict[str, Future]) -> None:
     res = outcome_of(results, case.name)
     assert_failed_cleanly(res.outcomes[case.name], *case.expected)

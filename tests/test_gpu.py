@@ -6,25 +6,22 @@ Marked ``gpu`` and skipped without a CUDA device; ``scripts/gpu_check.sh`` runs 
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 
 import pytest
 import torch
-from fakes import RecordingGroup, ReplayGroup, raw_bytes
-from mp_utils import run_ranks
-from test_packed_tensor import IDENTITY, assert_exact, awkward_tensors, metas
+from conditions import needs_cuda
+from fakes import RecordingGroup, ReplayGroup
+from mp_utils import gloo_spec, run_ranks
+from tensor_utils import IDENTITY, assert_exact, awkward_tensors, digest, metas
 
 from refit_app.core.buffers import get_streams
 from refit_app.models.sources import SyntheticSource
 from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh there)"),
-]
+pytestmark = [pytest.mark.gpu, needs_cuda]
 
 TARGET = 4096
 GiB = 1024**3
@@ -121,10 +118,6 @@ def _post(item: tuple[str, torch.Tensor]) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.dtype == torch.float32 else t
 
 
-def _digest(tensors) -> list[tuple[str, tuple[int, ...], str, str]]:
-    return [(n, tuple(t.shape), str(t.dtype), hashlib.sha256(raw_bytes(t)).hexdigest()) for n, t in tensors]
-
-
 def _model() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     weights = [(f"layer{i}.w", torch.randn(96, 64, generator=g)) for i in range(24)]  # 24 KiB fp32 each
@@ -138,15 +131,14 @@ def _one_gpu_rank(rank: int, world_size: int, port: int) -> list:
     torch.cuda.set_device(0)  # both ranks on the same GPU: NCCL refuses that, gloo does not
     dev = _device()
     tensors = [(n, t.to(dev)) for n, t in _model()]
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=60)
     results = []
-    with connect(spec) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=60)) as rg:
         for legacy, post_name in ONE_GPU_CASES:
             post = _post if post_name == "cast" else IDENTITY
             kwargs = dict(buffer_size_bytes=64 * 1024, use_legacy_packing=legacy, device=dev)
             if rank == 0:
                 packed_broadcast_producer(iter(tensors), rg.group, 0, post, num_buffers=2, **kwargs)
-                results.append(_digest((n, post((n, t))) for n, t in tensors))
+                results.append(digest((n, post((n, t))) for n, t in tensors))
                 continue
             wire = [(n, post((n, t))) for n, t in tensors]
             got: list = []
@@ -154,7 +146,7 @@ def _one_gpu_rank(rank: int, world_size: int, port: int) -> list:
 
             def consume(batch):
                 devices.update(t.device.type for _, t in batch)
-                got.extend(_digest(batch))
+                got.extend(digest(batch))
 
             packed_broadcast_consumer(iter(metas(wire)), rg.group, 0, consume, num_buffers=2, **kwargs)
             assert devices == {"cuda"}, devices
@@ -164,7 +156,8 @@ def _one_gpu_rank(rank: int, world_size: int, port: int) -> list:
 
 def test_producer_to_consumer_on_one_gpu_over_gloo():
     producer, consumer = run_ranks(_one_gpu_rank, 2, timeout=300)
-    expected_identity = _digest(_model())
+    expected_identity = digest(_model())
+    assert len(producer) == len(consumer) == len(ONE_GPU_CASES), (len(producer), len(consumer))
     for case, sent, got in zip(ONE_GPU_CASES, producer, consumer):
         assert got == sent, f"case {case}: the consumer's bytes differ from what the producer sent"
         if case[1] == "identity":

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import RankFailure, deadline_budget, free_port, play_scenarios, run_ranks
+from conditions import needs_no_cuda
+from mp_utils import RankFailure, deadline_budget, free_port, gloo_spec, run_ranks
 
 from refit_app.common.errors import ConfigError, PeerError
 from refit_app.transport import backends
@@ -27,18 +29,15 @@ FAIL_TIMEOUT_S = 5.0
 OK_TIMEOUT_S = 30.0
 """group.timeout_s where everything should succeed. Ranks start each scenario together (mp_utils), so no deadline
 here includes process start-up."""
-
-
-def _spec(rank: int, port: int, world_size: int, timeout_s: float = FAIL_TIMEOUT_S, **kw) -> GroupSpec:
-    return GroupSpec(backend=kw.pop("backend", "gloo"), port=port, world_size=world_size, rank=rank,
-                     timeout_s=timeout_s, **kw)
+TOKEN = "s3cret-token-for-tests-0123456789"
+"""group.token of the signed variants of the check-in scenarios (test_auth.py tests what a token keeps out)."""
 
 
 # --- scenarios: each runs on every rank; returns what the tests check, or raises --------------------------
 
 
 def _broadcast_three(rank: int, port: int):
-    with connect(_spec(rank, port, 3, OK_TIMEOUT_S, backend="auto")) as rg:
+    with connect(gloo_spec(rank, 3, port, timeout_s=OK_TIMEOUT_S, backend="auto")) as rg:
         assert (rg.rank, rg.world_size) == (rank, 3)
         from_producer = torch.arange(5, dtype=torch.float32) if rank == 0 else torch.zeros(5)
         rg.group.broadcast(from_producer, 0)
@@ -56,7 +55,7 @@ def _reconnect_two(rank: int, port: int):
     """A second group in a process whose first group was closed (ranks 0 and 1 only)."""
     if rank == 2:
         return None
-    rg = connect(_spec(rank, port, 2, OK_TIMEOUT_S))
+    rg = connect(gloo_spec(rank, 2, port, timeout_s=OK_TIMEOUT_S))
     t = torch.tensor([41 + rank], dtype=torch.int64)
     rg.group.broadcast(t, 1)
     rg.control.report("done")
@@ -66,19 +65,19 @@ def _reconnect_two(rank: int, port: int):
     return t.item()
 
 
-def _world_size_mismatch(rank: int, port: int):
+def _world_size_mismatch(rank: int, port: int, token: str | None = None):
     if rank == 2:
         return None
-    connect(_spec(rank, port, 2 if rank == 0 else 3))
+    connect(gloo_spec(rank, 2 if rank == 0 else 3, port, timeout_s=FAIL_TIMEOUT_S, token=token))
 
 
-def _duplicate_rank(rank: int, port: int):
-    connect(_spec(min(rank, 1), port, 3))
+def _duplicate_rank(rank: int, port: int, token: str | None = None):
+    connect(gloo_spec(min(rank, 1), 3, port, timeout_s=FAIL_TIMEOUT_S, token=token))
 
 
 def _silent_rank(rank: int, port: int):
     """Rank 2 never reports; the others' gather must give up at its deadline and say who was missing."""
-    spec = _spec(rank, port, 3, OK_TIMEOUT_S)
+    spec = gloo_spec(rank, 3, port, timeout_s=OK_TIMEOUT_S)
     with connect(spec) as rg:
         if rank == 2:
             deadline = time.monotonic() + OK_TIMEOUT_S
@@ -94,13 +93,12 @@ SCENARIOS = {
     "reconnect_two": _reconnect_two,
     "world_size_mismatch": _world_size_mismatch,
     "duplicate_rank": _duplicate_rank,
+    "signed_world_size_mismatch": partial(_world_size_mismatch, token=TOKEN),
+    "signed_duplicate_rank": partial(_duplicate_rank, token=TOKEN),
     "silent_rank": _silent_rank,
 }
-
-
-@pytest.fixture(scope="module")
-def played() -> list[dict]:
-    return play_scenarios(SCENARIOS, 3)
+"""Played once on SCENARIO_RANKS ranks by the ``played`` fixture (conftest.py)."""
+SCENARIO_RANKS = 3
 
 
 def test_three_ranks_broadcast_from_any_source_and_gather(played):
@@ -115,6 +113,7 @@ def test_two_ranks_after_close_in_the_same_process(played):
     assert [played[r]["reconnect_two"] for r in range(3)] == [42, 42, None]
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["no_token", "token"])
 @pytest.mark.parametrize(
     "scenario, ranks, expected",
     [
@@ -122,9 +121,10 @@ def test_two_ranks_after_close_in_the_same_process(played):
         ("duplicate_rank", (0, 1, 2), "group.rank=1 is claimed by two consumers"),
     ],
 )
-def test_checkin_mismatch_stops_every_rank_with_one_message(played, scenario, ranks, expected):
+def test_checkin_mismatch_stops_every_rank_with_one_message(played, scenario, ranks, expected, signed):
+    """With a token too: the signed outcome carries a real rank's failure to every rank, as the unsigned one does."""
     for rank in ranks:
-        error = played[rank][scenario]
+        error = played[rank][f"signed_{scenario}" if signed else scenario]
         assert isinstance(error, ConfigError), (rank, error)
         assert expected in str(error)
 
@@ -143,7 +143,7 @@ def test_gather_deadline_names_the_silent_rank_everywhere(played):
 
 def _killed_mid_broadcast(rank: int, world_size: int, port: int):
     try:
-        with connect(_spec(rank, port, world_size)) as rg:
+        with connect(gloo_spec(rank, world_size, port, timeout_s=FAIL_TIMEOUT_S)) as rg:
             buf = torch.ones(1 << 18)
             for i in range(200):
                 rg.group.broadcast(buf, 0)
@@ -165,7 +165,7 @@ def test_consumer_killed_mid_broadcast_fails_the_others_within_the_deadline():
     assert isinstance(killed, RankFailure) and killed.exc_type == "Died"
     for outcome in (producer, survivor):
         assert isinstance(outcome, PeerError), outcome
-    assert "a rank may have died" in str(producer) or "rank 2 did not report" in str(producer)
+        assert "a rank may have died" in str(outcome) or "rank 2 did not report" in str(outcome), outcome
 
 
 # --- in-process checks ------------------------------------------------------------------------------------
@@ -174,18 +174,18 @@ def test_consumer_killed_mid_broadcast_fails_the_others_within_the_deadline():
 def test_port_in_use_is_refused_at_once():
     holder = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with pytest.raises(ConfigError, match=f"group.port={holder.port} is already in use"):
-        connect(_spec(0, holder.port, 2))
+        connect(gloo_spec(0, 2, holder.port, timeout_s=FAIL_TIMEOUT_S))
 
 
 def test_consumer_without_producer_gives_up_at_its_deadline():
     port = free_port()
     with pytest.raises(PeerError, match=f"could not reach the producer at 127.0.0.1:{port} within 1s"):
-        connect(_spec(1, port, 2, timeout_s=1.0))
+        connect(gloo_spec(1, 2, port, timeout_s=1.0))
 
 
 def test_unresolvable_host_is_a_config_error():
     with pytest.raises(ConfigError, match="group.host='nonexistent.invalid' cannot be resolved"):
-        connect(_spec(1, free_port(), 2, host="nonexistent.invalid"))
+        connect(gloo_spec(1, 2, free_port(), timeout_s=FAIL_TIMEOUT_S, host="nonexistent.invalid"))
 
 
 def test_rank_out_of_range_is_refused_before_any_rendezvous():
@@ -201,18 +201,18 @@ def test_invalid_spec_lists_every_problem_at_once():
         assert fragment in message
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@needs_no_cuda
 @pytest.mark.parametrize("backend", ["nccl", "pynccl"])
 def test_gpu_backends_without_gpu_are_refused(backend):
     with pytest.raises(ConfigError, match=f"group.backend={backend} needs a CUDA GPU on every rank; use gloo"):
-        connect(_spec(0, free_port(), 2, backend=backend))
+        connect(gloo_spec(0, 2, free_port(), timeout_s=FAIL_TIMEOUT_S, backend=backend))
 
 
 def test_pynccl_without_vllm_is_refused(monkeypatch):
     monkeypatch.setattr(backends, "has_cuda", lambda: True)
     monkeypatch.setattr(backends, "has_vllm", lambda: False)
     with pytest.raises(ConfigError, match=r"group.backend=pynccl needs vLLM: pip install 'refit_app\[vllm\]'"):
-        connect(_spec(0, free_port(), 2, backend="pynccl"))
+        connect(gloo_spec(0, 2, free_port(), timeout_s=FAIL_TIMEOUT_S, backend="pynccl"))
 
 
 def _info(backend: str, cuda: bool = False, vllm: bool = False) -> dict:

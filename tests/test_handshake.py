@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mp_utils import play_scenarios
+from mp_utils import gloo_spec
 
 from refit_app.common.errors import HandshakeError, PeerError, SinkError
 from refit_app.core.meta import TensorMeta
@@ -23,7 +23,7 @@ from refit_app.protocol.handshake import (
     send_manifest,
 )
 from refit_app.protocol.manifest import Manifest
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
 MiB = 1 << 20
 TIMEOUT_S = 10.0
@@ -54,7 +54,7 @@ class _FutureManifest(Manifest):
 
 
 def _connect(rank: int, port: int):
-    return connect(GroupSpec(backend="gloo", port=port, world_size=3, rank=rank, timeout_s=TIMEOUT_S))
+    return connect(gloo_spec(rank, SCENARIO_RANKS, port, timeout_s=TIMEOUT_S))
 
 
 # --- scenarios ---------------------------------------------------------------------------------------------
@@ -121,11 +121,8 @@ SCENARIOS = {
     "unreadable_manifest": _unreadable_manifest,
     "consumer_fails_after_handshake": _consumer_fails_after_handshake,
 }
-
-
-@pytest.fixture(scope="module")
-def played() -> list[dict]:
-    return play_scenarios(SCENARIOS, 3)
+"""Played once on SCENARIO_RANKS ranks by the ``played`` fixture (conftest.py)."""
+SCENARIO_RANKS = 3
 
 
 def test_manifest_and_checksums_reach_every_consumer(played):
@@ -161,7 +158,8 @@ def test_a_consumer_failing_after_the_handshake_fails_every_rank(played):
         error = played[rank]["consumer_fails_after_handshake"]
         assert isinstance(error, PeerError), (rank, error)
         assert str(error) == "rank 2 failed: sink.path '/ro/out' is not writable"
-    assert isinstance(played[2]["consumer_fails_after_handshake"], SinkError)
+    own = played[2]["consumer_fails_after_handshake"]
+    assert isinstance(own, SinkError) and str(own) == "sink.path '/ro/out' is not writable", own
 
 
 # --- settings checks without processes ----------------------------------------------------------------------

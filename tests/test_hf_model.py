@@ -12,8 +12,9 @@ import sys
 
 import pytest
 import torch
-
-pytest.importorskip("transformers", reason="source=model / sink=model need transformers (pip install transformers)")
+from conditions import needs_transformers
+from mp_utils import STARTUP_LIMIT_S
+from tensor_utils import deliver
 
 from refit_app.checkpoint.layout import SINGLE_FILE_NAME
 from refit_app.checkpoint.reader import Checkpoint
@@ -23,8 +24,9 @@ from refit_app.models.hf import ModelSink, ModelSource, write_tiny_llama
 from refit_app.models.probe import decode_probe, encode_probe, logit_tolerance
 from refit_app.protocol.manifest import Manifest
 
+pytestmark = needs_transformers  # source=model / sink=model
+
 PROBE_TOKENS = 12
-TENSORS_PER_BATCH = 3
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +44,8 @@ def manifest_of(source: ModelSource) -> Manifest:
     return Manifest(source.manifest_tensors(), buffer_size_bytes=1 << 20, use_legacy_packing=False)
 
 
-def feed(source: ModelSource, sink: ModelSink, per_batch: int = TENSORS_PER_BATCH) -> None:
-    """Send ``source.tensors()`` to ``sink.consume`` in small batches of views into a reused receive buffer."""
-    items = list(source.tensors())
-    for start in range(0, len(items), per_batch):
-        chunk = items[start : start + per_batch]
-        buffer = torch.empty(sum(t.numel() * t.element_size() for _, t in chunk), dtype=torch.uint8)
-        views, offset = [], 0
-        for name, t in chunk:
-            n = t.numel() * t.element_size()
-            buffer[offset : offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-            views.append((name, buffer[offset : offset + n].view(t.dtype).view(t.shape)))
-            offset += n
-        sink.consume(views)
-        buffer.fill_(0xFF)  # the next chunk reuses the buffer: kept views would now read NaNs
-
-
 def refit(source: ModelSource, sink: ModelSink) -> dict:
-    feed(source, sink)
+    deliver(sink, list(source.tensors()))  # views into a reused buffer: a sink that kept one would read NaNs
     return sink.finish_round()
 
 
@@ -297,4 +283,4 @@ def test_write_tiny_llama_is_deterministic(tmp_path):
 
 def test_importing_the_module_does_not_import_transformers():
     code = "import sys, refit_app.models.hf; sys.exit('transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=STARTUP_LIMIT_S).returncode == 0

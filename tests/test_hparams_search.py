@@ -4,26 +4,18 @@ trial's task returns: the run's headline throughput, a steady round's when the r
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI_TIMEOUT_S
+from cli_utils import CLI_TIMEOUT_S
+from conditions import needs_optuna_sweeper
 from omegaconf import OmegaConf
 
 from refit_app.app.cli import CPP_LOG_LEVEL_ENV
 from refit_app.app.metrics import STEADY_ROUND, WHOLE_RUN, headline
-
-
-def _sweeper_installed() -> bool:
-    try:
-        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
-    except ModuleNotFoundError:  # no Hydra plugin at all
-        return False
-
 
 TRIALS = 3
 ROUNDS = 3
@@ -100,8 +92,7 @@ def test_objective_of_a_one_round_run_is_its_gb_per_s(objective) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _sweeper_installed(),
-                    reason="hydra-optuna-sweeper is not installed; `pip install -e '.[tune]'` provides it")
+@needs_optuna_sweeper
 def test_a_short_search_maximizes_the_steady_rounds_throughput(cli, tmp_path):
     result = cli("-m", "hparams_search=buffers_optuna", "sink=discard", f"refit.rounds={ROUNDS}",
                  f"hydra.sweeper.n_trials={TRIALS}", timeout_s=(1 + TRIALS) * CLI_TIMEOUT_S)

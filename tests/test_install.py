@@ -11,7 +11,6 @@ does not run that directory's own ``.pth`` files, which is where the editable in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import CLI_TIMEOUT_S
+from cli_utils import CLI_TIMEOUT_S, hermetic_env
 
 pytestmark = [pytest.mark.install, pytest.mark.slow]
 
@@ -32,7 +31,7 @@ BUILD_TIMEOUT_S = 300.0
 
 
 def _run(args: list[str], cwd: Path, timeout_s: float = BUILD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NRL_REFIT_NUM_BUFFERS", "HYDRA_FULL_ERROR")}
+    env = hermetic_env(drop=("PYTHONPATH",))
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert result.returncode == 0, (
         f"`{' '.join(map(str, args))}` exited {result.returncode}\n--- stdout ---\n{result.stdout}\n"

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
-from refit_app.app.launch import RankOutcome, root_cause
+from cli_utils import local_metrics
+from mp_utils import STARTUP_LIMIT_S
 
-LOCAL_LIMIT_S = 240.0
-"""Start-up of two ranks, group.timeout_s, the launcher's 5 s grace, on a busy machine: far less in practice."""
+from refit_app.app.launch import RankOutcome, root_cause
 
 STALLED_SOURCE = '''
 import threading
@@ -43,7 +44,7 @@ def test_a_slow_producer_is_named_with_its_step_and_the_consumers_reason(cli, tm
     (tmp_path / "stalled_source.py").write_text(STALLED_SOURCE)
     ckpt = many_tiny_tensors(tmp_path / "many.safetensors", 20_000)
     result = cli("source=custom", "source._target_=stalled_source.StalledSource", f"+source.path={ckpt}",
-                 "sink=discard", "group.timeout_s=2", env={"PYTHONPATH": str(tmp_path)}, timeout_s=LOCAL_LIMIT_S)
+                 "sink=discard", "group.timeout_s=2", env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1, result.describe()
     lines = [line for line in result.stderr_lines() if line.startswith("refit_app: error:")]
     assert len(lines) == 1, result.describe()
@@ -52,7 +53,7 @@ def test_a_slow_producer_is_named_with_its_step_and_the_consumers_reason(cli, tm
     assert f"producer (rank 0) was still running (its last step: reading the tensor list of {ckpt})" in line, line
     assert "raise group.timeout_s (now 2s)" in line, line
     assert "Traceback" not in result.stderr, result.describe()
-    metrics = json.loads(next((tmp_path / "outputs").glob("*/*_local/metrics.json")).read_text())
+    metrics = local_metrics(tmp_path)
     assert metrics["status"] == "failed" and metrics["error"] == line.removeprefix("refit_app: error: ")
 
 
@@ -90,7 +91,6 @@ def test_the_supervisor_never_reads_a_half_written_step():
     is one the rank wrote, never the start of one and the end of another."""
     import ctypes
     import multiprocessing as mp
-    import time
 
     from refit_app.app import launch
 
@@ -100,9 +100,10 @@ def test_the_supervisor_never_reads_a_half_written_step():
     writer = ctx.Process(target=_write_lines_forever, args=(array, stop), daemon=True)
     writer.start()
     try:
-        deadline = time.monotonic() + 60
-        while not launch._read_activity(array, 1) and time.monotonic() < deadline:
-            pass  # until the writer's first line
+        deadline = time.monotonic() + STARTUP_LIMIT_S  # a fresh interpreter's start-up: only a hang gets near it
+        while not launch._read_activity(array, 1):
+            assert writer.is_alive() and time.monotonic() < deadline, "the writer never wrote a line"
+            time.sleep(0.01)  # a busy wait here would take a core from the writer's start-up
         seen = set()
         end = time.monotonic() + 1.5
         while time.monotonic() < end:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conditions import needs_cuda, needs_linux_proc
 
 from refit_app.app import metrics as metrics_mod
 from refit_app.app.metrics import (
@@ -24,7 +25,6 @@ from refit_app.common.errors import one_line
 from refit_app.common.sizes import gb_per_s
 
 MiB = 2**20
-linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory needs Linux /proc")
 
 
 def _touch(nbytes: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _fresh_pages(nbytes: int) -> mmap.mmap:
     return pages
 
 
-@linux_only
+@needs_linux_proc
 def test_peak_memory_sees_a_freed_allocation_and_restarts_from_the_new_baseline() -> None:
     _touch(MiB)  # torch's first-use allocations are not part of what is measured
     with PeakMemory() as first:
@@ -59,7 +59,7 @@ def test_peak_memory_sees_a_freed_allocation_and_restarts_from_the_new_baseline(
     assert second.to_metrics()["cuda_peak_bytes"] is None
 
 
-@linux_only
+@needs_linux_proc
 def test_peak_memory_samples_when_the_high_water_mark_cannot_be_reset(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -75,7 +75,7 @@ def test_peak_memory_samples_when_the_high_water_mark_cannot_be_reset(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_peak_memory_measures_the_cuda_allocator() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     keep = torch.ones(64 * MiB, dtype=torch.uint8, device=device)

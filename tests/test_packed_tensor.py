@@ -6,7 +6,9 @@ import os
 
 import pytest
 import torch
-from fakes import AsyncRecordingGroup, RecordingGroup, ReplayGroup, raw_bytes
+from conditions import needs_no_cuda
+from fakes import AsyncRecordingGroup, RecordingGroup, ReplayGroup
+from tensor_utils import IDENTITY, assert_exact, awkward_tensors, metas, raw_bytes
 
 from refit_app.packed_tensor import (
     BUFFER_MEMORY_RATIO_ENV,
@@ -23,40 +25,6 @@ from refit_app.packed_tensor import (
     packed_broadcast_producer,
     plan_chunks,
 )
-
-IDENTITY = lambda item: item[1]  # noqa: E731
-
-
-def awkward_tensors() -> list[tuple[str, torch.Tensor]]:
-    """Every weight dtype plus the layouts that break naive packing."""
-    g = torch.Generator().manual_seed(0)
-    f = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return [
-        ("kv_amax", torch.tensor(3.25, dtype=torch.bfloat16)),  # 0-dim, 2 bytes: later fp32 slices are unaligned
-        ("w_fp32", f(7, 5)),
-        ("w_bf16", f(9, 3).to(torch.bfloat16)),
-        ("w_fp16", f(11).to(torch.float16)),
-        ("w_fp64", f(3, 3).double()),
-        ("w_int8", torch.randint(-128, 127, (13,), dtype=torch.int8, generator=g)),
-        ("w_uint8", torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g)),
-        ("w_int32", torch.randint(-(2**31), 2**31 - 1, (6,), dtype=torch.int32, generator=g)),
-        ("w_int64", torch.randint(-(2**62), 2**62, (4,), dtype=torch.int64, generator=g)),
-        ("w_bool", torch.randint(0, 2, (9,), generator=g).bool()),
-        ("w_e4m3", f(17).to(torch.float8_e4m3fn)),
-        ("w_e5m2", f(19).to(torch.float8_e5m2)),
-        ("w_c64", torch.randn(5, dtype=torch.complex64, generator=g)),
-        ("scalar_fp32", torch.tensor(-1.5)),
-        ("empty", torch.empty(0, 8)),
-        ("transposed", f(6, 4).T),
-        ("strided", f(20)[::3]),
-        ("size1_view", torch.arange(6, dtype=torch.int64).view(3, 2)[:1, 1]),  # contiguous, last stride 2
-        ("big", f(300)),  # 1200 bytes: larger than the targets used below
-        ("tail_empty", torch.empty(0, dtype=torch.bfloat16)),
-    ]
-
-
-def metas(tensors):
-    return [(name, (list(t.shape), t.dtype)) for name, t in tensors]
 
 
 def round_trip(tensors, *, target, legacy=False, nb_producer=2, nb_consumer=2, return_iterator=False):
@@ -82,13 +50,6 @@ def round_trip(tensors, *, target, legacy=False, nb_producer=2, nb_consumer=2, r
     return sender, received
 
 
-def assert_exact(sent, received):
-    assert [n for n, _ in received] == [n for n, _ in sent]
-    for (name, a), (_, b) in zip(sent, received):
-        assert b.shape == a.shape and b.dtype == a.dtype, name
-        assert raw_bytes(b) == raw_bytes(a), name
-
-
 # ---------------------------------------------------------------------------------------------- settings
 
 
@@ -103,16 +64,19 @@ def test_num_buffers_env(monkeypatch):
             get_num_buffers()
 
 
-def test_target_size_env(monkeypatch):
+@needs_no_cuda
+def test_target_size_env_without_a_gpu(monkeypatch):
     monkeypatch.delenv(BUFFER_MEMORY_RATIO_ENV, raising=False)
     phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if not torch.cuda.is_available():
-        # Without a GPU and without the variable: 16 MiB, or 2% of memory where that is less.
-        assert get_target_packed_tensor_size() == min(int(phys * 0.02), 16 * 1024**2)
-        monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.02")  # an explicit ratio is honoured as it stands
-        assert get_target_packed_tensor_size() == min(int(phys * 0.02), 5 * 1024**3)
-        monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.001")
-        assert get_target_packed_tensor_size() == int(phys * 0.001)
+    # Without a GPU and without the variable: 16 MiB, or 2% of memory where that is less.
+    assert get_target_packed_tensor_size() == min(int(phys * 0.02), 16 * 1024**2)
+    monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.02")  # an explicit ratio is honoured as it stands
+    assert get_target_packed_tensor_size() == min(int(phys * 0.02), 5 * 1024**3)
+    monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "0.001")
+    assert get_target_packed_tensor_size() == int(phys * 0.001)
+
+
+def test_target_size_env(monkeypatch):
     monkeypatch.setenv(BUFFER_MEMORY_RATIO_ENV, "1")
     assert get_target_packed_tensor_size() <= 5 * 1024**3
     for bad in ("0", "1.5", "-0.1", "abc", "nan"):

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 
 import pytest
 import torch
-from fakes import raw_bytes
-from mp_utils import run_ranks
-from test_packed_tensor import awkward_tensors, metas
+from mp_utils import gloo_spec, run_ranks
+from tensor_utils import awkward_tensors, digest, metas
 
 from refit_app.packed_tensor import packed_broadcast_consumer, packed_broadcast_producer
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
 TARGET = 4096
+TIMEOUT_S = 30.0
+"""group.timeout_s of these refits; nothing here waits for it."""
 
 # (legacy, producer buffers, consumer buffers, consumer uses return_iterator)
 CASES = [
@@ -32,15 +32,10 @@ def model() -> list[tuple[str, torch.Tensor]]:
     return awkward_tensors() + weights + [("huge", torch.randn(5000, generator=g))] + awkward_tensors()[:3]
 
 
-def digest(tensors) -> list[tuple[str, tuple[int, ...], str, str]]:
-    return [(n, tuple(t.shape), str(t.dtype), hashlib.sha256(raw_bytes(t)).hexdigest()) for n, t in tensors]
-
-
 def _refit_rank(rank: int, world_size: int, port: int, cases) -> list:
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=30)
     tensors = model()
     results = []
-    with connect(spec) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         for legacy, nb_p, nb_c, use_iterator in cases:
             if rank == 0:
                 packed_broadcast_producer(iter(tensors), rg.group, 0, lambda x: x[1], buffer_size_bytes=TARGET,
@@ -64,14 +59,14 @@ def test_round_trips_over_gloo(world_size):
     results = run_ranks(_refit_rank, world_size, CASES, timeout=120)
     expected = digest(model())
     for rank in range(1, world_size):
+        assert len(results[rank]) == len(CASES), f"rank {rank} ran {len(results[rank])} of {len(CASES)} cases"
         for case, got in zip(CASES, results[rank]):
             assert got == expected, f"rank {rank}, case {case}"
 
 
 def _callback_error_then_next_refit(rank: int, world_size: int, port: int) -> list:
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=30)
     tensors = model()
-    with connect(spec) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         outcomes = []
         for attempt in range(2):
             if rank == 0:

@@ -12,8 +12,8 @@ import gc
 import pytest
 import torch
 from fakes import RecordingGroup, ReplayGroup
-from mp_utils import run_ranks
-from test_packed_tensor import IDENTITY, assert_exact, awkward_tensors, metas
+from mp_utils import gloo_spec, run_ranks
+from tensor_utils import IDENTITY, assert_exact, awkward_tensors, digest, metas
 
 from refit_app.core.buffers import HOST_POOL, is_shared, release_buffers
 from refit_app.packed_tensor import (
@@ -177,15 +177,20 @@ def test_iterator_that_drops_tensors_reuses_its_buffers(num_buffers):
 
 
 def test_pool_keeps_held_buffers_out_of_the_next_call():
+    """The pool keeps a finished call's buffers and hands out none whose memory a caller's tensor still uses; once
+    the caller lets go, it hands them out again."""
     release_buffers()
     tensors = weights(6)
     kept = list(packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, None, True,
                                           buffer_size_bytes=1024))
     held = {t.untyped_storage().data_ptr() for _, t in kept}
-    taken = HOST_POOL.take()
-    assert taken is None or taken.untyped_storage().data_ptr() not in held
+    # The subject must be there: the call gave its buffers back to the pool, and the caller holds tensors in them.
+    assert len(HOST_POOL) > 0, "the call kept no buffers: the test would not test"
+    assert HOST_POOL.take() is None, "the pool handed out a buffer whose memory a kept tensor uses"
     del kept
     gc.collect()
+    again = HOST_POOL.take()  # let go: handed out as before
+    assert again is not None and again.untyped_storage().data_ptr() in held
     release_buffers()
 
 
@@ -193,13 +198,10 @@ def test_pool_keeps_held_buffers_out_of_the_next_call():
 
 
 def _keep_everything_rank(rank: int, world_size: int, port: int, target: int, rounds: int) -> list:
-    from test_packed_tensor_dist import digest
+    from refit_app.transport.groups import connect
 
-    from refit_app.transport.groups import GroupSpec, connect
-
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=30)
     results = []
-    with connect(spec) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=30)) as rg:
         kept_rounds = []
         for r in range(rounds):
             tensors = weights(10 + r, count=120)
@@ -219,8 +221,6 @@ def _keep_everything_rank(rank: int, world_size: int, port: int, target: int, ro
 
 
 def test_kept_tensors_survive_over_gloo():
-    from test_packed_tensor_dist import digest
-
     rounds = 4
     results = run_ranks(_keep_everything_rank, 2, 1024, rounds, timeout=120)
     assert results[1] == [digest(weights(10 + r, count=120)) for r in range(rounds)]

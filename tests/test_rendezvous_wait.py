@@ -84,8 +84,9 @@ def test_a_waiting_consumer_says_so_at_once_with_the_address(notices):
     assert f"rank 1: waiting for the producer at 127.0.0.1:{consumer.spec.port}" in notices.messages[0]
     store = consumer.producer_comes_up()
     joined_after = time.monotonic() - consumer.started
-    if joined_after < rendezvous.WAITING_NOTICE_INTERVAL_S:
-        assert len(notices.messages) == 1, notices.messages  # once, not at every retry
+    # Once, not at every retry: one notice per interval waited at most, whatever the machine's load made that.
+    assert len(notices.messages) <= 1 + joined_after // rendezvous.WAITING_NOTICE_INTERVAL_S, (
+        joined_after, notices.messages)
     del store
 
 

@@ -5,12 +5,12 @@ for bit, over real gloo groups, and a corrupted tensor in a later round is named
 from __future__ import annotations
 
 import torch
-from mp_utils import RankFailure, run_ranks
+from mp_utils import RankFailure, gloo_spec, run_ranks
 
 from refit_app.common.errors import VerificationError
 from refit_app.protocol.checksum import tensor_checksum
 from refit_app.protocol.session import ConsumerSession, ProducerSession
-from refit_app.transport.groups import GroupSpec, connect
+from refit_app.transport.groups import connect
 
 TIMEOUT_S = 30.0
 BUFFER = 4096
@@ -30,14 +30,10 @@ def _weights(round_index: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _spec(rank: int, world_size: int, port: int) -> GroupSpec:
-    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
-
-
 def _corrupt_in_bad_round(rank: int, world_size: int, port: int, names: list[str]) -> list:
     """Consumers flip one byte of each tensor in ``names`` as it arrives in round BAD_ROUND (after the transport,
     before the verifier hashes it: what a reused buffer or a bad copy would do)."""
-    with connect(_spec(rank, world_size, port)) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             sent = []
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:

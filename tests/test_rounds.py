@@ -3,22 +3,17 @@ steps into a model on the consumer side (``sink=model``), the last round saved, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pytest
 import torch
+from cli_utils import COVER_STARTUP, local_metrics
+from conditions import needs_transformers
 
 from refit_app.checkpoint.reader import Checkpoint
+from refit_app.models.hf import write_tiny_llama
 from refit_app.models.sources import SyntheticSource
 
-pytest.importorskip("transformers")
-
-from refit_app.models.hf import write_tiny_llama
-
-COVER_STARTUP = "group.timeout_s=180"
-"""role=local starts its ranks ungated; on a loaded machine their start-ups can differ by tens of seconds, inside
-the rendezvous deadline. No test here is about that deadline."""
+pytestmark = needs_transformers
 MiB = 2**20
 BUFFER = 16 * MiB
 NOISE = 4 * MiB
@@ -29,17 +24,11 @@ variable holding the previous batch, at an unlucky moment on a loaded machine) m
 most num_buffers (2) spares are kept. Bounded, not growing: a buffer leaked per round would add 16 MiB x 48."""
 
 
-def _metrics(root: Path) -> dict:
-    found = sorted((root / "outputs").glob("*/*_local/metrics.json"))
-    assert len(found) == 1, found
-    return json.loads(found[0].read_text())
-
-
 def test_trainer_to_model_loop_matches_every_round(cli, tmp_path: Path) -> None:
     model_dir = write_tiny_llama(tmp_path / "tiny-llama")
     result = cli("source=model", f"source.path={model_dir}", "sink=model", "refit.rounds=5", COVER_STARTUP)
     assert result.returncode == 0, result.describe()
-    m = _metrics(cli.cwd)
+    m = local_metrics(cli.cwd)
     assert m["status"] == "ok" and m["rounds_done"] == 5
     producer_rounds = m["rounds"]
     losses = [r["loss"] for r in producer_rounds]
@@ -48,6 +37,7 @@ def test_trainer_to_model_loop_matches_every_round(cli, tmp_path: Path) -> None:
     assert [r["manifest_sent"] for r in producer_rounds] == [True, False, False, False, False]
     consumer = m["consumers"][0]
     assert consumer["verified"] is True
+    assert [r["round"] for r in consumer["rounds"]] == [1, 2, 3, 4, 5], consumer["rounds"]
     for r in consumer["rounds"]:
         assert r["verified"] is True
         assert r["model_check"] == {"max_abs_logit_diff": 0.0, "tokens_match": True}, r
@@ -84,7 +74,7 @@ def test_save_writes_the_last_rounds_weights(cli, tmp_path: Path) -> None:
 def test_memory_is_flat_over_50_rounds(cli) -> None:
     result = cli("refit.rounds=50", "source.size=64MiB", "refit.buffer_size_bytes=16MiB", COVER_STARTUP)
     assert result.returncode == 0, result.describe()
-    m = _metrics(cli.cwd)
+    m = local_metrics(cli.cwd)
     for side in (m, m["consumers"][0]):
         peaks = [r["peak_rss_bytes"] for r in side["rounds"]]
         shown = (side["role"], [p // MiB for p in peaks])

@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 from safetensors import safe_open
+from tensor_utils import raw_bytes
 
 from refit_app.checkpoint.dtypes import DTYPE_CODES
 from refit_app.checkpoint.layout import INDEX_FILE_NAME, SINGLE_FILE_NAME
@@ -20,7 +21,6 @@ from refit_app.checkpoint.reader import Checkpoint, SafetensorsFile
 from refit_app.checkpoint.writer import CheckpointWriter, SafetensorsWriter, save_tensors
 from refit_app.common.errors import SinkError, SourceError
 from refit_app.core.meta import TensorMeta
-from refit_app.core.wire import host_bytes as tensor_bytes
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", header_bytes: bytes | None = None) -> Path:
@@ -38,10 +38,6 @@ def sample_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
     if dtype == torch.bool:
         return (raw % 2).to(torch.bool).reshape(shape)
     return raw.view(dtype).reshape(shape)
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    return bytes(tensor_bytes(t))
 
 
 def leftover_temp_files(directory: Path) -> list[str]:

@@ -14,13 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from mp_utils import STARTUP_LIMIT_S
 
 from refit_app.common.errors import Interrupted
 
-STARTUP_S = 180.0
-"""A hang limit for the run to reach its second round on a loaded machine; never a deadline under test."""
+REACH_ROUND_3_S = 2 * STARTUP_LIMIT_S
+"""A hang limit for the run to reach its third round: two start-ups in sequence (the launcher's, then its ranks'),
+on a loaded machine; never a deadline under test."""
 EXIT_S = 30.0
-"""From the signal to the exit: the launcher stops its ranks at once (SIGKILL), then writes metrics.json."""
+"""From the signal to the exit: the launcher stops its ranks at once (SIGKILL), then writes metrics.json; measured
+in seconds, so 30 s is a wide margin for a loaded machine, and a launcher that waited out its ranks' deadline
+(group.timeout_s, a whole start-up here) would still miss it."""
 
 
 def _descendants(pid: int) -> set[int]:
@@ -59,18 +63,19 @@ def test_a_signal_ends_the_run_with_metrics_and_no_rank_left(tmp_path: Path, sig
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
             [sys.executable, "-m", "refit_app", "refit.rounds=1000000", "source.size=16MiB",
-             "refit.buffer_size_bytes=4MiB", f"group.timeout_s={STARTUP_S:g}", f"hydra.run.dir={tmp_path / 'run'}"],
+             "refit.buffer_size_bytes=4MiB", f"group.timeout_s={STARTUP_LIMIT_S:g}",
+             f"hydra.run.dir={tmp_path / 'run'}"],
             cwd=tmp_path, stdout=o, stderr=e, start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + STARTUP_S
+        deadline = time.monotonic() + REACH_ROUND_3_S
         while not re.search(r"round 3/1000000", out.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:] + err.read_text()
             time.sleep(0.05)
         ranks = _descendants(proc.pid)
         assert ranks, "role=local should have rank processes"
-        os.kill(proc.pid, sig)  # the launcher only, as a scheduler or `kill` does
         sent = time.monotonic()
+        os.kill(proc.pid, sig)  # the launcher only, as a scheduler or `kill` does
         code = proc.wait(EXIT_S)
         took = time.monotonic() - sent
     finally:

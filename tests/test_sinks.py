@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conditions import needs_crc32c, needs_xxhash
+from tensor_utils import deliver, raw_bytes
 
 from refit_app.checkpoint.layout import INDEX_FILE_NAME, SINGLE_FILE_NAME
 from refit_app.checkpoint.reader import Checkpoint
 from refit_app.checkpoint.writer import CheckpointWriter, save_tensors
 from refit_app.common.errors import ConfigError, HandshakeError, SinkError, VerificationError
 from refit_app.core.meta import TensorMeta
-from refit_app.core.wire import host_bytes as tensor_bytes
 from refit_app.models.sinks import CorruptingSink, DiscardSink, SaveSink, VerifySink, make_sink
 from refit_app.models.sources import SafetensorsSource, SyntheticSource
 from refit_app.protocol.checksum import (
@@ -31,9 +32,6 @@ from refit_app.protocol.checksum import (
 )
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.verify import Verifier
-
-ALIGN = 16
-
 
 
 def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -58,27 +56,6 @@ def metas_of(items: list[tuple[str, torch.Tensor]], shard: str | None = None) ->
     return [TensorMeta(n, tuple(t.shape), t.dtype, shard) for n, t in items]
 
 
-def deliver(sink, items, per_batch: int = 3, corrupt: str | None = None) -> None:
-    """Feed ``items`` as views into one reused uint8 buffer, scribbled over after every batch.
-
-    A sink that keeps a view past ``consume`` instead of using it then would read the scribble.
-    """
-    buffer = torch.empty(1 << 20, dtype=torch.uint8)
-    for start in range(0, len(items), per_batch):
-        batch, offset = [], 0
-        for name, t in items[start : start + per_batch]:
-            raw = bytes(tensor_bytes(t))
-            slot = buffer[offset : offset + len(raw)]
-            if raw:
-                slot.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-            if name == corrupt:
-                slot[0] ^= 0x01
-            batch.append((name, slot.view(t.dtype).reshape(t.shape)))
-            offset += -(-len(raw) // ALIGN) * ALIGN
-        sink.consume(batch)
-        buffer.fill_(0xA5)
-
-
 def files_in(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
@@ -89,7 +66,7 @@ def published(directory: Path) -> list[str]:
 
 
 def read_back(directory: Path) -> dict[str, bytes]:
-    return {n: bytes(tensor_bytes(t)) for n, t in Checkpoint(directory).iter_tensors()}
+    return {n: raw_bytes(t) for n, t in Checkpoint(directory).iter_tensors()}
 
 
 # ------------------------------------------------------------------------------------------ checksum
@@ -107,15 +84,24 @@ def test_checksum_hashes_row_major_bytes(algorithm):
     assert 0 <= tensor_checksum(t, algorithm) < 2**64
 
 
-def test_checksum_algorithms_are_the_published_ones():
+def test_crc32_is_zlibs():
     data = b"refit_app"
     assert checksum_function("crc32")(data) == zlib.crc32(data)
-    if "xxh3_64" in available_algorithms():
-        import xxhash
 
-        assert checksum_function("xxh3_64")(data) == xxhash.xxh3_64(data).intdigest()
-    if "crc32c" in available_algorithms():
-        assert checksum_function("crc32c")(b"123456789") == 0xE3069283  # the CRC-32C check value
+
+@needs_xxhash
+def test_xxh3_64_is_the_xxhash_packages():
+    import xxhash
+
+    data = b"refit_app"
+    assert "xxh3_64" in available_algorithms()
+    assert checksum_function("xxh3_64")(data) == xxhash.xxh3_64(data).intdigest()
+
+
+@needs_crc32c
+def test_crc32c_is_the_published_one():
+    assert "crc32c" in available_algorithms()
+    assert checksum_function("crc32c")(b"123456789") == 0xE3069283  # the CRC-32C check value
 
 
 def test_default_checksum_is_the_fastest_installed_and_zlib_is_the_fallback(monkeypatch):
@@ -227,7 +213,7 @@ def test_save_single_file_round_trip(tmp_path):
     assert figures == {"saved_to": str(tmp_path / "out"), "saved_files": [SINGLE_FILE_NAME]}
     assert files_in(tmp_path / "out") == [SINGLE_FILE_NAME]
     assert Checkpoint(tmp_path / "out").metadata() == {"format": "pt", "origin": "test"}
-    assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in items}
+    assert read_back(tmp_path / "out") == {n: raw_bytes(t) for n, t in items}
 
 
 def test_save_minilm_is_bit_identical(tmp_path, minilm_dir):
@@ -240,7 +226,7 @@ def test_save_minilm_is_bit_identical(tmp_path, minilm_dir):
     sink.close()
     assert files_in(tmp_path) == [SINGLE_FILE_NAME]
     saved = read_back(tmp_path)
-    original = {n: bytes(tensor_bytes(t)) for n, t in source.tensors()}
+    original = {n: raw_bytes(t) for n, t in source.tensors()}
     assert list(saved) == list(original) and saved == original
     assert Checkpoint(tmp_path).metadata() == {"format": "pt"}
 
@@ -397,4 +383,4 @@ def test_save_publishes_the_last_round_only(tmp_path):
         assert sink.finish(None) == {}
         assert published(tmp_path / "out") == []
     sink.close()
-    assert read_back(tmp_path / "out") == {n: bytes(tensor_bytes(t)) for n, t in later}
+    assert read_back(tmp_path / "out") == {n: raw_bytes(t) for n, t in later}

@@ -12,8 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cli_utils import hermetic_env
 from matplotlib.axes import Axes
 from matplotlib.image import imread
+from mp_utils import STARTUP_LIMIT_S
 from omegaconf import OmegaConf
 
 from refit_app.app.metrics import write_metrics
@@ -21,7 +23,6 @@ from refit_app.app.sweep_summary import SUMMARY_COLUMNS, SweepSummary, write_sum
 
 MiB = 2**20
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUBPROCESS_TIMEOUT_S = 120
 
 
 def _job(sweep_dir: Path, num: int, overrides: list[str], **metrics: object) -> Path:
@@ -249,15 +250,14 @@ CONFIG = """
 def _run_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "app.py").write_text(textwrap.dedent(APP))
     (tmp_path / "config.yaml").write_text(textwrap.dedent(CONFIG))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("HYDRA_FULL_ERROR", None)
+    env = hermetic_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
     return subprocess.run(
         [sys.executable, "app.py", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
+        timeout=STARTUP_LIMIT_S,  # one Hydra application's start-up and two tiny jobs: only a hang gets near it
     )
 
 

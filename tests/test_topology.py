@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_utils import CLI_TIMEOUT_S
+from config_utils import settings
 from failure_utils import Launcher
-from hydra import compose, initialize_config_module
-from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
+from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, gloo_spec, run_ranks
 
-from refit_app.app.config import validate
-from refit_app.app.schema import CONF_MODULE, CONFIG_NAME
 from refit_app.common.errors import ConfigError
 from refit_app.packed_tensor import (
     chunk_ids,
@@ -38,21 +37,16 @@ from refit_app.transport.groups import GroupSpec, connect
 # The setting
 
 
-def _settings(*overrides: str):
-    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-        return validate(compose(config_name=CONFIG_NAME, overrides=list(overrides)))
-
-
 def test_topology_is_a_group_setting_defaulting_to_tree() -> None:
-    assert _settings().group.topology == "tree"
-    assert _settings("group.topology=chain").group.topology == "chain"
-    consumer = _settings("role=consumer", "group.rank=1", "group.topology=chain", "group.backend=gloo")
+    assert settings().group.topology == "tree"
+    assert settings("group.topology=chain").group.topology == "chain"
+    consumer = settings("role=consumer", "group.rank=1", "group.topology=chain", "group.backend=gloo")
     assert consumer.group.topology == "chain"
 
 
 def test_an_unknown_topology_names_the_allowed_ones() -> None:
     with pytest.raises(ConfigError) as info:
-        _settings("group.topology=ring")
+        settings("group.topology=ring")
     assert str(info.value) == "group.topology='ring' is invalid: choose one of tree, chain"
 
 
@@ -103,8 +97,7 @@ def test_auto_picks_gloo_for_a_chain_even_where_every_rank_has_a_gpu() -> None:
 
 
 def _check_in_with_topology(rank: int, world_size: int, port: int) -> str:
-    spec = GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=30,
-                     topology="chain" if rank == 2 else "tree")
+    spec = gloo_spec(rank, world_size, port, timeout_s=30, topology="chain" if rank == 2 else "tree")
     try:
         with connect(spec):
             return "connected"
@@ -250,20 +243,18 @@ def _chain_cases(rank: int, world_size: int, port: int, ports: list[int]) -> lis
     for consumers, group_port in zip((1, 2, 3), ports):
         if rank > consumers:
             continue
-        spec = GroupSpec(backend="gloo", port=group_port, world_size=consumers + 1, rank=rank, timeout_s=60,
-                         topology="chain")
-        with connect(spec) as rg:
+        with connect(gloo_spec(rank, consumers + 1, group_port, timeout_s=60, topology="chain")) as rg:
             assert isinstance(rg.group, ChainBroadcastGroup)
             rg.group.segment_bytes = SEGMENT_BYTES[consumers]  # the same on every rank of the group
             for buffers, legacy in PLANS:
-                settings = {"buffer_size_bytes": TARGET, "num_buffers": buffers, "use_legacy_packing": legacy}
+                plan_settings = {"buffer_size_bytes": TARGET, "num_buffers": buffers, "use_legacy_packing": legacy}
                 if rank == 0:
-                    packed_broadcast_producer(iter(expected), rg.group, 0, lambda item: item[1], **settings)
+                    packed_broadcast_producer(iter(expected), rg.group, 0, lambda item: item[1], **plan_settings)
                     continue
                 # A consumer's buffer count is its own: mirror the producer's count backwards.
-                settings["num_buffers"] = 4 - buffers
+                plan_settings["num_buffers"] = 4 - buffers
                 got = [(name, t.clone()) for name, t in packed_broadcast_consumer(
-                    iter(metas), rg.group, 0, None, return_iterator=True, **settings)]
+                    iter(metas), rg.group, 0, None, return_iterator=True, **plan_settings)]
                 assert [name for name, _ in got] == [name for name, _ in expected]
                 for (name, t), (_, want) in zip(got, expected):
                     assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), (
@@ -290,7 +281,7 @@ def test_a_chain_refit_through_the_application_is_verified(tmp_path: Path, consu
         [sys.executable, "-m", "refit_app", f"role.num_consumers={consumers}", "group.topology=chain",
          "sink=verify", "source.preset=llama-1b", "source.size=24MiB", "refit.buffer_size_bytes=1MiB",
          "refit.rounds=2", f"hydra.run.dir={tmp_path}"],
-        check=False, capture_output=True, text=True, timeout=STARTUP_LIMIT_S + 120, cwd=tmp_path,
+        check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())

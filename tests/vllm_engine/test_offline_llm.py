@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from conditions import needs_cuda
 from mp_utils import free_port
 
 ROUNDS = 3
@@ -48,7 +48,7 @@ def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Pat
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL path of the backend needs a CUDA GPU (vllm extra)")
+@needs_cuda  # the NCCL path of the backend (vllm extra)
 @pytest.mark.parametrize("backend", ["nccl", "pynccl"])
 def test_offline_llm_on_a_gpu(tiny_llama_dir: Path, backend: str) -> None:
     """The same loop on a GPU with vLLM 0.33 (`pip install -e '.[vllm]'`): trainer and engine on one device, the

@@ -9,20 +9,15 @@ the trainer's model after every round through vLLM's own greedy generation and l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from cli_utils import local_metrics
 
 ROUNDS = 3
 STARTUP_COVER = "group.timeout_s=300"
 """The consumer starts a vLLM engine when the first manifest arrives, inside the handshake's deadline; on a loaded
 2-core machine that takes tens of seconds."""
 APP_TIMEOUT_S = 600.0
-
-
-def _metrics(root: Path) -> dict:
-    found = sorted((root / "outputs").glob("*/*_local/metrics.json"))
-    assert len(found) == 1, found
-    return json.loads(found[0].read_text())
 
 
 def test_trainer_to_vllm_engine_loop(cli, tiny_llama_dir: Path) -> None:
@@ -33,7 +28,7 @@ def test_trainer_to_vllm_engine_loop(cli, tiny_llama_dir: Path) -> None:
         f"refit.buffer_size_bytes={BUFFER_BYTES}", STARTUP_COVER, timeout_s=APP_TIMEOUT_S,
     )  # fmt: skip
     assert result.returncode == 0, result.describe()
-    m = _metrics(cli.cwd)
+    m = local_metrics(cli.cwd)
     assert m["status"] == "ok" and m["rounds_done"] == ROUNDS
     assert [r["manifest_sent"] for r in m["rounds"]] == [True] + [False] * (ROUNDS - 1)
     losses = [r["loss"] for r in m["rounds"][1:]]
@@ -41,6 +36,7 @@ def test_trainer_to_vllm_engine_loop(cli, tiny_llama_dir: Path) -> None:
     consumer = m["consumers"][0]
     assert consumer["sink"] == "refit_app.integrations.vllm.sink.VllmSink"
     assert consumer["num_broadcasts"] > 4, "the buffers must be small enough to split the model into many chunks"
+    assert len(consumer["rounds"]) == ROUNDS, consumer["rounds"]
     for r in consumer["rounds"]:
         assert r["verified"] is True, r
         check = r["model_check"]
