@@ -89,3 +89,12 @@ def deliver(sink, items: list[tuple[str, torch.Tensor]], per_batch: int = 3, cor
             offset += -(-len(raw) // ALIGN) * ALIGN
         sink.consume(views)
         buffer.fill_(0xFF)
+
+
+def tensor_checksum(t: torch.Tensor, algorithm: str | None = None) -> int:
+    """What a verifying consumer computes for ``t``: ``algorithm`` (default: the fastest installed) over the bytes
+    that travel (refit_app's own ``host_bytes``, so strided, conjugated and device tensors go through its path)."""
+    from refit_app.core.wire import host_bytes
+    from refit_app.protocol.checksum import checksum_function, default_algorithm
+
+    return checksum_function(algorithm or default_algorithm())(host_bytes(t))

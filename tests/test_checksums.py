@@ -8,8 +8,9 @@ import sys
 import torch
 from conditions import needs_xxhash
 from mp_utils import RankFailure, gloo_spec, run_ranks
+from tensor_utils import tensor_checksum
 
-from refit_app.protocol.checksum import available_algorithms, tensor_checksum
+from refit_app.protocol.checksum import available_algorithms
 from refit_app.protocol.handshake import recv_checksums, send_checksums
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.groups import connect

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 from mp_utils import RankFailure, gloo_spec, run_ranks
+from tensor_utils import tensor_checksum
 
 from refit_app.common.errors import VerificationError
-from refit_app.protocol.checksum import tensor_checksum
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.groups import connect
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conditions import needs_crc32c, needs_xxhash
-from tensor_utils import deliver, raw_bytes
+from tensor_utils import deliver, raw_bytes, tensor_checksum
 
 from refit_app.checkpoint.layout import INDEX_FILE_NAME, SINGLE_FILE_NAME
 from refit_app.checkpoint.reader import Checkpoint
@@ -28,7 +28,6 @@ from refit_app.protocol.checksum import (
     available_algorithms,
     checksum_function,
     default_algorithm,
-    tensor_checksum,
 )
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.verify import Verifier

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensor_utils import tensor_checksum
 
 from refit_app.checkpoint.layout import SINGLE_FILE_NAME
 from refit_app.checkpoint.writer import CheckpointWriter, save_tensors
@@ -13,7 +14,6 @@ from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import host_bytes as tensor_bytes
 from refit_app.models.presets import LORA_RANK
 from refit_app.models.sources import SafetensorsSource, SyntheticSource, make_source
-from refit_app.protocol.checksum import tensor_checksum
 
 MiB = 1024**2
 GiB = 1024**3

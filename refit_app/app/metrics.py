@@ -251,14 +251,6 @@ class PeakMemory:
         elif rss is not None:
             self.peak_rss = rss[1] * 1024
 
-    def to_metrics(self) -> dict[str, int | None]:
-        return {
-            "peak_rss_bytes": self.peak_rss,
-            "peak_extra_bytes": self.peak_extra_bytes,
-            "cuda_peak_bytes": self.cuda_peak_bytes,
-            "cuda_peak_extra_bytes": self.cuda_peak_extra_bytes,
-        }
-
     def __enter__(self) -> PeakMemory:
         self.start()
         return self

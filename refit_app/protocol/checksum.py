@@ -22,10 +22,7 @@ import functools
 import importlib
 from collections.abc import Callable
 
-import torch
-
 from refit_app.common.errors import HandshakeError
-from refit_app.core.wire import host_bytes
 
 ChecksumFunction = Callable[[memoryview], int]
 """Bytes -> an unsigned integer of at most 64 bits."""
@@ -99,9 +96,3 @@ def available_algorithms() -> list[str]:
 def default_algorithm() -> str:
     """The fastest algorithm installed here; zlib's CRC32 when neither xxhash nor crc32c is."""
     return available_algorithms()[0]
-
-
-def tensor_checksum(t: torch.Tensor, algorithm: str | None = None) -> int:
-    """The checksum of the tensor's bytes (:func:`host_bytes`) with ``algorithm`` (default: :func:`default_algorithm`),
-    as an unsigned integer below 2**64."""
-    return checksum_function(algorithm or default_algorithm())(host_bytes(t))
