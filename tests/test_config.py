@@ -58,7 +58,8 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
     assert (s.refit.use_legacy_packing, s.refit.corrupt_chunk) == (False, None)
     assert type(s.refit.num_buffers) is int and type(s.group.timeout_s) is float
     assert s.source == SourceSpec(
-        "refit_app.models.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"}
+        "refit_app.models.sources.SyntheticSource",
+        {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16", "update": "shuffle", "lr": 1e-6},
     )
     assert (s.sink, s.sink_name) == (SinkSpec("refit_app.models.sinks.VerifySink", {}), "verify")
 
@@ -88,8 +89,20 @@ def test_two_host_group_settings() -> None:
 
 
 def test_synthetic_source_params() -> None:
-    s = settings("source.preset=lora", "source.size=2GiB", "source.seed=7", "source.dtype=float32")
-    assert s.source.params == {"preset": "lora", "size_bytes": 2 * 1024**3, "seed": 7, "dtype": "float32"}
+    s = settings("source.preset=lora", "source.size=2GiB", "source.seed=7", "source.dtype=float32",
+                 "source.update=training", "source.lr=3e-6")
+    assert s.source.params == {
+        "preset": "lora", "size_bytes": 2 * 1024**3, "seed": 7, "dtype": "float32", "update": "training", "lr": 3e-6
+    }
+
+
+def test_model_source_params(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    s = settings("source=model", f"source.path={tmp_path}", "source.dtype=float32", "source.send_dtype=bfloat16")
+    assert (s.source.params["dtype"], s.source.params["send_dtype"], s.source.params["lr"]) == (
+        "float32", "bfloat16", 1e-3
+    )
+    assert settings("source=model", f"source.path={tmp_path}").source.params["send_dtype"] is None
 
 
 def test_safetensors_source(tmp_path: Path) -> None:
@@ -205,6 +218,14 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["source.dtype=int3"], "source.dtype='int3' is invalid: choose one of bfloat16, float16, float32, float64"),
         (["source.size=lots"], "source.size: 'lots' is not a size"),
         (["source.seed=-1"], "source.seed=-1 is invalid: must be an integer >= 0"),
+        (["source.update=adam"], "source.update='adam' is invalid: choose one of shuffle, training"),
+        (["source.lr=0"], "source.lr=0.0 is invalid: must be a number > 0"),
+        (["source.lr=-1e-6"], "source.lr=-1e-06 is invalid: must be a number > 0"),
+        (["source.lr=inf"], "source.lr=inf is invalid: must be a number > 0"),
+        (["source=model", "source.lr=nan"], "source.lr=nan is invalid: must be a number > 0"),
+        (["source=model", "source.send_dtype=int8"],
+         "source.send_dtype='int8' is invalid: choose one of bfloat16, float16, float32, float64 (or null: as "
+         "trained)"),
         (["source=safetensors"], "source.path is required: add source.path=<value> to the command line"),
         (["source=safetensors", "source.path=/no/such/model"], "source.path='/no/such/model' is invalid: no such"),
         (["sink=save"], "sink.path is required: add sink.path=<value> to the command line"),

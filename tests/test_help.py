@@ -10,7 +10,7 @@ import pytest
 
 from refit_app.app import schema
 from refit_app.app.reference import group_options, help_reference
-from refit_app.models.defaults import FLOAT_DTYPES
+from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
 from refit_app.transport.spec import BACKENDS
 
@@ -68,7 +68,7 @@ def test_each_key_has_its_field_docstring_on_its_line(lines: list[str]) -> None:
 @pytest.mark.parametrize(
     ("key", "choices"),
     [("group.backend=auto", BACKENDS), ("source.preset=tiny", tuple(PRESETS)),
-     ("source.dtype=bfloat16", FLOAT_DTYPES)],
+     ("source.dtype=bfloat16", FLOAT_DTYPES), ("source.update=shuffle", SYNTHETIC_UPDATES)],
 )
 def test_the_values_of_a_choice_come_from_their_home(lines: list[str], key: str, choices: tuple[str, ...]) -> None:
     assert line_of(lines, key).endswith(f"[{', '.join(choices)}]")

@@ -45,6 +45,40 @@ def test_trainer_to_model_loop_matches_every_round(cli, tmp_path: Path) -> None:
     assert "x 5 rounds" in result.stdout + result.stderr and "models match" in result.stdout + result.stderr
 
 
+def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> None:
+    # Trained in fp32, sent as bf16: the consumer builds a bf16 model from the manifest and matches the producer's
+    # probe of the weights as sent, every round.
+    model_dir = write_tiny_llama(tmp_path / "tiny-llama")
+    result = cli("source=model", f"source.path={model_dir}", "source.dtype=float32", "source.send_dtype=bfloat16",
+                 "source.lr=1e-6", "sink=model", "refit.rounds=6", COVER_STARTUP)
+    assert result.returncode == 0, result.describe()
+    m = local_metrics(cli.cwd)
+    assert m["status"] == "ok" and m["rounds_done"] == 6
+    rounds = m["consumers"][0]["rounds"]
+    assert len(rounds) == 6
+    for r in rounds:
+        assert r["verified"] is True
+        assert r["model_check"] == {"max_abs_logit_diff": 0.0, "tokens_match": True}, r
+    assert "bfloat16, trained in float32" in result.stdout + result.stderr
+
+
+def test_synthetic_training_rounds_send_what_a_rerun_computes(cli, tmp_path: Path) -> None:
+    out = tmp_path / "saved"
+    result = cli("source.update=training", "refit.rounds=3", "sink=save", f"sink.path={out}", COVER_STARTUP)
+    assert result.returncode == 0, result.describe()
+    assert "training-like steps at lr 1e-06" in local_metrics(cli.cwd)["source"]
+    rerun = SyntheticSource("tiny", None, 0, "bfloat16", update="training")
+    first = {n: t.clone() for n, t in rerun.tensors()}
+    rerun.advance(3)
+    saved = dict(Checkpoint(out).iter_tensors())
+    changed = total = 0
+    for name, t in rerun.tensors():
+        assert torch.equal(saved[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+        changed += int((t != first[name]).sum())
+        total += t.numel()
+    assert 0.01 < changed / total < 0.03  # two rounds of ~1% each, a few elements moving back and forth
+
+
 def test_model_sink_needs_a_model_source(cli) -> None:
     result = cli("sink=model", COVER_STARTUP)
     assert result.returncode == 1

@@ -22,7 +22,7 @@ from refit_app.common.errors import ConfigError, one_line
 from refit_app.common.sizes import parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
 from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
-from refit_app.models.defaults import FLOAT_DTYPES
+from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
 from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
 
@@ -316,7 +316,13 @@ def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
         dtype = c.get("source.dtype")
         if dtype is not _ABSENT and dtype not in FLOAT_DTYPES:
             c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES))
-        params = {"preset": preset, "size_bytes": size_bytes, "seed": seed, "dtype": dtype}
+        update = c.get("source.update")
+        if update is not _ABSENT and update not in SYNTHETIC_UPDATES:
+            c.fail("source.update", update, _one_of(SYNTHETIC_UPDATES))
+        params = {
+            "preset": preset, "size_bytes": size_bytes, "seed": seed, "dtype": dtype, "update": update,
+            "lr": _learning_rate(c),
+        }
     elif kind == "safetensors":
         path = c.get("source.path")
         if path is not _ABSENT and not Path(path).exists():
@@ -360,17 +366,29 @@ def _check_model_source(c: _Checker) -> dict[str, Any]:
     dtype = c.get("source.dtype")
     if dtype not in (None, _ABSENT) and dtype not in FLOAT_DTYPES:
         c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES) + " (or null: the checkpoint's)")
-    params: dict[str, Any] = {"path": path, "dtype": dtype, "device": c.get("source.device")}
+    send_dtype = c.get("source.send_dtype")
+    if send_dtype not in (None, _ABSENT) and send_dtype not in FLOAT_DTYPES:
+        c.fail("source.send_dtype", send_dtype, _one_of(FLOAT_DTYPES) + " (or null: as trained)")
+    params: dict[str, Any] = {
+        "path": path, "dtype": dtype, "send_dtype": send_dtype, "device": c.get("source.device")
+    }
     for key, least in (("train_steps", 1), ("batch_tokens", 2), ("seed", 0)):
         value = c.get(f"source.{key}")
         if value is not _ABSENT and not (is_int(value) and value >= least):
             c.fail(f"source.{key}", value, f"must be an integer >= {least}")
         params[key] = value
-    lr = c.get("source.lr")
-    if lr is not _ABSENT and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
-        c.fail("source.lr", lr, "must be a number > 0")
-    params["lr"] = lr
+    params["lr"] = _learning_rate(c)
     return params
+
+
+def _learning_rate(c: _Checker) -> Any:
+    """``source.lr``: a finite number > 0 (an infinite one would turn every weight into inf or NaN)."""
+    lr = c.get("source.lr")
+    if lr is not _ABSENT and not (
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")
+    ):
+        c.fail("source.lr", lr, "must be a number > 0")
+    return lr
 
 
 def _user_params(node: DictConfig) -> dict[str, Any]:

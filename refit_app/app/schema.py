@@ -24,8 +24,11 @@ from refit_app.models.defaults import (
     DEFAULT_PROBE_TOKENS,
     DEFAULT_SEED,
     DEFAULT_SYNTHETIC_DTYPE,
+    DEFAULT_SYNTHETIC_LR,
+    DEFAULT_SYNTHETIC_UPDATE,
     DEFAULT_TRAIN_STEPS,
     FLOAT_DTYPES,
+    SYNTHETIC_UPDATES,
 )
 from refit_app.models.presets import PRESETS
 from refit_app.transport.auth import TOKEN_DEFAULT
@@ -191,6 +194,11 @@ class SyntheticSource(Source):
     """Seed of the generated values, so that two runs send identical bytes."""
     dtype: str = field(default=DEFAULT_SYNTHETIC_DTYPE, metadata={CHOICES: FLOAT_DTYPES})
     """Element type of the generated tensors."""
+    update: str = field(default=DEFAULT_SYNTHETIC_UPDATE, metadata={CHOICES: SYNTHETIC_UPDATES})
+    """How the weights change between rounds: shuffle, every element anew (free); training, steps of source.lr on
+    fp32 masters sent cast to source.dtype (~1% of bf16 elements change at lr 1e-6)."""
+    lr: float = DEFAULT_SYNTHETIC_LR
+    """Learning rate of update=training's steps (RL: 1e-6 to 3e-6); unused by shuffle."""
 
 
 @dataclass
@@ -212,7 +220,10 @@ class ModelSource(Source):
     path: str = MISSING
     """A Hugging Face model directory (config.json + safetensors); the trainer's model is built from it."""
     dtype: Optional[str] = None
-    """float32, bfloat16, float16 or float64; null: the checkpoint's own."""
+    """The dtype the model trains in: float32, bfloat16, float16 or float64; null: the checkpoint's own."""
+    send_dtype: Optional[str] = None
+    """Cast the weights to this dtype as they are sent (bfloat16 from float32 training, as RL does); null: as
+    trained."""
     device: Optional[str] = None
     """Where the model lives (cpu, cuda:0); null: the CPU."""
     train_steps: int = DEFAULT_TRAIN_STEPS

@@ -6,6 +6,12 @@ FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 """Element types a synthetic model is generated in, or a model source is cast to (``source.dtype``)."""
 DEFAULT_PRESET = "tiny"
 DEFAULT_SYNTHETIC_DTYPE = "bfloat16"
+SYNTHETIC_UPDATES = ("shuffle", "training")
+"""How a synthetic model changes between rounds (``source.update``): shuffle, every element to new random values
+(free); training, seeded Adam-sized steps on fp32 masters sent cast to ``source.dtype`` (~1% of bf16 elements)."""
+DEFAULT_SYNTHETIC_UPDATE = "shuffle"
+DEFAULT_SYNTHETIC_LR = 1e-6
+"""Step size of ``source.update=training`` (``source.lr``): an RL learning rate, ~1% of bf16 elements per round."""
 DEFAULT_SEED = 0
 """Seed of a synthetic model's values and of a model source's training batches."""
 DEFAULT_PROBE_TOKENS = 16

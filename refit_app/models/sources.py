@@ -14,10 +14,20 @@ from typing import Any, Protocol
 import torch
 
 from refit_app.checkpoint.reader import Checkpoint, read_companion_files
+from refit_app.common.errors import SourceError
 from refit_app.common.sizes import format_size
 from refit_app.core.meta import TensorMeta, dtype_itemsize
+from refit_app.models.defaults import (
+    DEFAULT_PRESET,
+    DEFAULT_SEED,
+    DEFAULT_SYNTHETIC_DTYPE,
+    DEFAULT_SYNTHETIC_LR,
+    DEFAULT_SYNTHETIC_UPDATE,
+    SYNTHETIC_UPDATES,
+)
 from refit_app.models.plugins import instantiate
 from refit_app.models.presets import PRESETS, fit_arch
+from refit_app.models.synthetic_training import TrainingSteps
 
 logger = logging.getLogger(__name__)
 
@@ -116,20 +126,37 @@ class SyntheticSource:
     Each tensor starts at an offset derived from (seed, name), so tensors differ from one another, the
     same seed always gives the same bytes, and producing a tensor costs nothing: a benchmark times the
     transfer, not the generator. Memory is the largest tensor plus 16 MiB per dtype, whatever the model size.
+
+    Between rounds (``advance``), ``update`` says how the weights change. ``shuffle``: every tensor moves to other
+    offsets of the pools, so every element changes, at no cost. ``training``: fp32 masters, started from the same
+    seeded values, take a seeded Adam-sized step (``lr``) per element and are sent cast to ``dtype``, so that only
+    the elements whose rounding changed differ, ~1% at RL learning rates in bf16
+    (:mod:`refit_app.models.synthetic_training`). That costs 6 bytes per bf16 element (the masters and the cast
+    they are sent from), held for the whole run, and two passes over the model per round.
     """
 
     def __init__(
-        self, preset: str = "tiny", size_bytes: int | None = None, seed: int = 0, dtype: torch.dtype | str = "bfloat16"
+        self,
+        preset: str = DEFAULT_PRESET,
+        size_bytes: int | None = None,
+        seed: int = DEFAULT_SEED,
+        dtype: torch.dtype | str = DEFAULT_SYNTHETIC_DTYPE,
+        *,
+        update: str = DEFAULT_SYNTHETIC_UPDATE,
+        lr: float = DEFAULT_SYNTHETIC_LR,
     ):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.preset, self.seed, self.dtype = preset, seed, dtype
+        if update not in SYNTHETIC_UPDATES:
+            raise SourceError(f"update={update!r} is not one of {', '.join(SYNTHETIC_UPDATES)}")
+        if update == "training" and not dtype.is_floating_point:
+            raise SourceError(f"update='training' needs a floating-point dtype to round its masters to, not {dtype}")
+        self.preset, self.seed, self.dtype, self.update, self.lr = preset, seed, dtype, update, lr
         self._round = 1
         itemsize = dtype_itemsize(dtype)
         natural = PRESETS[preset]
         self._arch = natural if size_bytes is None else fit_arch(natural, size_bytes, itemsize)
-        self._metas = [
-            TensorMeta(name, shape, torch.float32 if scale else dtype) for name, shape, scale in self._arch.specs()
-        ]
+        specs = list(self._arch.specs())
+        self._metas = [TensorMeta(name, shape, torch.float32 if scale else dtype) for name, shape, scale in specs]
         largest: dict[torch.dtype, int] = {}
         for m in self._metas:
             largest[m.dtype] = max(largest.get(m.dtype, 0), m.numel)
@@ -137,6 +164,15 @@ class SyntheticSource:
         self._pools: dict[torch.dtype, torch.Tensor] = {}
         for pool_dtype in sorted(largest, key=str):
             self._pools[pool_dtype] = _random_pool(pool_dtype, largest[pool_dtype], generator)
+        self._training: TrainingSteps | None = None
+        self._frozen: dict[str, torch.Tensor] = {}
+        if update == "training":
+            initial = dict(self._views(f"{seed}"))
+            # The fp32 scales of an FP8 checkpoint are calibration constants, not trained: they stay as in round 1.
+            trained = [m for m, (_, _, scale) in zip(self._metas, specs) if not scale]
+            self._frozen = {m.name: initial[m.name].clone() for m, (_, _, scale) in zip(self._metas, specs) if scale}
+            self._training = TrainingSteps([(m, initial[m.name]) for m in trained], dtype, lr, seed)
+            self._pools = {}  # everything sent now lives in the masters' cast and the frozen copies
         logger.debug("%s", self.describe())
 
     @property
@@ -144,9 +180,10 @@ class SyntheticSource:
         return sum(m.nbytes for m in self._metas)
 
     def describe(self) -> str:
+        steps = f", training-like steps at lr {self.lr:g}" if self._training is not None else ""
         return (
             f"synthetic {self.preset} ({self._arch.layers} layers, {len(self._metas)} tensors, "
-            f"{format_size(self.total_bytes)} {str(self.dtype).removeprefix('torch.')}, seed {self.seed})"
+            f"{format_size(self.total_bytes)} {str(self.dtype).removeprefix('torch.')}, seed {self.seed}{steps})"
         )
 
     def manifest_tensors(self) -> list[TensorMeta]:
@@ -156,13 +193,25 @@ class SyntheticSource:
         return {"format": "pt", "synthetic_preset": self.preset, "synthetic_seed": str(self.seed)}
 
     def advance(self, round_index: int) -> dict:
-        """New values for round ``round_index``, as after a training step: deterministic, so a consumer can verify
-        every round, and free (the tensors move to other offsets of the same pools)."""
+        """New values for round ``round_index``, as after a training step, deterministic, so a consumer can verify
+        every round. ``shuffle``: free (the tensors move to other offsets of the same pools), any round in any
+        order. ``training``: the steps of every round up to ``round_index`` not taken yet, in place; rounds only
+        go forward."""
+        if self._training is not None:
+            self._training.advance(round_index)
         self._round = round_index
         return {}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        salt = f"{self.seed}" if self._round <= 1 else f"{self.seed}/round{self._round}"
+        """Views, free to produce; with ``training``, views of buffers that the next ``advance`` overwrites."""
+        if self._training is not None:
+            for meta in self._metas:
+                frozen = self._frozen.get(meta.name)
+                yield meta.name, frozen if frozen is not None else self._training.tensor(meta.name)
+            return
+        yield from self._views(f"{self.seed}" if self._round <= 1 else f"{self.seed}/round{self._round}")
+
+    def _views(self, salt: str) -> Iterator[tuple[str, torch.Tensor]]:
         for meta in self._metas:
             pool = self._pools[meta.dtype]
             digest = hashlib.blake2b(f"{salt}/{meta.name}".encode(), digest_size=8).digest()

@@ -52,6 +52,12 @@ class ModelSource:
 
     ``advance(round_index)`` takes ``train_steps`` AdamW steps on seeded token batches between rounds; the
     optimizer (and its two moments per parameter) exists from the first ``advance`` on, as a trainer's does.
+
+    With ``send_dtype`` (mixed precision: train in float32, send bfloat16), the model trains in ``dtype`` and what
+    is sent is a second model of the same architecture built in ``send_dtype``, its weights the trained ones cast
+    after every step (memory: one more copy of the weights, in ``send_dtype``). The probe runs that copy, so the
+    consumer, which builds its model in the manifest's dtype, checks itself against the weights as sent; a round
+    then changes only the elements whose rounding the step moved.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class ModelSource:
         path: str | Path,
         *,
         dtype: torch.dtype | str | None = None,
+        send_dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         train_steps: int = DEFAULT_TRAIN_STEPS,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -84,6 +91,7 @@ class ModelSource:
         checkpoint = Checkpoint(self.path)
         ckpt_metas = checkpoint.metas()
         self.dtype = _as_dtype(dtype, SourceError) or main_dtype(ckpt_metas) or torch.float32
+        self.send_dtype = _as_dtype(send_dtype, SourceError) or self.dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.train_steps, self.batch_tokens, self.lr, self.seed = train_steps, batch_tokens, lr, seed
 
@@ -97,10 +105,16 @@ class ModelSource:
                 self._weights.tensor(name).copy_(t)
         self._metadata = checkpoint.metadata()
         self._files = read_companion_files(self.path)
+        # What is sent, and what the probe runs: the trained model itself, or its cast in send_dtype.
+        self._sent_model, self._sent = self.model, self._weights
+        if self.send_dtype != self.dtype:
+            self._sent_model = build_model(config_dict, self.send_dtype, self.device, SourceError)
+            self._sent = NamedWeights(self._sent_model, preferred=self._weights.names)
+            self._cast_for_sending()
         shards = {m.name: m.shard for m in ckpt_metas}
         self._metas = []
-        for name in self._weights.names:
-            t = self._weights.tensor(name)
+        for name in self._sent.names:
+            t = self._sent.tensor(name)
             self._metas.append(TensorMeta(name, tuple(t.shape), t.dtype, shards.get(name)))
         self._optimizer: torch.optim.Optimizer | None = None
         # Training data: random start tokens, each followed by a fixed seeded permutation of the vocabulary.
@@ -113,9 +127,10 @@ class ModelSource:
     def describe(self) -> str:
         total = sum(m.nbytes for m in self._metas)
         arch = type(self.model).__name__
+        trained = f", trained in {dtype_to_str(self.dtype)}" if self._sent_model is not self.model else ""
         return (
             f"model {self.path} ({arch}, {len(self._metas)} tensors, {format_size(total)} "
-            f"{dtype_to_str(self.dtype)} on {self.device}, {self.train_steps} AdamW step(s) of "
+            f"{dtype_to_str(self.send_dtype)}{trained} on {self.device}, {self.train_steps} AdamW step(s) of "
             f"{self.batch_tokens} tokens per round)"
         )
 
@@ -135,9 +150,15 @@ class ModelSource:
         return {**self._files, CONFIG_FILE_NAME: self._config_text}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The live weights (detached views): read them before the next ``advance``, never write them."""
-        for name in self._weights.names:
-            yield name, self._weights.tensor(name).detach()
+        """The live weights as sent (detached views): read them before the next ``advance``, never write them."""
+        for name in self._sent.names:
+            yield name, self._sent.tensor(name).detach()
+
+    def _cast_for_sending(self) -> None:
+        """Refresh the send_dtype copy from the trained weights: without it a round would send the last round's."""
+        with torch.no_grad():
+            for name in self._weights.names:
+                self._sent.tensor(name).copy_(self._weights.tensor(name))
 
     def _batch(self, generator: torch.Generator) -> torch.Tensor:
         seq = min(self.batch_tokens, TRAIN_SEQ_LEN)
@@ -171,18 +192,20 @@ class ModelSource:
         mean = sum(losses) / len(losses)
         if not math.isfinite(mean):
             raise SourceError(f"training diverged in round {round_index}: loss {mean}; lower the learning rate")
+        if self._sent_model is not self.model:
+            self._cast_for_sending()
         return {"loss": mean}
 
     def probe(self, probe_tokens: int = DEFAULT_PROBE_TOKENS) -> dict:
-        """The fixed probe through the model, as a consumer's ``check`` needs it.
+        """The fixed probe through the model as sent, as a consumer's ``check`` needs it.
 
         ``token_ids`` the input; ``next_tokens`` the greedy token after each position (full vocabulary);
         ``margins`` top-1 minus top-2 logit per position (a mismatch within twice the tolerance is a tie,
         not an error); ``column_stride`` and ``logits``: float32 ``[probe_tokens, ceil(vocab / stride)]``,
         every ``stride``-th vocabulary column (all of them up to ``MAX_PROBE_COLUMNS``).
         """
-        token_ids = probe_token_ids(vocab_rows(self.model), probe_tokens)
-        logits = forward_logits(self.model, token_ids)
+        token_ids = probe_token_ids(vocab_rows(self._sent_model), probe_tokens)
+        logits = forward_logits(self._sent_model, token_ids)
         top2 = logits.topk(min(2, logits.shape[-1]), dim=-1).values
         margins = (top2[:, 0] - top2[:, -1]).tolist()
         stride = max(1, -(-logits.shape[-1] // MAX_PROBE_COLUMNS))
@@ -191,6 +214,6 @@ class ModelSource:
             "next_tokens": logits.argmax(dim=-1).tolist(),
             "margins": margins,
             "column_stride": stride,
-            "dtype": dtype_to_str(self.dtype),
+            "dtype": dtype_to_str(self.send_dtype),
             "logits": logits[:, ::stride].contiguous(),
         }
