@@ -47,10 +47,11 @@ def test_trainer_to_model_loop_matches_every_round(cli, tmp_path: Path) -> None:
 
 def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> None:
     # Trained in fp32, sent as bf16: the consumer builds a bf16 model from the manifest and matches the producer's
-    # probe of the weights as sent, every round.
+    # probe of the weights as sent, every round; rounds after the first send only what real AdamW steps changed,
+    # patched into the consumer model's own parameters.
     model_dir = write_tiny_llama(tmp_path / "tiny-llama")
     result = cli("source=model", f"source.path={model_dir}", "source.dtype=float32", "source.send_dtype=bfloat16",
-                 "source.lr=1e-6", "sink=model", "refit.rounds=6", COVER_STARTUP)
+                 "source.lr=1e-6", "sink=model", "refit.rounds=6", "refit.delta=auto", COVER_STARTUP)
     assert result.returncode == 0, result.describe()
     m = local_metrics(cli.cwd)
     assert m["status"] == "ok" and m["rounds_done"] == 6
@@ -60,13 +61,23 @@ def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> Non
         assert r["verified"] is True
         assert r["model_check"] == {"max_abs_logit_diff": 0.0, "tokens_match": True}, r
     assert "bfloat16, trained in float32" in result.stdout + result.stderr
+    assert [r["delta"] for r in m["rounds"]] == [False] + [True] * 5
+    for r in m["rounds"][1:]:
+        # Real steps at lr 1e-6 change a few percent of the bf16 elements (Adam's first step the most).
+        assert 0.001 < r["changed_fraction"] < 0.2, r
+        assert r["wire_bytes"] < 0.5 * r["bytes"], r
+        assert r["base_round"] == r["round"] - 1
 
 
 def test_synthetic_training_rounds_send_what_a_rerun_computes(cli, tmp_path: Path) -> None:
     out = tmp_path / "saved"
-    result = cli("source.update=training", "refit.rounds=3", "sink=save", f"sink.path={out}", COVER_STARTUP)
+    # Delta rounds: the save sink writes the whole model from the session's copy, the changes applied.
+    result = cli("source.update=training", "refit.rounds=3", "refit.delta=on", "sink=save", f"sink.path={out}",
+                 COVER_STARTUP)
     assert result.returncode == 0, result.describe()
-    assert "training-like steps at lr 1e-06" in local_metrics(cli.cwd)["source"]
+    m = local_metrics(cli.cwd)
+    assert "training-like steps at lr 1e-06" in m["source"]
+    assert [r["delta"] for r in m["rounds"]] == [False, True, True]
     rerun = SyntheticSource("tiny", None, 0, "bfloat16", update="training")
     first = {n: t.clone() for n, t in rerun.tensors()}
     rerun.advance(3)
