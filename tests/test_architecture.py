@@ -85,9 +85,9 @@ def test_no_import_circles():
         state[m] = 1
         for dep in sorted(graph.get(m, ())):
             if state.get(dep) == 1:
-                circles.append(path[path.index(dep):] + [dep] if dep in path else [m, dep])
+                circles.append([*path[path.index(dep):], dep] if dep in path else [m, dep])
             elif dep not in state:
-                visit(dep, path + [dep])
+                visit(dep, [*path, dep])
         state[m] = 2
 
     for m in sorted(graph):

@@ -41,7 +41,7 @@ def _model(round_index: int, shares: list[float]) -> list[tuple[str, torch.Tenso
         for _, t in base:
             if t.numel() == 0:
                 continue
-            flat = t.view(-1).view(torch.uint8) if t.dtype != torch.bool else t.view(-1).view(torch.uint8)
+            flat = t.view(-1).view(torch.uint8)
             n = max(1, int(t.numel() * share)) if share > 0 else 0
             idx = torch.randperm(t.numel(), generator=gr)[:n]
             item = t.element_size()
@@ -97,7 +97,7 @@ def test_every_round_equals_the_producers_bytes(kind):
     shares = [0, 0.01, 0.0, 0.3, 1.0, 0.001]
     results = run_ranks(_delta_rounds, 2, "on", shares, kind, timeout=240)
     producer, consumer = results
-    for (k, base, wire, changed, enc), (k2, base2, verified, state) in zip(producer, consumer):
+    for (k, base, _wire, _changed, _enc), (k2, base2, verified, state) in zip(producer, consumer):
         assert k == k2 and base == base2
         expect = {n: _plain(t) for n, t in _model(k, shares)}
         assert state == expect, f"round {k}"
@@ -112,7 +112,7 @@ def test_chain_and_three_consumers():
     shares = [0, 0.01, 0.05]
     results = run_ranks(_delta_rounds, 4, "on", shares, "mirror", "chain", timeout=240)
     for consumer in results[1:]:
-        for k, base, verified, state in consumer:
+        for k, _base, verified, state in consumer:
             assert state == {n: _plain(t) for n, t in _model(k, shares)}
             assert verified is True
 
@@ -151,7 +151,7 @@ def test_a_consumer_that_cannot_vouch_for_its_tensors_gets_a_dense_round():
     # Round 2: consumer 2 keeps nothing, so every round is dense for everyone.
     assert [b for _, b in producer] == [0, 0, 0, 0]
     assert [v for _, _, v in keeper] == [True] * 4
-    for k, base, verified, state in changed:
+    for k, _base, verified, state in changed:
         assert verified is True and state == {n: _plain(t) for n, t in _model(k, shares)}
 
 

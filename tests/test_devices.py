@@ -1,5 +1,5 @@
-"""The GPU each rank of a host takes (:mod:`refit_app.app.devices`): a pure choice tested on CPU with the device count as
-a parameter, and applied on a GPU machine (marker ``gpu``; ``scripts/gpu_check.sh`` runs it). Imports neither Hydra
+"""The GPU each rank of a host takes (:mod:`refit_app.app.devices`): a pure choice tested on CPU with the device count
+as a parameter, and applied on a GPU machine (marker ``gpu``; ``scripts/gpu_check.sh`` runs it). Imports neither Hydra
 nor the application, which the GPU machine may lack."""
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _one_gpu_rank(rank: int, world_size: int, port: int) -> list:
             got: list = []
             devices: set[str] = set()
 
-            def consume(batch):
+            def consume(batch, devices=devices, got=got):
                 devices.update(t.device.type for _, t in batch)
                 got.extend(digest(batch))
 

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from functools import partial
+from typing import ClassVar
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_consumer_without_producer_gives_up_at_its_deadline():
 
 
 def test_unresolvable_host_is_a_config_error():
-    with pytest.raises(ConfigError, match="group.host='nonexistent.invalid' cannot be resolved"):
+    with pytest.raises(ConfigError, match=r"group\.host='nonexistent\.invalid' cannot be resolved"):
         connect(gloo_spec(1, 2, free_port(), timeout_s=FAIL_TIMEOUT_S, host="nonexistent.invalid"))
 
 
@@ -330,7 +331,7 @@ def test_pynccl_event_wait_polls_in_microseconds(monkeypatch):
             return Event.queries > 12
 
     class Stream:
-        waited = []
+        waited: ClassVar[list] = []
 
         def wait_event(self, event: Event) -> None:
             Stream.waited.append(event)

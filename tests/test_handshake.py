@@ -182,7 +182,7 @@ def test_buffer_size_mismatch_names_both_values():
 
 
 def test_packing_mismatch_names_both_values():
-    with pytest.raises(HandshakeError, match="refit.use_legacy_packing differs: producer true, this consumer false"):
+    with pytest.raises(HandshakeError, match=r"refit\.use_legacy_packing differs: producer true, this consumer false"):
         check_settings(_manifest(use_legacy_packing=True), buffer_size_bytes=None, use_legacy_packing=False)
 
 

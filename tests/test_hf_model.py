@@ -290,7 +290,7 @@ def test_check_catches_wrong_weights(checkpoints):
 
 
 def test_source_refuses_a_checkpoint_that_does_not_fit_its_config(checkpoints, tmp_path):
-    with pytest.raises(SourceError, match="has no config.json"):
+    with pytest.raises(SourceError, match=r"has no config\.json"):
         ModelSource(tmp_path)
     src = checkpoints[(torch.float32, True)]
     for f in src.iterdir():

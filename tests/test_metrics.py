@@ -186,11 +186,11 @@ class FakeTerminal(io.StringIO):
 def test_progress_is_silent_for_short_transfers(caplog: pytest.LogCaptureFixture) -> None:
     for tty in (True, False):
         clock, stream = FakeClock(), FakeTerminal(tty)
-        with caplog.at_level(logging.INFO, logger="refit_app.app.progress"):
-            with Progress(10 * 10**9, 10, "producer", stream=stream, clock=clock) as progress:
-                for _ in range(10):
-                    clock.now += 0.19
-                    progress.update(10**9)
+        with caplog.at_level(logging.INFO, logger="refit_app.app.progress"), \
+                Progress(10 * 10**9, 10, "producer", stream=stream, clock=clock) as progress:
+            for _ in range(10):
+                clock.now += 0.19
+                progress.update(10**9)
         assert stream.getvalue() == ""
     assert caplog.records == []
 

@@ -229,4 +229,5 @@ def test_the_link_benchmark_times_verified_rounds_against_the_limit_on_the_same_
     # 67 MB at 250 MB/s: B / R = 0.27 s. Neither side beats the link by more than tbf's 4 MB burst (6%).
     assert float(refit_x.split("x")[0]) >= 0.9 and float(limit_x.rstrip("x")) >= 0.9, row
     assert float(ratio) == pytest.approx(float(limit_s) / float(refit_s), abs=0.06), row
-    assert "refit-bench" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    assert "refit-bench" not in listed

@@ -245,7 +245,8 @@ def test_golden_packed_bytes():
         ("b", torch.tensor([True, False])),
     ]
     sender, received = round_trip(tensors, target=1024)
-    golden = bytes([7]) + bytes.fromhex("0000803f") + bytes.fromhex("00c0") + bytes.fromhex("0100" "0300" "0200" "0400") + bytes([1, 0])
+    golden = (bytes([7]) + bytes.fromhex("0000803f") + bytes.fromhex("00c0")
+              + bytes.fromhex("0100" "0300" "0200" "0400") + bytes([1, 0]))
     assert len(sender.sent) == 1
     assert bytes(sender.sent[0].numpy()) == golden
     assert_exact(tensors, received)
@@ -288,7 +289,8 @@ def test_shapes_as_list_tuple_or_size():
     packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=16)
     spec = [("a", ([2, 3], torch.float32)), ("b", ((4,), torch.float32)), ("c", (torch.Size([1, 1]), torch.float32))]
     out = []
-    packed_broadcast_consumer(iter(spec), ReplayGroup(sender.sent), 0, lambda b: out.extend((n, t.clone()) for n, t in b),
+    packed_broadcast_consumer(iter(spec), ReplayGroup(sender.sent), 0,
+                              lambda b: out.extend((n, t.clone()) for n, t in b),
                               buffer_size_bytes=16)
     assert_exact(tensors, out)
 
@@ -390,7 +392,7 @@ def test_producer_error_propagates_after_draining_and_next_call_works():
     started = [e for e in group.events if e[0] == "broadcast"]
     waited = [e for e in group.events if e[0] == "wait"]
     assert len(started) == 3 and len(waited) == 3  # nothing left in flight
-    sender, received = round_trip(tensors, target=200)
+    _sender, received = round_trip(tensors, target=200)
     assert_exact(tensors, received)
 
 
@@ -483,7 +485,8 @@ def test_signatures_keep_the_spec():
         ("buffer_size_bytes", KW, None), ("num_buffers", KW, None), ("use_legacy_packing", KW, False),
     ]
     batches = shape(_packed_broadcast_consumer_batches)
-    assert batches[:4] == [("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("num_buffers", KW, None)]
+    assert batches[:4] == [
+        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("num_buffers", KW, None)]
     consumer = shape(packed_broadcast_consumer)
     assert consumer[:6] == [
         ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("post_unpack_func", POS, empty),
@@ -495,7 +498,7 @@ def test_signatures_keep_the_spec():
     assert ("buffer_size_bytes", KW, None) in batches and ("use_legacy_packing", KW, False) in batches
 
 
-# ---------------------------------------------------------------------------------------------- plans kept across rounds
+# --------------------------------------------------------------------------------------------- plans kept across rounds
 
 
 def _rounds_with_plans(rounds, *, target, legacy=False, return_iterator=False):
@@ -545,7 +548,7 @@ def test_plan_refuses_a_changed_tensor_list():
     tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(6)]
     plan = PackedPlan()
     packed_broadcast_producer(iter(tensors), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
-    changed = tensors[:3] + [("w3", torch.zeros(25, dtype=torch.float64))] + tensors[4:]
+    changed = [*tensors[:3], ("w3", torch.zeros(25, dtype=torch.float64)), *tensors[4:]]
     with pytest.raises(ValueError, match=r"tensor 3 .*float64.*w3"):
         packed_broadcast_producer(iter(changed), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
     with pytest.raises(ValueError, match=r"tensor 6 .*(one more|end)"):
@@ -579,7 +582,7 @@ def test_plan_producer_copies_into_its_own_buffers_every_round():
     assert len(set(ptrs[1])) == 2 and ptrs[1] == ptrs[2]  # the plan's two buffers, the same every round
 
 
-# ------------------------------------------------------------------------------- receive buffers: sizes and late release
+# ------------------------------------------------------------------------------ receive buffers: sizes and late release
 
 
 class _LateWork:
@@ -628,7 +631,8 @@ def test_consumer_receives_into_two_target_sized_buffers_and_waits_out_a_late_re
     buffers.release_buffers()  # the producer's, kept in this process's pool: the consumer allocates its own
     group = _LateReleaseGroup(sender.sent)
     got = []
-    packed_broadcast_consumer(iter(metas(tensors)), group, 0, lambda batch: got.extend((n, t.clone()) for n, t in batch),
+    packed_broadcast_consumer(iter(metas(tensors)), group, 0,
+                              lambda batch: got.extend((n, t.clone()) for n, t in batch),
                               buffer_size_bytes=256, num_buffers=2)
     assert [(n, raw_bytes(t)) for n, t in got] == [(n, raw_bytes(t)) for n, t in tensors]
     assert len(set(group.ptrs)) == 2

@@ -49,7 +49,8 @@ def _refit_rank(rank: int, world_size: int, port: int, cases) -> list:
                 results.append(digest(it))
             else:
                 got = []
-                packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, lambda b: got.extend(digest(b)), **kwargs)
+                packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, lambda b, got=got: got.extend(digest(b)),
+                                          **kwargs)
                 results.append(got)
     return results
 
@@ -75,7 +76,7 @@ def _callback_error_then_next_refit(rank: int, world_size: int, port: int) -> li
                 continue
             got = []
 
-            def sink(batch):
+            def sink(batch, got=got, attempt=attempt):
                 got.extend(digest(batch))
                 if attempt == 0 and len(got) == len(tensors):
                     raise KeyError("consumer rejected the last batch")

@@ -113,7 +113,8 @@ def test_default_checksum_is_the_fastest_installed_and_zlib_is_the_fallback(monk
     monkeypatch.setitem(sys.modules, "crc32c", None)
     try:
         assert default_algorithm() == FALLBACK_ALGORITHM
-        with pytest.raises(HandshakeError, match="checksums with xxh3_64, which this host cannot compute: pip install xxhash"):
+        with pytest.raises(HandshakeError,
+                           match="checksums with xxh3_64, which this host cannot compute: pip install xxhash"):
             checksum_function("xxh3_64")
     finally:
         checksum._load.cache_clear()
@@ -279,7 +280,7 @@ def test_incomplete_transfer_fails_and_publishes_nothing(tmp_path):
     sink = SaveSink(str(tmp_path / "out"))
     sink.begin(manifest_for(metas_of(items, shard=None)))
     deliver(sink, items[:-1])
-    with pytest.raises(SinkError, match="1 tensor\\(s\\) never arrived: t.strided"):
+    with pytest.raises(SinkError, match=r"1 tensor\(s\) never arrived: t\.strided"):
         sink.finish(None)
     sink.abort()
     assert files_in(tmp_path / "out") == []
@@ -352,7 +353,7 @@ def test_make_sink_builds_the_target_and_wraps_the_fault_hook(tmp_path):
     assert isinstance(make_sink("refit_app.models.sinks.SaveSink", {"path": str(tmp_path)}), SaveSink)
     corrupting = make_sink("refit_app.models.sinks.VerifySink", {}, corrupt_chunk=0)
     assert isinstance(corrupting, CorruptingSink)
-    with pytest.raises(ConfigError, match="module refit_app.models.sinks has no 'KeepSink'"):
+    with pytest.raises(ConfigError, match=r"module refit_app\.models\.sinks has no 'KeepSink'"):
         make_sink("refit_app.models.sinks.KeepSink", {})
 
 
@@ -365,7 +366,8 @@ def test_corrupting_sink_flips_one_byte_of_the_chosen_chunk():
 
     sink = CorruptingSink(Recorder(), chunk=1)
     sink.begin(Manifest([], 1, False))
-    originals = [[("a", torch.zeros(4, dtype=torch.uint8))], [("b", torch.zeros(0)), ("c", torch.zeros(4, dtype=torch.uint8))]]
+    originals = [[("a", torch.zeros(4, dtype=torch.uint8))],
+                 [("b", torch.zeros(0)), ("c", torch.zeros(4, dtype=torch.uint8))]]
     for batch in originals:
         sink.consume(batch)
     assert seen[0][0].tolist() == [0, 0, 0, 0]

@@ -98,7 +98,8 @@ def test_make_source_refuses_a_target_it_cannot_build(tmp_path):
 
 
 def test_tiny_is_the_small_default():
-    source = make_source("refit_app.models.sources.SyntheticSource", {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"})
+    source = make_source("refit_app.models.sources.SyntheticSource",
+                         {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"})
     assert 6 * MiB < source.total_bytes < 10 * MiB
     assert all(m.shard is None for m in source.manifest_tensors())
     assert_streams_like_manifest(source)

@@ -21,9 +21,9 @@ from refit_app.common.checks import Problems, is_int, show
 from refit_app.common.errors import ConfigError, one_line
 from refit_app.common.sizes import parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
-from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
+from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
 
 
@@ -155,7 +155,7 @@ class _Checker(Problems):
         if not dataclasses.is_dataclass(schema):
             return
         known = [f.name for f in dataclasses.fields(schema)]
-        for key in node.keys():
+        for key in node:
             key = str(key)
             if key not in known:
                 where = f"keys under {prefix[:-1]}" if prefix else "top-level keys"

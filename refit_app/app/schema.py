@@ -16,7 +16,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from refit_app.app.launchers import launcher_setting
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
-from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.models.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_LR,
@@ -31,8 +30,16 @@ from refit_app.models.defaults import (
     SYNTHETIC_UPDATES,
 )
 from refit_app.models.presets import PRESETS
+from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
 from refit_app.transport.auth import TOKEN_DEFAULT
-from refit_app.transport.spec import BACKENDS, DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, DEFAULT_TOPOLOGY, TOPOLOGIES
+from refit_app.transport.spec import (
+    BACKENDS,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TOPOLOGY,
+    TOPOLOGIES,
+)
 
 CONF_MODULE = "refit_app.conf"
 """The package that holds the configs: the top-level conf/ directory, installed under this name (pyproject.toml),

@@ -58,7 +58,8 @@ class NamedWeights:
                 if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
                     got = f"{dtype_to_str(dtype)} " if dtype is not None else ""
                     wrong.append(
-                        f"{n!r} ({got}{list(shape)} in the {what}, {dtype_to_str(t.dtype)} {list(t.shape)} in the model)"
+                        f"{n!r} ({got}{list(shape)} in the {what}, "
+                        f"{dtype_to_str(t.dtype)} {list(t.shape)} in the model)"
                     )
         missing, twice = [], []
         for name in self.names:
