@@ -36,6 +36,14 @@ def _return_free_memory_to_os() -> None:
         pass
 
 
+def _rss() -> int | None:
+    """This rank's resident memory now."""
+    probe = PeakMemory()
+    probe.start()
+    probe.stop()
+    return probe.baseline_rss
+
+
 def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
     """(wall seconds, CPU seconds of every thread of this rank, its peak memory) of one transfer."""
     barrier(rg)
@@ -99,10 +107,7 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     # the model alone (buffers released), not against the RSS just before each call.
     release_buffers()
     _return_free_memory_to_os()
-    probe = PeakMemory()
-    probe.start()
-    model_rss = probe.baseline_rss
-    probe.stop()
+    model_rss = _rss()
     flat: dict[str, list[dict[str, int | None]]] = {"refit": [], "session": []}
     flat_runners = {"refit": functools.partial(refit, rg, source, metas, case)}
     if session is not None:
@@ -127,14 +132,6 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
         "largest_tensor_bytes": max(m.nbytes for m in metas),
         **({"delta": delta} if delta is not None else {}),
     }
-
-
-def _rss() -> int | None:
-    """This rank's resident memory now."""
-    probe = PeakMemory()
-    probe.start()
-    probe.stop()
-    return probe.baseline_rss
 
 
 def _round_figures(r: Round) -> dict[str, Any]:
