@@ -19,7 +19,8 @@ from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, run_ranks
 
 from refit_app.bench import cli as bench
 from refit_app.bench.cases import MODES, Case
-from refit_app.bench.plot import PlotData, figure, plot_data
+from refit_app.bench.delta_report import FLAT_SLACK_BYTES, summarize_delta
+from refit_app.bench.plot import DELTA_MODE_STYLES, PlotData, delta_figure, delta_plot_data, figure, plot_data
 from refit_app.bench.report import MEMORY_SLACK, summarize
 
 SIZE = 2_000_000
@@ -189,7 +190,13 @@ def test_the_plot_names_cases_by_what_differs_and_draws_only_measured_modes(tmp_
 @pytest.mark.parametrize(
     "args, message",
     [(["--num-buffers", "0"], "refit_app.bench: error: --num-buffers 0 must be >= 1"),
-     (["--reps", "0"], "refit_app.bench: error: --reps 0 must be >= 1")],
+     (["--reps", "0"], "refit_app.bench: error: --reps 0 must be >= 1"),
+     (["--delta-shares", "0.01", "0"], r"error: --delta-shares 0 must be above 0 and at most 1$"),
+     (["--delta-shares", "1.5"], r"error: --delta-shares 1.5 must be above 0 and at most 1$"),
+     (["--delta-shares", "nan"], r"error: --delta-shares nan must be above 0 and at most 1$"),
+     (["--delta-shares", "0.1", "0.1"], r"error: --delta-shares has a share twice; give each once$"),
+     (["--delta-rounds", "5"], r"error: --delta-rounds needs --delta-shares \(the shares its rounds change\)$"),
+     (["--delta-shares", "0.1", "--delta-rounds", "-1"], r"error: --delta-rounds -1 must be >= 0$")],
 )
 def test_bad_flags_are_refused_before_any_process_starts(args, message):
     with pytest.raises(SystemExit, match=message):
@@ -209,10 +216,155 @@ def _one_rank(rank: int, world_size: int, port: int, out: str, extra: list[str])
     return code, printed.getvalue(), errors.getvalue()
 
 
+def test_the_delta_comparison_replaces_the_default_modes_unless_they_are_asked_for():
+    parse = bench.build_parser().parse_args
+    (plain,) = bench.cases_from_args(parse([]))[:1]
+    assert (plain.modes, plain.flat_refits, plain.delta_shares, plain.delta_rounds) == (MODES, 20, (), 0)
+    (delta,) = bench.cases_from_args(parse(["--preset", "llama-1b", "--delta-shares", "0.001", "0.5"]))
+    assert (delta.modes, delta.flat_refits, delta.delta_shares, delta.delta_rounds) == ((), 0, (0.001, 0.5), 50)
+    (both,) = bench.cases_from_args(parse(["--preset", "llama-1b", "--delta-shares", "0.1", "--modes", "limit",
+                                           "--flat-refits", "3", "--delta-rounds", "0"]))
+    assert (both.modes, both.flat_refits, both.delta_shares, both.delta_rounds) == (("limit",), 3, (0.1,), 0)
+
+
+def _assert_delta_plot_follows_json(doc: dict) -> None:
+    """Every point drawn is the JSON's: dense median / mode median against the share, and wire bytes / model."""
+    data = delta_plot_data(doc)
+    cases = [c for c in doc["cases"] if "delta" in c]
+    assert len(data.lines) == len(cases) * len(DELTA_MODE_STYLES)
+    labels = list(dict.fromkeys(line.case for line in data.lines))  # one per case, in the JSON's order
+    by_label = dict(zip(labels, cases, strict=True))
+    for line in data.lines:
+        case = by_label[line.case]
+        rows = case["delta"]["shares"]
+        assert line.shares == [r["share"] for r in rows]
+        assert line.speedup == [r["modes"]["off"]["seconds"]["median"] / r["modes"][line.mode]["seconds"]["median"]
+                                for r in rows]
+        assert line.wire_fraction == [r["modes"][line.mode]["wire_bytes_per_round"] / case["bytes"] for r in rows]
+    speed, wire = delta_figure(data).axes
+    assert speed.get_xscale() == "log" and wire.get_xscale() == "log"
+    drawn = [ln for ln in speed.get_lines() if ln.get_label() != "dense"]
+    assert [list(ln.get_xdata()) for ln in drawn] == [[100 * x for x in line.shares] for line in data.lines]
+    assert [list(ln.get_ydata()) for ln in drawn] == [line.speedup for line in data.lines]
+
+
+def test_delta_shares_time_dense_on_and_auto_rounds_and_report_each_share(tmp_path, capsys):
+    out = tmp_path / "delta"
+    args = ["--preset", "llama-1b", "--size", "2MB", "--buffer-size", "256KiB", "--reps", "2",
+            "--delta-shares", "0.01", "0.5", "--delta-rounds", "3", "--out", str(out)]
+    assert bench.main(args) == 0
+
+    printed = capsys.readouterr().out
+    table = (out / "table.md").read_text()
+    assert table in printed
+    header, rule, *rows = table.splitlines()
+    assert "dense/on" in header and "auto/dense" in header and set(rule) == {"|", "-"}
+    assert [row.split("|")[4].strip() for row in rows] == ["1%", "50%"]
+    assert f"plot: {out / 'delta.png'}\n" in printed and "throughput.png" not in printed
+    assert not (out / "throughput.png").exists()  # no mode was timed
+    assert printed.count(" delta rounds: held after round 1 ") == 2  # producer and consumer
+
+    doc = json.loads((out / "bench.json").read_text())
+    assert "delta" in doc  # what the figures mean
+    (case,) = doc["cases"]
+    assert case["modes"] == {} and case["case"]["delta_shares"] == [0.01, 0.5]
+    total = case["bytes"]
+    shares = case["delta"]["shares"]
+    assert [entry["share"] for entry in shares] == [0.01, 0.5]
+    for entry in shares:
+        modes = entry["modes"]
+        assert set(modes) == {"off", "on", "auto"}
+        for mode in modes.values():
+            s = mode["seconds"]
+            assert len(mode["per_rep_seconds"]) == 2 and 0 < s["min"] <= s["median"] <= s["max"]
+            assert s["median"] == pytest.approx(sum(mode["per_rep_seconds"]) / 2)
+            # A repetition is over when its slowest rank is.
+            assert mode["per_rep_seconds"] == [max(r[i] for r in mode["per_rank_seconds"]) for i in range(2)]
+        assert entry["speedup_on"] == modes["off"]["seconds"]["median"] / modes["on"]["seconds"]["median"]
+        assert entry["auto_over_dense"] == modes["auto"]["seconds"]["median"] / modes["off"]["seconds"]["median"]
+        # Dense rounds send the model; every "on" round is a delta round, which measures the share it was given.
+        assert modes["off"]["wire_bytes_per_round"] == total and modes["off"]["delta_rounds"] == 0
+        assert modes["on"]["delta_rounds"] == 2 and entry["changed_fraction"] == modes["on"]["changed_fraction"]
+        assert entry["changed_fraction"] == pytest.approx(entry["share"], rel=0.2)
+        if modes["auto"]["delta_rounds"] == 0:
+            assert modes["auto"]["wire_bytes_per_round"] == total
+    assert shares[0]["modes"]["on"]["wire_bytes_per_round"] < 0.1 * total  # 1%: positions and values only
+    for m in case["delta"]["memory"]:
+        assert m["delta_rounds"] == 3 and len(m["rounds"]) == 4 and m["flat"] is not None
+
+    png = (out / "delta.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    _assert_delta_plot_follows_json(doc)
+
+
+def test_memory_stays_flat_over_50_delta_rounds_with_one_copy_of_the_model_on_each_side(tmp_path):
+    """The issue's bound: over 50 delta rounds (shares 0.1%, 3% and 30% in turn: each positions encoding), the
+    producer's and the consumer's RSS, before each round and at its peak, stays within FLAT_SLACK_BYTES of what it
+    reached in the first round at every share; round 1 leaves one host copy of the model held on each side (the
+    producer's snapshot, the consumer's mirror), as the docs say."""
+    out = tmp_path / "flat"
+    args = ["--preset", "llama-1b", "--size", "16MiB", "--buffer-size", "1MiB", "--reps", "1",
+            "--delta-shares", "0.001", "0.03", "0.3", "--delta-rounds", "50", "--out", str(out)]
+    assert bench.main(args) == 0
+    (case,) = json.loads((out / "bench.json").read_text())["cases"]
+    memory = case["delta"]["memory"]
+    assert [m["rank"] for m in memory] == [0, 1]
+    for m in memory:
+        figures = (m["held_after_round_1_bytes"], m["retained_growth_bytes"], m["peak_growth_bytes"])
+        assert m["delta_rounds"] == 50 and all(r["delta"] for r in m["rounds"][1:]), m["rounds"]
+        assert abs(m["held_after_round_1_bytes"] - case["bytes"]) <= FLAT_SLACK_BYTES, figures
+        assert m["retained_growth_bytes"] <= FLAT_SLACK_BYTES and m["peak_growth_bytes"] <= FLAT_SLACK_BYTES, figures
+        assert m["flat"] is True and m["one_copy"] is True
+        assert set(m["rss_before_round_bytes"]) == {"2", "10", "50"}
+
+
+def _delta_rank(rss_before: list[int], peaks: list[int], shares: tuple[float, ...]) -> dict:
+    """What measure.run_delta returns on one rank, with chosen memory figures (MiB) and one repetition per share."""
+    figures = {"wire_bytes": 10, "base_round": 1, "changed_elements": 1, "total_elements": 100, "encodings": {},
+               "delta_seconds": 0.0}
+    modes = ("off", "on", "auto")
+    return {"delta": {
+        "shares": [{"share": s, "seconds": {m: [1.0] for m in modes}, "cpu_seconds": {m: [1.0] for m in modes},
+                    "rounds": {m: [figures] for m in modes}} for s in shares],
+        "flat": {"model_rss_bytes": 100 * MiB, "rss_after_bytes": rss_before[-1] * MiB,
+                 "rounds": [{"round": k + 1, "share": None, "delta": k > 0, "rss_before_bytes": b * MiB,
+                             "peak_rss_bytes": p * MiB} for k, (b, p) in enumerate(zip(rss_before, peaks))]},
+    }}
+
+
+def test_the_delta_memory_verdict_follows_its_figures():
+    """Two shares: rounds 2 and 3 (retained: before rounds 2..4) are the reference; later rounds may exceed it by
+    the slack and no more. The model is 10 MiB, held after round 1 = RSS before round 2 - 100 MiB."""
+    case = Case("llama-1b", None, MiB, 2, 1, "none", 1, (), 0, (0.01, 0.5), 5)
+    slack = FLAT_SLACK_BYTES // MiB
+    assert slack >= 2
+
+    def verdict(rss_before: list[int], peaks: list[int], model_mib: int = 10) -> dict:
+        producer = _delta_rank(rss_before, peaks, case.delta_shares)
+        return summarize_delta(case, [producer, producer], model_mib * MiB)["memory"][0]
+
+    flat = verdict([100, 110, 111, 112, 112, 112, 112], [110, 120, 130, 120, 130, 120, 130])
+    assert (flat["held_after_round_1_bytes"], flat["flat"], flat["one_copy"]) == (10 * MiB, True, True)
+    assert (flat["retained_growth_bytes"], flat["peak_growth_bytes"]) == (0, 0)
+    at_slack = verdict([100, 110, 111, 112, 112, 112 + slack, 112], [110, 120, 130, 120, 130 + slack, 120, 130])
+    assert at_slack["flat"] is True
+    grows = verdict([100, 110, 111, 112, 112, 112, 113 + slack], [110, 120, 130, 120, 130, 120, 130])
+    assert (grows["retained_growth_bytes"], grows["flat"]) == ((1 + slack) * MiB, False)
+    peak_grows = verdict([100, 110, 111, 112, 112, 112, 112], [110, 120, 130, 120, 130, 131 + slack, 130])
+    assert (peak_grows["peak_growth_bytes"], peak_grows["flat"]) == ((1 + slack) * MiB, False)
+    two_copies = verdict([100, 120, 121, 122, 122, 122, 122], [130] * 7, model_mib=10)
+    assert two_copies["one_copy"] is False and two_copies["flat"] is True
+    too_few = summarize_delta(Case("llama-1b", None, MiB, 2, 1, "none", 1, (), 0, (0.01, 0.5), 2),
+                              [_delta_rank([100, 110, 111], [110, 120, 130], (0.01, 0.5))] * 2, 10 * MiB)
+    assert too_few["memory"][0]["flat"] is None
+
+
 def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path):
     """``--rank``: each rank in its own process joins the producer's address as the application's ranks do; the
-    consumers take rank 0's cases (here: modes they were not given) and rank 0 alone writes every rank's results."""
-    results = run_ranks(_one_rank, 3, str(tmp_path), ["--modes", "refit", "limit"], timeout=120)
+    consumers take rank 0's cases (here: modes and delta shares they were not given) and rank 0 alone writes every
+    rank's results."""
+    results = run_ranks(_one_rank, 3, str(tmp_path), ["--modes", "refit", "limit", "--delta-shares", "0.01",
+                                                       "--delta-rounds", "2"], timeout=120)
     for code, _, errors in results:
         assert code == 0, errors
     table = (tmp_path / "rank0" / "table.md").read_text()
@@ -227,6 +379,12 @@ def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path
     for mode in case["modes"].values():
         assert len(mode["per_rank_seconds"]) == 3 and all(len(r) == 1 for r in mode["per_rank_seconds"])
     assert [m["rank"] for m in case["memory"]] == [0, 1, 2]
+    (share,) = case["delta"]["shares"]
+    assert share["share"] == 0.01 and share["modes"]["on"]["delta_rounds"] == 1
+    for mode in share["modes"].values():
+        assert len(mode["per_rank_seconds"]) == 3 and all(len(r) == 1 for r in mode["per_rank_seconds"])
+    assert [m["rank"] for m in case["delta"]["memory"]] == [0, 1, 2]
+    assert "dense/on" in table and (tmp_path / "rank0" / "delta.png").exists()
 
 
 def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_up_on_a_missing_producer(capsys):

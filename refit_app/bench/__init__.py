@@ -26,8 +26,18 @@ Memory: after the timed repetitions, ``--flat-refits`` consecutive refits (and a
 measure this rank's peak RSS above the RSS with the model alone, against ``num_buffers x max(target, largest
 tensor)``.
 
+Dense against delta (``--delta-shares 0.001 0.01 ...``): per case, one session pair per delta mode (``off``, ``on``,
+``auto``) on the same group, consumers verifying every round (and with deltas patching a mirror); before each
+repetition the producer's model (its own copy, as a trainer holds it) changes at the share, and each mode's round
+is timed, the modes rotating within repetitions. Reported per share: each mode's round time and wire bytes per
+round, dense/on (the speed-up) and auto/dense, in bench.json, ``table.md`` and ``delta.png``. Then
+``--delta-rounds`` delta rounds of a fresh session measure each rank's RSS before and at the peak of every round:
+what round 1 leaves held (one copy of the model) and whether it stays flat. With ``--delta-shares``, ``--modes`` and
+``--flat-refits`` default to none, so such a run times only the comparison.
+
 The modules, in import order: :mod:`.cases` (a case and its model), :mod:`.modes` (the four timed modes),
-:mod:`.measure` (one rank's side of a case), :mod:`.plot` and :mod:`.report` (summaries, bench.json, table.md,
-throughput.png), :mod:`.spawned` (every rank on this machine) and :mod:`.ranks` (one rank of several hosts),
-:mod:`.cli` (flags and ``main``).
+:mod:`.delta` (the changing model and the session pairs of the delta comparison), :mod:`.measure` (one rank's side
+of a case), :mod:`.plot`, :mod:`.delta_report` and :mod:`.report` (summaries, bench.json, table.md, the plots),
+:mod:`.spawned` (every rank on this machine) and :mod:`.ranks` (one rank of several hosts), :mod:`.cli` (flags and
+``main``).
 """

@@ -22,6 +22,8 @@ DEFAULT_SIZES = {"llama-1b": ("1GB",), "lora": ("natural", "1GiB")}
 """Per preset without ``--size``: lora at its natural size (2240 matrices, 93 MB) and at 1 GiB (25,844 of them)."""
 DEFAULT_REPS = 5
 DEFAULT_FLAT_REFITS = 20
+DEFAULT_DELTA_ROUNDS = 50
+"""Delta rounds of the memory flatness check that follows the dense-against-delta timing (``--delta-shares``)."""
 SEED = 0
 
 
@@ -40,6 +42,16 @@ class Case:
     modes: tuple[str, ...]
     flat_refits: int
     """Consecutive refits after the timed ones, each with its own peak-memory measurement (0: none)."""
+    delta_shares: tuple[float, ...] = ()
+    """Shares of elements changed between rounds at which dense, delta ``on`` and ``auto`` session rounds are timed
+    against each other (:mod:`.delta`); empty: no such comparison."""
+    delta_rounds: int = 0
+    """Delta rounds of the memory flatness check after that comparison (0: none)."""
+
+    @classmethod
+    def from_json(cls, fields: dict) -> Case:
+        """A case from its ``asdict`` form after a JSON round trip (lists back to tuples, so it stays hashable)."""
+        return cls(**{**fields, "modes": tuple(fields["modes"]), "delta_shares": tuple(fields["delta_shares"])})
 
 
 def make_source(case: Case) -> SyntheticSource:

@@ -13,9 +13,18 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from refit_app.bench.cases import DEFAULT_FLAT_REFITS, DEFAULT_PRESETS, DEFAULT_REPS, DEFAULT_SIZES, MODES, POSTS, Case
+from refit_app.bench.cases import (
+    DEFAULT_DELTA_ROUNDS,
+    DEFAULT_FLAT_REFITS,
+    DEFAULT_PRESETS,
+    DEFAULT_REPS,
+    DEFAULT_SIZES,
+    MODES,
+    POSTS,
+    Case,
+)
 from refit_app.bench.ranks import run_rank
-from refit_app.bench.report import BENCH_JSON, PLOT_PNG, format_table, memory_lines
+from refit_app.bench.report import BENCH_JSON, format_table, memory_lines, plot_files
 from refit_app.bench.spawned import DEFAULT_TIMEOUT_S, run
 from refit_app.common.errors import ConfigError, RefitError
 from refit_app.common.sizes import format_size, parse_size
@@ -28,7 +37,8 @@ from refit_app.transport.spec import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_
 
 logger = logging.getLogger(__name__)
 
-CASE_FLAGS = ("preset", "size", "buffer_size", "num_buffers", "post", "modes", "reps", "flat_refits")
+CASE_FLAGS = ("preset", "size", "buffer_size", "num_buffers", "post", "modes", "reps", "flat_refits", "delta_shares",
+              "delta_rounds")
 """The flags that make the cases: across hosts, rank 0's decide and a consumer's own are not used."""
 
 
@@ -55,10 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="consumer processes (default: 1; across hosts: --world-size - 1)")
     p.add_argument("--post", nargs="+", choices=POSTS, default=["none"],
                    help="producer post_iter_func: none, or cast (fp32 model sent as bf16) (default: none)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time (default: all)")
-    p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed repetitions per mode (default: %(default)s)")
-    p.add_argument("--flat-refits", type=int, default=DEFAULT_FLAT_REFITS,
-                   help="consecutive refits after the timed ones, for the memory flatness check (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="what to time (default: all; none with --delta-shares)")
+    p.add_argument("--reps", type=int, default=DEFAULT_REPS,
+                   help="timed repetitions per mode (and per delta mode and share) (default: %(default)s)")
+    p.add_argument("--flat-refits", type=int, default=None,
+                   help="consecutive refits after the timed ones, for the memory flatness check "
+                        f"(default: {DEFAULT_FLAT_REFITS}; 0 with --delta-shares)")
+    p.add_argument("--delta-shares", nargs="+", type=float, default=None, metavar="SHARE",
+                   help="time session rounds with delta off, on and auto against each other, the model changed "
+                        "between rounds at each of these shares of its elements, e.g. 0.001 0.01 0.1 (default: "
+                        "none; with it, --modes and --flat-refits default to none)")
+    p.add_argument("--delta-rounds", type=int, default=None,
+                   help="delta rounds after those, for the memory flatness check with deltas "
+                        f"(default: {DEFAULT_DELTA_ROUNDS} with --delta-shares)")
     p.add_argument("--out", default="outputs/bench",
                    help="directory for bench.json, table.md and throughput.png (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
@@ -101,15 +121,27 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
             problems.append(f"--world-size {args.world_size} must be >= 2 (the producer and at least one consumer)")
     if args.reps < 1:
         problems.append(f"--reps {args.reps} must be >= 1")
-    if args.flat_refits < 0:
-        problems.append(f"--flat-refits {args.flat_refits} must be >= 0")
+    shares = tuple(args.delta_shares or ())
+    problems += [f"--delta-shares {s:g} must be above 0 and at most 1" for s in shares if not 0 < s <= 1]
+    if len(set(shares)) < len(shares):
+        problems.append("--delta-shares has a share twice; give each once")
+    if args.delta_rounds is not None and not shares:
+        problems.append("--delta-rounds needs --delta-shares (the shares its rounds change)")
+    delta_rounds = (DEFAULT_DELTA_ROUNDS if args.delta_rounds is None else args.delta_rounds) if shares else 0
+    if delta_rounds < 0:
+        problems.append(f"--delta-rounds {delta_rounds} must be >= 0")
+    # A run for the delta comparison times only that, unless asked for more: the other modes take as long again.
+    modes = tuple(args.modes) if args.modes is not None else () if shares else MODES
+    flat_refits = args.flat_refits if args.flat_refits is not None else 0 if shares else DEFAULT_FLAT_REFITS
+    if flat_refits < 0:
+        problems.append(f"--flat-refits {flat_refits} must be >= 0")
     if problems:
         raise SystemExit("refit_app.bench: error: " + "; ".join(problems))
     cases = []
     for preset in args.preset:
         sizes = _parse_sizes(args.size if args.size is not None else DEFAULT_SIZES.get(preset, ("1GB",)))
         for size, buf, nb, n, post in itertools.product(sizes, buffer_sizes, num_buffers, consumers, args.post):
-            cases.append(Case(preset, size, buf, nb, n, post, args.reps, tuple(args.modes), args.flat_refits))
+            cases.append(Case(preset, size, buf, nb, n, post, args.reps, modes, flat_refits, shares, delta_rounds))
     return cases
 
 
@@ -168,5 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in memory_lines(summaries):
         out.write(line + "\n")
     out.write(f"results: {out_dir / BENCH_JSON}\n")
-    out.write(f"plot: {out_dir / PLOT_PNG}\n")
+    for name in plot_files(summaries):
+        out.write(f"plot: {out_dir / name}\n")
     return 0

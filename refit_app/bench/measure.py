@@ -1,6 +1,8 @@
 """One rank's measurements of one case, on a group every rank has joined: the timed repetitions of each mode,
-then the memory flatness over consecutive refits and session rounds. Spawned ranks (:mod:`.spawned`) and ranks on
-other hosts (:mod:`.ranks`) both run :func:`run_case`; :mod:`.report` turns every rank's results into the summary."""
+then the memory flatness over consecutive refits and session rounds, then (``--delta-shares``) dense against delta
+session rounds at each share of changed elements and the memory over many delta rounds. Spawned ranks
+(:mod:`.spawned`) and ranks on other hosts (:mod:`.ranks`) both run :func:`run_case`; :mod:`.report` turns every
+rank's results into the summary."""
 
 from __future__ import annotations
 
@@ -15,9 +17,13 @@ import torch
 
 from refit_app.app.metrics import PeakMemory
 from refit_app.bench.cases import Case, chunks, make_source, wire_metas
+from refit_app.bench.delta import ChangingModel, DeltaSessions
 from refit_app.bench.modes import Limit, Session, barrier, per_tensor, refit
+from refit_app.core.meta import TensorMeta
 from refit_app.models.sources import SyntheticSource
 from refit_app.packed_tensor import release_buffers
+from refit_app.protocol.defaults import DELTA_MODES
+from refit_app.protocol.session import Round
 from refit_app.transport.groups import RefitGroup
 
 
@@ -28,6 +34,14 @@ def _return_free_memory_to_os() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _rss() -> int | None:
+    """This rank's resident memory now."""
+    probe = PeakMemory()
+    probe.start()
+    probe.stop()
+    return probe.baseline_rss
 
 
 def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
@@ -93,10 +107,7 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     # the model alone (buffers released), not against the RSS just before each call.
     release_buffers()
     _return_free_memory_to_os()
-    probe = PeakMemory()
-    probe.start()
-    model_rss = probe.baseline_rss
-    probe.stop()
+    model_rss = _rss()
     flat: dict[str, list[dict[str, int | None]]] = {"refit": [], "session": []}
     flat_runners = {"refit": functools.partial(refit, rg, source, metas, case)}
     if session is not None:
@@ -108,6 +119,8 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
             flat[mode].append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": above})
     if session is not None:
         session.close()
+    del flat_runners, session
+    delta = run_delta(rg, case, source if rg.rank == 0 else None, metas) if case.delta_shares else None
     return {
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
@@ -117,4 +130,91 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
         "num_tensors": len(metas),
         "num_chunks": len(chunks(metas, case)),
         "largest_tensor_bytes": max(m.nbytes for m in metas),
+        **({"delta": delta} if delta is not None else {}),
     }
+
+
+def _round_figures(r: Round) -> dict[str, Any]:
+    return {"wire_bytes": r.wire_bytes, "base_round": r.base_round, "changed_elements": r.changed_elements,
+            "total_elements": r.total_elements, "encodings": r.encodings, "delta_seconds": r.delta_seconds}
+
+
+def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[TensorMeta]) -> dict[str, Any]:
+    """This rank's side of the dense-against-delta comparison: at each of ``case.delta_shares``, ``case.reps``
+    timed rounds of each delta mode's session, the model changed at that share before each repetition; then the
+    memory over ``case.delta_rounds`` delta rounds. Every rank of the group must call it; ``source`` is the
+    producer's (None elsewhere)."""
+    model = None if source is None else ChangingModel(source.tensors(), metas, case.post)
+    total = sum(m.nbytes for m in metas)
+    sessions = DeltaSessions(rg, model, metas, case)
+    for mode in DELTA_MODES:  # round 1: the manifest, dense in every mode
+        sessions.run(mode)
+    round_index = 1
+    shares = []
+    for share in case.delta_shares:
+        seconds: dict[str, list[float]] = {mode: [] for mode in DELTA_MODES}
+        cpu_seconds: dict[str, list[float]] = {mode: [] for mode in DELTA_MODES}
+        rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in DELTA_MODES}
+        # Repetition 0 is the first round at this share, untimed: auto's estimate is still the last share's, and
+        # the first delta round of a session allocates its stream buffers.
+        for rep in range(case.reps + 1):
+            round_index += 1
+            if model is not None:
+                model.change(share, round_index)
+                _return_free_memory_to_os()
+            # Each repetition starts with the next mode, so that no mode always runs first after the change (the
+            # model's pages cold in cache) or right after another's allocations.
+            order = DELTA_MODES[rep % len(DELTA_MODES):] + DELTA_MODES[:rep % len(DELTA_MODES)]
+            for mode in order:
+                run = _SessionRound(sessions, mode)
+                elapsed, cpu, _ = _timed(rg, run, total, mode)
+                if rep:
+                    seconds[mode].append(elapsed)
+                    cpu_seconds[mode].append(cpu)
+                    rounds[mode].append(_round_figures(run.last))
+        shares.append({"share": share, "seconds": seconds, "cpu_seconds": cpu_seconds, "rounds": rounds})
+    sessions.close()
+    gc.collect()
+    return {"shares": shares, "flat": _delta_flatness(rg, case, model, metas, total, round_index)}
+
+
+class _SessionRound:
+    """One round of a delta mode's session, as :func:`_timed` runs it (returning its bytes); keeps its figures."""
+
+    def __init__(self, sessions: DeltaSessions, mode: str) -> None:
+        self._sessions, self._mode = sessions, mode
+        self.last = Round(round=0)
+
+    def __call__(self) -> int:
+        self.last = self._sessions.run(self._mode)
+        return self.last.bytes
+
+
+def _delta_flatness(rg: RefitGroup, case: Case, model: ChangingModel | None, metas: list[TensorMeta], total: int,
+                    round_index: int) -> dict[str, Any] | None:
+    """Memory over ``case.delta_rounds`` delta rounds of one fresh ``delta="on"`` session pair, nothing else in
+    between: this rank's RSS with the model alone, then before and at the peak of every round (round 1 dense,
+    filling the snapshot or the mirror; each later round at the next share of ``case.delta_shares`` in turn)."""
+    if not case.delta_rounds:
+        return None
+    release_buffers()
+    _return_free_memory_to_os()
+    model_rss = _rss()
+    sessions = DeltaSessions(rg, model, metas, case, ("on",))
+    rounds = []
+    for k in range(1, case.delta_rounds + 2):
+        share = None if k == 1 else case.delta_shares[(k - 2) % len(case.delta_shares)]
+        if model is not None and share is not None:
+            round_index += 1
+            model.change(share, round_index)
+        # What the session holds, not what the allocator keeps of freed scratch (the changes', or a 50% round's
+        # positions): RSS before a round would otherwise follow the largest round before it.
+        _return_free_memory_to_os()
+        run = _SessionRound(sessions, "on")
+        _, _, memory = _timed(rg, run, total, "delta flatness")
+        rounds.append({"round": k, "share": share, "delta": run.last.delta,
+                       "rss_before_bytes": memory.baseline_rss, "peak_rss_bytes": memory.peak_rss})
+    _return_free_memory_to_os()
+    rss_after = _rss()
+    sessions.close()
+    return {"model_rss_bytes": model_rss, "rounds": rounds, "rss_after_bytes": rss_after}

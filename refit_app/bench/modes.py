@@ -53,7 +53,7 @@ def refit(rg: RefitGroup, source: SyntheticSource, metas: list[TensorMeta], case
     if rg.rank == 0:
         packed_broadcast_producer(source.tensors(), rg.group, 0, post_func(case.post), **settings)
     else:
-        packed_broadcast_consumer(((m.name, (m.shape, m.dtype)) for m in metas), rg.group, 0, _discard, **settings)
+        packed_broadcast_consumer(((m.name, (m.shape, m.dtype)) for m in metas), rg.group, 0, discard, **settings)
     return moved
 
 
@@ -74,17 +74,17 @@ class Session:
         if isinstance(self._side, ProducerSession):
             named = ((name, self._post((name, t))) for name, t in self._source.tensors())
             return self._side.send(named, metas=self._metas).bytes
-        return self._side.receive(_discard).bytes
+        return self._side.receive(discard).bytes
 
     def close(self) -> None:
         """End the session on every rank (the consumers' last receive() sees the producer's end)."""
         if isinstance(self._side, ProducerSession):
             self._side.close()
-        elif self._side.receive(_discard) is not None:
+        elif self._side.receive(discard) is not None:
             raise RuntimeError("the producer's session did not end when expected")
 
 
-def _discard(batch: list[tuple[str, torch.Tensor]]) -> None:
+def discard(batch: list[tuple[str, torch.Tensor]]) -> None:
     """What ``sink=discard`` does: nothing, so the transfer alone is timed."""
 
 

@@ -1,7 +1,12 @@
-"""``throughput.png``: per case, each mode's throughput (the median, with the range of the repetitions) and the
-refit's and the session's fraction of the transport's limit, drawn from a ``bench.json`` document.
+"""The plots, drawn from a ``bench.json`` document.
 
-:func:`plot_data` extracts what is drawn, so a test can hold it against the JSON; :func:`figure` draws it.
+- ``throughput.png``: per case, each mode's throughput (the median, with the range of the repetitions) and the
+  refit's and the session's fraction of the transport's limit;
+- ``delta.png`` (``--delta-shares``): per case, the speed-up of delta ``on`` and ``auto`` rounds over dense ones
+  against the share of elements changed (log scale), and what each sends per round as a share of the model.
+
+:func:`plot_data` and :func:`delta_plot_data` extract what is drawn, so a test can hold it against the JSON;
+:func:`figure` and :func:`delta_figure` draw it.
 """
 
 from __future__ import annotations
@@ -61,10 +66,8 @@ def _bar(gb_per_s: dict[str, float | None]) -> Bar | None:
     return None if None in values else Bar(*values)
 
 
-def plot_data(doc: dict[str, Any]) -> PlotData:
-    """What :func:`figure` draws, from a bench.json document (as :func:`~refit_app.bench.report.write_results`
-    writes it)."""
-    summaries = doc["cases"]
+def _labels_and_title(doc: dict[str, Any], summaries: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """A label per case (what tells it apart from the others) and the title (what they share, and the machine)."""
     fields = [_fields(s) for s in summaries]
     varying = [key for key in fields[0] if len({f[key] for f in fields}) > 1] if fields else []
     shared = [value for key, value in fields[0].items() if key not in varying] if fields else []
@@ -77,7 +80,14 @@ def plot_data(doc: dict[str, Any]) -> PlotData:
     if load:
         low, high = f"{min(load):.1f}", f"{max(load):.1f}"
         about.append(f"load {low}" if low == high else f"load {low}-{high}")
-    title = "\n".join(line for line in (", ".join(shared), "; ".join(a for a in about if a)) if line)
+    return labels, "\n".join(line for line in (", ".join(shared), "; ".join(a for a in about if a)) if line)
+
+
+def plot_data(doc: dict[str, Any]) -> PlotData:
+    """What :func:`figure` draws, from a bench.json document (as :func:`~refit_app.bench.report.write_results`
+    writes it)."""
+    summaries = doc["cases"]
+    labels, title = _labels_and_title(doc, summaries)
     throughput = {
         mode: [_bar(s["modes"][mode]["gb_per_s"]) if mode in s["modes"] else None for s in summaries]
         for mode in MODE_LABELS
@@ -159,4 +169,95 @@ def throughput_png(doc: dict[str, Any]) -> bytes:
     """The plot of a bench.json document, as PNG bytes."""
     out = io.BytesIO()
     figure(plot_data(doc)).savefig(out, format="png", dpi=100)
+    return out.getvalue()
+
+
+DELTA_MODE_STYLES = {"on": ("delta on", "-", "o"), "auto": ("auto", "--", "s")}
+"""The delta modes drawn (bench.json's names) with their legend name, line style and marker; dense is the line at
+1."""
+
+
+@dataclass(frozen=True)
+class DeltaLine:
+    """One case's delta mode across the shares."""
+
+    case: str
+    """The case's label (what tells it apart from the other cases that compared dense with delta)."""
+    mode: str
+    """``on`` or ``auto``."""
+    shares: list[float]
+    speedup: list[float]
+    """Dense round time over this mode's, medians, per share."""
+    wire_fraction: list[float]
+    """This mode's wire bytes per round (median) over the model's bytes, per share."""
+
+
+@dataclass(frozen=True)
+class DeltaPlotData:
+    title: str
+    lines: list[DeltaLine]
+
+
+def delta_plot_data(doc: dict[str, Any]) -> DeltaPlotData:
+    """What :func:`delta_figure` draws, from a bench.json document."""
+    summaries = [s for s in doc["cases"] if "delta" in s]
+    labels, title = _labels_and_title(doc, summaries)
+    lines = []
+    for label, s in zip(labels, summaries):
+        rows = s["delta"]["shares"]
+        for mode in DELTA_MODE_STYLES:
+            lines.append(DeltaLine(
+                label, mode, [r["share"] for r in rows],
+                [r["modes"]["off"]["seconds"]["median"] / r["modes"][mode]["seconds"]["median"] for r in rows],
+                [r["modes"][mode]["wire_bytes_per_round"] / s["bytes"] for r in rows],
+            ))
+    return DeltaPlotData(title, lines)
+
+
+def delta_figure(data: DeltaPlotData) -> Figure:
+    """Speed-up over dense against the share changed (log x) on the left, the bytes sent per round as a share of
+    the model on the right (log-log); one colour per case, one line style per mode."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    speed, wire = fig.subplots(1, 2, width_ratios=(3, 2))
+    if data.title:
+        fig.suptitle(data.title, fontsize="medium")
+    cases = list(dict.fromkeys(line.case for line in data.lines))
+    many = len(cases) > 1
+    for line in data.lines:
+        name, style, marker = DELTA_MODE_STYLES[line.mode]
+        color = f"C{cases.index(line.case)}"
+        label = f"{line.case}, {name}" if many else name
+        percent = [100 * share for share in line.shares]
+        speed.plot(percent, line.speedup, style, marker=marker, color=color, label=label)
+        wire.plot(percent, line.wire_fraction, style, marker=marker, color=color, label=label)
+        if line.mode == "on":
+            for x, y in zip(percent, line.speedup):
+                speed.annotate(f"{y:.2f}x", (x, y), xytext=(6, 4), textcoords="offset points", ha="left",
+                               fontsize="small", color=color)
+    speed.axhline(1.0, color="tab:gray", linestyle=":", linewidth=1, label="dense")
+    shares = sorted({share for line in data.lines for share in line.shares})
+    for ax in (speed, wire):
+        # Log on both axes: shares span decades, and a speed-up of 2x and a slow-down of 2x sit alike about 1.
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks([100 * share for share in shares], [f"{100 * share:g}%" for share in shares])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("elements changed since the last round")
+        ax.grid(True, which="major", alpha=0.3)
+    speed.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+    speed.set_ylabel("speed-up over dense rounds (dense time / time)")
+    wire.set_ylabel("bytes sent per round / model bytes")
+    speed.legend(fontsize="small")
+    return fig
+
+
+def delta_png(doc: dict[str, Any]) -> bytes:
+    """The dense-against-delta plot of a bench.json document, as PNG bytes."""
+    out = io.BytesIO()
+    delta_figure(delta_plot_data(doc)).savefig(out, format="png", dpi=100)
     return out.getvalue()

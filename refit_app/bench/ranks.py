@@ -37,7 +37,7 @@ def run_rank(spec: GroupSpec, cases: list[Case], out_dir: Path) -> list[dict[str
     elsewhere)."""
     load_before = os.getloadavg()
     with connect(spec) as rg:
-        cases = [Case(**{**c, "modes": tuple(c["modes"])}) for c in _broadcast_json(rg, [asdict(c) for c in cases], 0)]
+        cases = [Case.from_json(c) for c in _broadcast_json(rg, [asdict(c) for c in cases], 0)]
         mine = [run_case(rg, case) for case in cases]
         per_rank = [_broadcast_json(rg, mine if rg.rank == r else None, r) for r in range(rg.world_size)]
     if spec.rank != 0:

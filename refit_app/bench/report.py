@@ -1,6 +1,7 @@
 """Every rank's results turned into one summary per case, and what a run leaves in ``--out``: ``bench.json`` (the
-machine, the backend and the summaries), ``table.md`` (the markdown table it also prints) and ``throughput.png``
-(:mod:`.plot`)."""
+machine, the backend and the summaries), ``table.md`` (the markdown tables it also prints), ``throughput.png`` where
+some case timed the modes and ``delta.png`` where some case compared dense with delta rounds (:mod:`.plot`; the
+delta comparison's own figures: :mod:`.delta_report`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from typing import Any
 import torch
 
 from refit_app.bench.cases import Case
-from refit_app.bench.plot import throughput_png
+from refit_app.bench.delta_report import DELTA_DESCRIPTION, delta_memory_lines, format_delta_table, summarize_delta
+from refit_app.bench.plot import delta_png, throughput_png
 from refit_app.common.files import write_atomic
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 
 BENCH_JSON = "bench.json"
 TABLE_MD = "table.md"
 PLOT_PNG = "throughput.png"
+DELTA_PNG = "delta.png"
 
 MEMORY_SLACK = 0.10
 """Issue 5's bound on peak RSS above the model: num_buffers x max(buffer, largest tensor), plus this fraction."""
@@ -87,6 +90,7 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_buffers_bytes": buffers_bytes,
         "memory_bound_bytes": bound,
         "memory": memory,
+        **({"delta": summarize_delta(case, per_rank, total)} if case.delta_shares else {}),
     }
 
 
@@ -164,7 +168,22 @@ def _row(s: dict[str, Any]) -> str:
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
-    """The results as a markdown table: one row per case, throughput medians with min-max, and the ratios."""
+    """The results as markdown: the modes' table (one row per case that timed them: throughput medians with min-max,
+    and the ratios), then the dense-against-delta table where some case has one."""
+    timed = [s for s in summaries if s["modes"]]
+    parts = [_modes_table(timed)] if timed or not summaries else []
+    if any("delta" in s for s in summaries):
+        parts.append(format_delta_table(summaries))
+    return "\n".join(parts)
+
+
+def plot_files(summaries: list[dict[str, Any]]) -> list[str]:
+    """The plots a run with these results writes, in ``--out``."""
+    return ([PLOT_PNG] if any(s["modes"] for s in summaries) else []) + (
+        [DELTA_PNG] if any("delta" in s for s in summaries) else [])
+
+
+def _modes_table(summaries: list[dict[str, Any]]) -> str:
     head = (
         "| model | size | tensors | chunks | buffer x n | consumers | post | refit GB/s | session GB/s | limit GB/s "
         "| per-tensor GB/s | refit/limit | session/limit | refit vs per-tensor | session vs per-tensor "
@@ -175,7 +194,13 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
-    """One printed line per rank and flatness mode: peak memory above the model against the bound."""
+    """One printed line per rank and flatness mode: peak memory above the model against the bound; then the delta
+    rounds' memory."""
+    yield from _flat_lines(summaries)
+    yield from delta_memory_lines(summaries)
+
+
+def _flat_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
     for s in summaries:
         case = s["case"]
         for m in s["memory"]:
@@ -198,16 +223,19 @@ def memory_lines(summaries: list[dict[str, Any]]) -> Iterator[str]:
 
 
 def write_results(ordered: list[dict[str, Any]], out_dir: Path, load_before: Sequence[float], backend: str) -> None:
-    """bench.json, table.md and throughput.png in ``out_dir``; the plot last, so a plotting problem cannot cost
-    the figures."""
+    """bench.json, table.md and the plots (:func:`plot_files`) in ``out_dir``; the plots last, so a plotting problem
+    cannot cost the figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "backend": backend,
         "modes": MODE_DESCRIPTIONS,
+        **({"delta": DELTA_DESCRIPTION} if any("delta" in s for s in ordered) else {}),
         "timing": "per repetition: the slowest rank's wall time; median, min and max over repetitions",
         "cases": ordered,
     }
     write_atomic(out_dir / BENCH_JSON, (json.dumps(doc, indent=2, default=str) + "\n").encode())
     write_atomic(out_dir / TABLE_MD, format_table(ordered).encode())
-    write_atomic(out_dir / PLOT_PNG, throughput_png(doc))
+    draw = {PLOT_PNG: throughput_png, DELTA_PNG: delta_png}
+    for name in plot_files(ordered):
+        write_atomic(out_dir / name, draw[name](doc))
