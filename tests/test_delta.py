@@ -59,7 +59,7 @@ def test_diff_finds_exactly_the_changed_elements_and_applies_back(path, dtype, s
         changes = codec.diff(_np(new), snapshot, new.element_size())
         assert np.array_equal(snapshot, _np(new))  # the snapshot follows
         if changes is None:  # declared dense: nearly everything changed
-            assert share > codec.DENSE_ABOVE - 0.1
+            assert share > codec.DENSE_ABOVE / 2
             continue
         assert changes.positions.tolist() == positions
         target = old.clone()
@@ -165,3 +165,28 @@ def test_tensor_delta_applies_on_raw_bits(dtype):
     t2 = old.clone()
     apply_positions(t2, torch.from_numpy(changes.positions), torch.from_numpy(changes.values).view(dtype))
     assert torch.equal(tensor_bytes(t2), tensor_bytes(new))
+
+
+def test_auto_goes_dense_after_a_slow_delta_round_and_tries_again_when_changes_thin_out():
+    from refit_app.core.meta import TensorMeta
+    from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS
+    from refit_app.protocol.delta import ProducerDelta
+
+    d = ProducerDelta("auto")
+    d.reset([TensorMeta("w", (8,), torch.float32)])
+    d.image.round = 1
+    d.observe(False, 1.0)
+    d.share = 0.02
+    assert d.base_for([1]) == 1  # no delta round measured yet: try one
+    d.observe(True, 1.3)  # slower than dense
+    assert [d.base_for([1]) for _ in range(AUTO_RETRY_ROUNDS - 1)] == [0] * (AUTO_RETRY_ROUNDS - 1)
+    assert d.base_for([1]) == 1  # retried after AUTO_RETRY_ROUNDS
+    d.observe(True, 1.3)
+    assert d.base_for([1]) == 0
+    d.share = 0.009  # the changes got clearly sparser: try again now
+    assert d.base_for([1]) == 1
+    d.observe(True, 0.2)  # faster: stays on deltas
+    assert d.base_for([1]) == 1
+    d.share = 0.6  # more than half the dense bytes: dense
+    assert d.base_for([1]) == 0
+    assert d.base_for([0]) == 0  # a consumer holds nothing: dense whatever the mode

@@ -99,10 +99,13 @@ class Changes:
         return int(self.positions.size)
 
 
-DENSE_ABOVE = 0.9
-"""A tensor goes whole once more than this share of its elements changed: its changes would take nearly as many
-bytes as the tensor (a bitmask and the values: ``1/8 + share * itemsize`` bytes per element), and finding and
-applying them costs far more than a copy."""
+DENSE_ABOVE = 0.05
+"""A tensor goes whole once more than this share of its elements changed (measured as the comparison goes). Its
+changes would still take fewer bytes (a bf16 tensor's 5% take 7.5% of it as gaps and values, and a bitmask stays
+smaller up to ~90%), but finding, encoding and applying that many changes costs more CPU than copying it: measured
+with ``python -m refit_app.bench --delta-shares`` on a 1 GB model, a round at 3% changed took 2.5x a dense round's time
+and at 10% 7x, all of it the producer's comparison and encoding (docs/results.md). Tensors smaller than the first
+block (64 KiB) are compared whole and take the smallest encoding."""
 _FIRST_BLOCK_BYTES = 64 * 1024
 """The first block compared is this small, so that a tensor that changed throughout is found to be dense after a
 64 KiB look rather than after a whole comparison; a share measured on less would be noise."""
@@ -138,8 +141,11 @@ def diff(
     step = BLOCK_BYTES - BLOCK_BYTES % max(16, itemsize)
     use_kernel = kernel is not None and itemsize in (1, 2, 4, 8, 16)
     if use_kernel:
-        pos_out = np.empty(step // itemsize, dtype=np.int64)
-        val_out = np.empty(step, dtype=np.uint8)
+        # The kernel writes straight into arrays that grow by doubling: no copy per block, one trim at the end.
+        per_block = step // itemsize
+        pos_out = np.empty(min(n // itemsize, 4 * per_block), dtype=np.int64)
+        val_out = np.empty(pos_out.size * itemsize, dtype=np.uint8)
+        count = 0
     else:
         mask = np.empty(step // 8, dtype=bool)
     changed_so_far = 0
@@ -154,13 +160,17 @@ def diff(
         stop = min(start + (first if start == 0 else step), words)
         nb, ob = new[start:stop], old[start:stop]
         if use_kernel:
-            count = kernel.diff(nb, ob, itemsize, pos_out, val_out, start // itemsize, update)
+            room = (stop - start) // itemsize
+            if count + room > pos_out.size:
+                size = max(2 * pos_out.size, count + room)
+                pos_out = np.resize(pos_out, size)  # np.resize copies into a new array of that size
+                val_out = np.resize(val_out, size * itemsize)
+            found = kernel.diff(nb, ob, itemsize, pos_out[count:], val_out[count * itemsize :], start // itemsize,
+                                update)
             if hasher is not None:
                 hasher.update(nb)
-            if count:
-                changed_so_far += count
-                positions.append(pos_out[:count].copy())
-                values.append(val_out[: count * itemsize].copy())
+            count += found
+            changed_so_far = count
             continue
         nw, ow = nb.view(np.uint64), ob.view(np.uint64)
         m = mask[: nw.size]
@@ -176,6 +186,9 @@ def diff(
         values.append(_gather(nb, local, itemsize))
         if update:
             ow[changed] = nw[changed]
+    if use_kernel and count:
+        positions.append(pos_out[:count])
+        values.append(val_out[: count * itemsize])
     if words < n:  # the last < 8 bytes: whole elements of 1, 2 or 4 bytes
         dt = _UINT[itemsize]
         nt, ot = new[words:].view(dt), old[words:].view(dt)
@@ -189,6 +202,8 @@ def diff(
                 ot[local] = nt[local]
     if not positions:
         return Changes(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint8))
+    if len(positions) == 1:
+        return Changes(positions[0].astype(np.int64, copy=False), values[0])
     return Changes(np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values))
 
 

@@ -3,7 +3,10 @@
 DELTA_MODES = ("off", "on", "auto")
 """``off``: every round dense, nothing kept. ``on``: every round that can be a delta round is one (each tensor
 still goes dense where its changes would take more bytes). ``auto``: as ``on`` while the changes take less than
-:data:`AUTO_SHARE` of the dense bytes, dense otherwise."""
+:data:`AUTO_SHARE` of the dense bytes and delta rounds are faster than dense ones, measured; dense otherwise."""
 DEFAULT_DELTA = "off"
 AUTO_SHARE = 0.5
 """``auto``'s threshold: the share of the dense round's bytes under which a round goes as a delta."""
+AUTO_RETRY_ROUNDS = 32
+"""After a delta round was slower than a dense one, ``auto`` sends dense rounds until the changes are half as many as
+then, or for this many rounds, and then tries a delta round again (one slow round in 32 costs ~3%)."""

@@ -41,7 +41,7 @@ from refit_app.core.meta import TensorMeta
 from refit_app.core.stream import Buffers, ChunkStream
 from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function
-from refit_app.protocol.defaults import AUTO_SHARE, DELTA_MODES
+from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS, AUTO_SHARE, DELTA_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ class ProducerDelta:
         """The last round's share of the dense bytes that its changes took (measured, or estimated from a
         sample); None before any."""
         self._compressor = _zstd_compressor() if compress and mode != "off" else None
+        self._seconds: dict[bool, float | None] = {True: None, False: None}
+        """The last delta round's and the last dense round's time (``auto``)."""
+        self._lost_at: float | None = None
+        """The share at which a delta round was last slower than a dense one (``auto``), until it is tried again."""
+        self._since_loss = 0
         self._sample: list[int] = [0, 0]
         self.buffers = Buffers()
 
@@ -112,9 +117,35 @@ class ProducerDelta:
                       for r, h in enumerate(held) if h != image.round]
             logger.info("a dense round: the snapshot holds round %d but %s", image.round, ", ".join(behind))
             return 0
-        if self.mode == "auto" and self.share is not None and self.share >= AUTO_SHARE:
+        if self.mode == "auto" and not self._auto_delta():
             return 0
         return image.round
+
+    def observe(self, delta: bool, seconds: float) -> None:
+        """A round ended: how long it took, for ``auto``'s choice (a delta round slower than the last dense one
+        means the changes cost more to find and apply than their bytes save, here)."""
+        self._seconds[delta] = seconds
+        dense = self._seconds[False]
+        if delta and dense is not None and seconds > dense:
+            logger.info("auto: a delta round took %.3f s, the last dense one %.3f s: dense rounds from here", seconds,
+                        dense)
+            self._lost_at = self.share if self.share is not None else 0.0
+            self._since_loss = 0
+
+    def _auto_delta(self) -> bool:
+        """``auto``: a delta round where the changes are expected to take under :data:`AUTO_SHARE` of the dense bytes
+        and no delta round at a share as large has been slower than a dense round. After a loss, a delta round is
+        tried again once the changes got clearly sparser or :data:`AUTO_RETRY_ROUNDS` rounds have passed."""
+        if self.share is not None and self.share >= AUTO_SHARE:
+            return False
+        if self._lost_at is None:
+            return True
+        self._since_loss += 1
+        sparser = self.share is not None and self.share < 0.5 * self._lost_at
+        if sparser or self._since_loss >= AUTO_RETRY_ROUNDS:
+            self._lost_at = None
+            return True
+        return False
 
     def invalidate(self) -> None:
         """A round failed half-way: the snapshot may hold parts of two rounds, so the next round is dense."""

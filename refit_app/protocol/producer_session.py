@@ -115,6 +115,8 @@ class ProducerSession(Session):
             raise RuntimeError("send() after close()")
         k = self.rounds + 1
         result = Round(round=k)
+        round_started = time.perf_counter()
+        base = 0
         try:
             held = self._exchange_held(0) if self._delta_on else []
             if metas is None:
@@ -162,6 +164,8 @@ class ProducerSession(Session):
             raise with_round(k, e) from e
         finish(self.group, None)
         self.rounds += 1
+        # The whole round but the manifest's handshake: until every consumer has applied and checked it.
+        self._delta.observe(bool(base), time.perf_counter() - round_started - result.handshake_seconds)
         return result
 
     def _send_data(
