@@ -1,6 +1,7 @@
 """Delta rounds over real gloo groups: every round's tensors on every consumer equal the producer's bytes, with
-the consumer's own tensors, the session's mirror, or the changes handed out; the producer's choice of dense and
-delta rounds; a consumer whose tensors were written to gets a dense round."""
+the consumer's own tensors, the session's mirror, the changes handed out, or both (the mirror patched and the
+changes handed out with it); the producer's choice of dense and delta rounds; a consumer whose tensors were
+written to gets a dense round."""
 
 from __future__ import annotations
 
@@ -68,9 +69,10 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
                     r = session.send(_model(k, shares))
                     out.append((r.round, r.base_round, r.wire_bytes, r.changed_elements, dict(r.encodings)))
             return out
-        session = ConsumerSession(rg, verify=kind != "deltas", mirror=kind == "mirror",
-                                  accept_deltas=kind == "deltas")
+        session = ConsumerSession(rg, verify=kind != "deltas", mirror=kind in ("mirror", "mirror+deltas"),
+                                  accept_deltas=kind in ("deltas", "mirror+deltas"))
         held: dict[str, torch.Tensor] = {}
+        handed: list[str] = []
         targets = None
         if kind == "targets":
             targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)}
@@ -78,13 +80,23 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
         while True:
             def take(batch):
                 for name, t in batch:
+                    handed.append(name)
                     if isinstance(t, TensorDelta):
                         t.apply_to(held[name])
-                    elif kind == "deltas":
+                        if kind == "mirror+deltas":
+                            # The copy it carries is patched already: the change is in it.
+                            assert _plain(t.mirror[name]) == _plain(held[name]), name
+                    elif kind in ("deltas", "mirror+deltas"):
                         held[name] = t.clone()
+            handed.clear()
             r = session.receive(take, targets=targets)
             if r is None:
                 return out
+            if kind == "mirror+deltas" and r.base_round:
+                # Only the changed tensors are handed out, and the copy holds the whole model.
+                assert len(handed) == sum(r.encodings.values()), (handed, r.encodings)
+                mirror = session._delta.views
+                assert {n: _plain(mirror[n]) for n in mirror} == {n: _plain(t) for n, t in held.items()}
             if kind == "mirror":
                 state = {m.name: session._delta.image.view(i) for i, m in enumerate(session.manifest.tensors)}
             else:
@@ -92,7 +104,7 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
             out.append((r.round, r.base_round, r.verified, {n: _plain(t) for n, t in state.items()}))
 
 
-@pytest.mark.parametrize("kind", ["targets", "mirror", "deltas"])
+@pytest.mark.parametrize("kind", ["targets", "mirror", "deltas", "mirror+deltas"])
 def test_every_round_equals_the_producers_bytes(kind):
     shares = [0, 0.01, 0.0, 0.3, 1.0, 0.001]
     results = run_ranks(_delta_rounds, 2, "on", shares, kind, timeout=240)

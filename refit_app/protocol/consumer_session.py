@@ -64,7 +64,9 @@ class ConsumerSession(Session):
             wants the producer's deltas.
         accept_deltas: in a delta round, hand each changed tensor's changes to the callback as a
             :class:`~refit_app.protocol.delta.TensorDelta` (an engine that applies them through its own loader),
-            where neither ``mirror`` nor :meth:`receive`'s ``targets`` hold the tensors.
+            where :meth:`receive`'s ``targets`` do not hold the tensors. With ``mirror`` too, the copy is patched
+            first and each change carries it (:attr:`~refit_app.protocol.delta.TensorDelta.mirror`): for an engine
+            that must reload some tensors whole, with their unchanged neighbours.
 
     A consumer that holds no tensors the producer could send a delta against (no mirror, no targets, not
     accepting deltas, or verifying without tensors to verify) gets dense rounds only. Construct it on every rank
@@ -125,8 +127,8 @@ class ConsumerSession(Session):
         a delta round patches the changed elements), or a function returning them once the manifest is in (the
         first round builds the model they belong to); the batches then hold those tensors, every one of them
         every round, each once it is final for the round. With ``mirror`` the batches hold views of the session's
-        copy, likewise. Without either, a delta round hands ``(name, TensorDelta)`` items for the changed tensors
-        only (``accept_deltas``).
+        copy, likewise. Without targets, a consumer that ``accept_deltas`` gets ``(name, TensorDelta)`` items for
+        the changed tensors only in a delta round (and, with ``mirror``, views of the copy in a dense round).
 
         ``on_manifest(manifest)`` runs when a fresh manifest arrives (first round, or the tensor list changed),
         before any tensor moves: what it raises is this consumer's refusal, and every rank stops with it.
@@ -227,12 +229,15 @@ class ConsumerSession(Session):
         assert manifest is not None
         metas = manifest.tensors
         verifier = self._verifier
+        hand_out = self.accept_deltas and targets is None
 
-        def deliver(batch: Batch) -> Batch:
+        def deliver(batch: Batch, final: Batch | None = None) -> Batch:
+            """``batch`` to the callback; ``final`` (default: ``batch``'s tensors) to the verifier."""
             if post_unpack_func is not None and batch:
                 post_unpack_func(batch)
             if verifier is not None:
-                verifier.consume([(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
+                verifier.consume(final if final is not None else
+                                 [(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
             return batch
 
         result.bytes = manifest.total_bytes
@@ -242,12 +247,14 @@ class ConsumerSession(Session):
             stats = DeltaStats()
             for final, _, deltas in self._delta.receive_delta(
                 metas, self.group.group, PRODUCER_RANK, stats, device=self.device, targets=store,
-                on_chunk=self._stream_counter(result),
+                on_chunk=self._stream_counter(result), hand_out=hand_out,
             ):
-                if store is not None:
-                    yield deliver([(metas[i].name, self._delta.view(metas, i, targets)) for i in final])
+                views = [(metas[i].name, self._delta.view(metas, i, targets)) for i in final] if (
+                    store is not None and (not hand_out or verifier is not None)) else None
+                if hand_out:
+                    yield deliver([(d.name, d) for d in deltas], final=views)
                 else:
-                    yield deliver([(d.name, d) for d in deltas])
+                    yield deliver(views)
             record_delta(result, result.base_round, stats)
             return
         result.num_broadcasts = self._broadcasts

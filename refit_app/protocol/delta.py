@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,8 +306,8 @@ def _zstd_compressor() -> Any:
 class TensorDelta:
     """One tensor's changes in a delta round, for a consumer that applies them itself (an engine's loader).
 
-    ``positions`` (int64, flat element indices) is None where the tensor came whole (``values`` is then the
-    tensor); else ``values`` holds the new elements at those positions, in order.
+    ``positions`` (int64, flat element indices, strictly increasing) is None where the tensor came whole
+    (``values`` is then the tensor, flat); else ``values`` holds the new elements at those positions, in order.
     """
 
     name: str
@@ -315,6 +315,11 @@ class TensorDelta:
     dtype: torch.dtype
     positions: torch.Tensor | None
     values: torch.Tensor
+    mirror: Mapping[str, torch.Tensor] | None = None
+    """Where the session keeps a copy of the model (``mirror=True``): every tensor of it by name, as the round
+    leaves it (this change already applied; the round's later changes once its data is in). For an engine that
+    takes some changes in place and must reload others whole, with their unchanged neighbours. Read it, never
+    write it: a write makes this consumer ask for a dense round."""
 
     def apply_to(self, t: torch.Tensor) -> None:
         """Write the changes into ``t`` (this tensor's previous round, on any device), bit for bit."""

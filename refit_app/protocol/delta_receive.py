@@ -53,12 +53,14 @@ class ConsumerDelta:
 
     ``mirror``: the session keeps its own copy of the model (an :class:`Image`) and hands out views of it; else the
     caller's ``targets`` are patched, or, with neither, each change goes to the callback as a
-    :class:`TensorDelta`.
+    :class:`TensorDelta`. A mirror can hand out the changes too (each :class:`TensorDelta` then carries the copy,
+    :class:`MirrorViews`).
     """
 
     def __init__(self, *, mirror: bool) -> None:
         self.mirror = mirror
         self.image: Image | None = None
+        self.views: MirrorViews | None = None
         self.held_round = 0
         self._fingerprint: Any = None
         self.buffers = Buffers()
@@ -66,8 +68,9 @@ class ConsumerDelta:
     def reset(self, metas: list[TensorMeta]) -> None:
         self.held_round = 0
         if self.mirror:
-            self.image = None
+            self.image = self.views = None
             self.image = Image(metas)
+            self.views = MirrorViews(self.image)
 
     def held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
         """The round this consumer's tensors hold, or 0 where it cannot vouch for them."""
@@ -137,13 +140,15 @@ class ConsumerDelta:
         device: torch.device,
         targets: list[Target] | None,
         on_chunk: Callable[[int], None] | None = None,
+        hand_out: bool = False,
     ) -> Iterator[tuple[list[int], list[int], list[TensorDelta]]]:
         """Receive and apply a delta round, filling ``stats``. Yields ``(final, changed, deltas)`` after each chunk:
         ``final`` are the indices of the tensors now final for the round (in order, changed or not: everything up to
         the last record applied), ``changed`` those of them that a record changed, ``deltas`` the changes handed
-        over where there are no targets."""
+        over where there are no targets, or with ``hand_out`` (applied to the targets first)."""
         stats.total_elements = sum(m.numel for m in metas)
-        reader = _RecordReader(metas, targets, stats)
+        reader = _RecordReader(metas, targets, stats, hand_out=hand_out or targets is None,
+                               mirror=self.views if targets is not None else None)
 
         def counted(nbytes: int) -> None:
             stats.wire_bytes += HEADER_BYTES + nbytes
@@ -161,13 +166,33 @@ class ConsumerDelta:
             yield taken
 
 
+class MirrorViews(Mapping[str, torch.Tensor]):
+    """A mirror's tensors by name, each a view of it made when asked (so it shows the mirror as it is then)."""
+
+    def __init__(self, image: Image) -> None:
+        self._image = image
+        self._index = {m.name: i for i, m in enumerate(image.metas)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._image.view(self._index[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 class _RecordReader:
     """Parses a round's records from its chunks, whatever their boundaries, and applies each once complete."""
 
-    def __init__(self, metas: list[TensorMeta], targets: list[Target] | None, stats: DeltaStats) -> None:
+    def __init__(self, metas: list[TensorMeta], targets: list[Target] | None, stats: DeltaStats, *,
+                 hand_out: bool, mirror: MirrorViews | None) -> None:
         self._metas = metas
         self._targets = targets
         self._stats = stats
+        self._hand_out = hand_out
+        self._mirror = mirror
         self._chunk = np.empty(0, dtype=np.uint8)
         self._pos = 0
         self._final_upto = 0  # tensors below this index are final for the round
@@ -253,11 +278,17 @@ class _RecordReader:
                     target.write_dense(values)
                 else:
                     target.apply(positions, values, itemsize)
-            elif target is None:
+            if self._hand_out:
+                # A dense record read straight into the mirror hands out a view of it (no copy), unless the
+                # tensor's offset there is not aligned for its dtype.
+                raw = torch.from_numpy(values)
+                if raw.data_ptr() % itemsize:
+                    raw = raw.clone()
                 self._deltas.append(TensorDelta(
                     meta.name, meta.shape, meta.dtype,
                     None if positions is None else torch.from_numpy(positions),
-                    torch.from_numpy(values).view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
+                    raw.view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
+                    mirror=self._mirror,
                 ))
             self._stats.seconds += time.perf_counter() - started
             self._stats.changed_elements += count
