@@ -48,6 +48,13 @@ class RoundMetrics:
         metadata=_doc("sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
                       "producer's after this round"),
     )
+    engine_load: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc("sink=vllm: how the engine took this round: `delta`, `reloaded` (checkpoint tensors loaded "
+                      "whole through vLLM's layerwise reload) and, in a delta round, `patched` (tensors changed in "
+                      "place through vLLM's checkpoint-patch loader), `layers` (layers reloaded), `patch_seconds`, "
+                      "`reload_seconds`"),
+    )
     wire_bytes: int | None = field(
         default=None, metadata=_doc("bytes that crossed the group for this round's data: the packed chunks, or a "
                                     "delta round's stream with its chunk headers"))

@@ -24,7 +24,7 @@ from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics
 from refit_app.app.progress import Progress
 from refit_app.common.errors import ConfigError, RefitError
 from refit_app.common.sizes import gb_per_s
-from refit_app.models.sinks import DELTAS, MIRROR, TARGETS, Sink, make_sink
+from refit_app.models.sinks import DELTAS, MIRROR, MIRRORED_DELTAS, TARGETS, Sink, make_sink
 from refit_app.models.sources import Source, make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.manifest import Manifest
@@ -73,6 +73,7 @@ def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics
         peak_rss_bytes=memory.peak_rss,
         loss=r.facts.get("loss"),
         model_check=r.facts.get("model_check"),
+        engine_load=r.facts.get("engine_load"),
         wire_bytes=r.wire_bytes,
         delta=r.delta,
         base_round=r.base_round or None,
@@ -197,8 +198,8 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             session = ConsumerSession(rg, buffer_size_bytes=s.refit.buffer_size_bytes,
                                       use_legacy_packing=s.refit.use_legacy_packing,
                                       num_buffers=s.refit.num_buffers, verify=verify, probe_tokens=probe_tokens,
-                                      on_chunk=progress.on_chunk, mirror=storage == MIRROR,
-                                      accept_deltas=storage == DELTAS)
+                                      on_chunk=progress.on_chunk, mirror=storage in (MIRROR, MIRRORED_DELTAS),
+                                      accept_deltas=storage in (DELTAS, MIRRORED_DELTAS))
             progress.session = session
             on_round_end = _round_end(sink, probe_tokens)
             targets = sink.targets if storage == TARGETS else None

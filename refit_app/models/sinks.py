@@ -27,6 +27,11 @@ TARGETS = "targets"
 every round, dense or delta, and ``consume`` gets those tensors."""
 DELTAS = "deltas"
 """``delta_storage``: ``consume`` gets ``(name, TensorDelta)`` items for the changed tensors of a delta round."""
+MIRRORED_DELTAS = "mirrored_deltas"
+"""``delta_storage``: both: the session keeps a copy of the model that delta rounds patch; ``consume`` gets views
+of it in a dense round, and ``(name, TensorDelta)`` items for the changed tensors of a delta round, each carrying
+the copy (``TensorDelta.mirror``). For an engine that applies some changes itself and reloads other tensors whole,
+with their unchanged neighbours (``sink=vllm``)."""
 
 
 class Sink(Protocol):
@@ -34,8 +39,9 @@ class Sink(Protocol):
 
     Optional attributes the application reads: ``verifies`` (True: check every round bit for bit against the
     producer's checksums), ``probe_tokens`` (> 0: after every round, compare the sink's model with the producer's
-    through ``check(probe, probe_tokens) -> dict``) and ``delta_storage`` (:data:`MIRROR`, :data:`TARGETS` or
-    :data:`DELTAS`: how the sink takes delta rounds; without it the consumer asks for dense rounds only).
+    through ``check(probe, probe_tokens) -> dict``) and ``delta_storage`` (:data:`MIRROR`, :data:`TARGETS`,
+    :data:`DELTAS` or :data:`MIRRORED_DELTAS`: how the sink takes delta rounds; without it the consumer asks for
+    dense rounds only).
     """
 
     def begin(self, manifest: Manifest) -> None:

