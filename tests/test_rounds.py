@@ -61,12 +61,15 @@ def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> Non
         assert r["verified"] is True
         assert r["model_check"] == {"max_abs_logit_diff": 0.0, "tokens_match": True}, r
     assert "bfloat16, trained in float32" in result.stdout + result.stderr
-    assert [r["delta"] for r in m["rounds"]] == [False] + [True] * 5
+    # auto tries a delta round first; later rounds are delta or dense as they measure faster here, and every round
+    # records the share of elements that real AdamW steps changed (counted, or sampled in a dense round).
+    assert m["rounds"][0]["delta"] is False and m["rounds"][1]["delta"] is True
     for r in m["rounds"][1:]:
         # Real steps at lr 1e-6 change a few percent of the bf16 elements (Adam's first step the most).
         assert 0.001 < r["changed_fraction"] < 0.2, r
-        assert r["wire_bytes"] < 0.5 * r["bytes"], r
-        assert r["base_round"] == r["round"] - 1
+        if r["delta"]:
+            assert r["wire_bytes"] < 0.5 * r["bytes"], r
+            assert r["base_round"] == r["round"] - 1
 
 
 def test_synthetic_training_rounds_send_what_a_rerun_computes(cli, tmp_path: Path) -> None:

@@ -353,6 +353,21 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
             c.fail("sink.probe_tokens", probe_tokens, "must be an integer >= 0 (0: no model check)")
         params = {"probe_tokens": probe_tokens, "verify": c.get("sink.verify"), "device": c.get("sink.device")}
         return SinkSpec(target, params), kind
+    if kind == "vllm":
+        params = {key: c.get(f"sink.{key}") for key in
+                  ("model", "probe_tokens", "verify", "strict", "max_model_len", "kv_cache_gib", "seed")}
+        model = params["model"]
+        if model not in (None, _ABSENT) and not (Path(model) / CONFIG_FILE_NAME).is_file():
+            c.fail("sink.model", model, "must be a Hugging Face model directory with a config.json, or null")
+        probe_tokens, max_len = params["probe_tokens"], params["max_model_len"]
+        if probe_tokens is not _ABSENT and not (is_int(probe_tokens) and probe_tokens >= 0):
+            c.fail("sink.probe_tokens", probe_tokens, "must be an integer >= 0 (0: no model check)")
+        elif max_len is not _ABSENT and not (is_int(max_len) and max_len > probe_tokens):
+            c.fail("sink.max_model_len", max_len, f"must be an integer above sink.probe_tokens={probe_tokens}")
+        kv = params["kv_cache_gib"]
+        if kv is not _ABSENT and not (is_int(kv) and kv >= 1):
+            c.fail("sink.kv_cache_gib", kv, "must be an integer >= 1")
+        return SinkSpec(target, params), kind
     if kind == CUSTOM:
         return SinkSpec(target, _user_params(node)), target
     return SinkSpec(target, {}), kind

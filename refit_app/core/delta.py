@@ -111,6 +111,16 @@ _FIRST_BLOCK_BYTES = 64 * 1024
 64 KiB look rather than after a whole comparison; a share measured on less would be noise."""
 
 
+@dataclass
+class Whole:
+    """What :func:`diff` returns for a tensor that changed too much to send as changes: it goes whole."""
+
+    estimated: int
+    """Changed elements, estimated from the share found before giving up (for the round's figures)."""
+
+    count = property(lambda self: self.estimated)
+
+
 def diff(
     new: np.ndarray,
     old: np.ndarray,
@@ -119,11 +129,11 @@ def diff(
     update: bool = True,
     hasher: Any = None,
     dense_above: float = DENSE_ABOVE,
-) -> Changes | None:
+) -> Changes | Whole:
     """The elements whose bytes differ between ``new`` and ``old`` (uint8 arrays of one tensor's bytes), and their
-    new bytes; with ``update``, ``old`` is made equal to ``new`` (only the changed words are written). None where more
-    than ``dense_above`` of the elements changed (measured as it goes): the tensor is then sent whole, and ``old``
-    is made equal to ``new`` by a copy.
+    new bytes; with ``update``, ``old`` is made equal to ``new`` (only the changed words are written); where more
+    than ``dense_above`` of the elements changed (measured as it goes): :class:`Whole`, the tensor is then sent
+    whole, and ``old`` is made equal to ``new`` by a copy.
 
     ``hasher`` (an object with ``update(buffer)``) is fed ``new`` block by block while the block is in cache, so a
     round's checksums cost no second read of the tensor. Compares 8-byte words first (most words are unchanged),
@@ -156,7 +166,7 @@ def diff(
                 np.copyto(old[start:], new[start:])
             if hasher is not None:
                 hasher.update(new[start:])
-            return None
+            return Whole(round(changed_so_far * (n // itemsize) / (start // itemsize)))
         stop = min(start + (first if start == 0 else step), words)
         nb, ob = new[start:stop], old[start:stop]
         if use_kernel:

@@ -94,7 +94,9 @@ class ProducerDelta:
         self._lost_at: float | None = None
         """The share at which a delta round was last slower than a dense one (``auto``), until it is tried again."""
         self._since_loss = 0
-        self._sample: list[int] = [0, 0]
+        self._sample: list[float] = [0, 0]
+        self.sampled_fraction: float | None = None
+        """``auto``'s estimate of the last dense round's share of changed elements (from 1/32 of the words)."""
         self.buffers = Buffers()
 
     @property
@@ -181,8 +183,8 @@ class ProducerDelta:
                 lanes = max(1, 8 // t.element_size())
                 # Words that changed -> elements that changed, were the changes spread evenly.
                 share = 1 - (1 - changed / compared) ** (1 / lanes) if compared else 0.0
-                self._sample[0] += share * t.numel() * t.element_size()
-                self._sample[1] += t.numel() * t.element_size()
+                self._sample[0] += share * t.numel()
+                self._sample[1] += t.numel()
 
         def on_chunk_sent(chunk: Chunk) -> None:
             if checksum is not None:
@@ -193,9 +195,10 @@ class ProducerDelta:
         send_image(image, tensors, chunks, group, src, num_buffers=num_buffers, device=device,
                    on_tensor=on_tensor, on_chunk_sent=on_chunk_sent)
         image.round = round_index
+        self.sampled_fraction = None
         if sampling and self._sample[1]:
-            changed_share = self._sample[0] / self._sample[1]
-            self.share = min(1.0, changed_share * 1.5)  # values plus about a byte of position per 2-byte element
+            self.sampled_fraction = self._sample[0] / self._sample[1]
+            self.share = min(1.0, self.sampled_fraction * 1.5)  # values and about a byte of position, per bf16
         return sums if checksum is not None else None
 
     # -- delta rounds -----------------------------------------------------------------------------------------
@@ -234,12 +237,13 @@ class ProducerDelta:
                 if sums is not None:
                     sums.append(hasher.value())
                 stats.total_elements += meta.numel
-                if changes is None or changes.count:
-                    encoded = codec.Encoded(codec.DENSE, 0, meta.numel, 0, b"") if changes is None else codec.encode(
+                whole = isinstance(changes, codec.Whole)
+                if whole or changes.count:
+                    encoded = codec.Encoded(codec.DENSE, 0, meta.numel, 0, b"") if whole else codec.encode(
                         changes.positions, meta.numel, meta.dtype.itemsize, compressor=self._compressor)
                     stats.seconds += time.perf_counter() - started
                     _write_record(stream, index, encoded, new if encoded.encoding == codec.DENSE else changes.values)
-                    stats.changed_elements += encoded.count
+                    stats.changed_elements += changes.count  # a whole tensor: its estimated share
                     stats.changed_tensors += 1
                     stats.encodings[codec.ENCODING_NAMES[encoded.encoding]] += 1
                 else:
@@ -257,13 +261,17 @@ class ProducerDelta:
         return stats, sums
 
 
+DELTA_CHUNK_BYTES = 2 << 20
+"""A delta round's stream goes out in chunks of at most this (or the buffer size, if smaller): a 1% round of a 1 GB
+model is ~18 MB, which in 16 MiB chunks would reach the consumer only once the producer had compared nearly every
+tensor; in 2 MiB chunks the consumer applies and hashes while the producer is still comparing."""
 PARALLEL_MIN_BYTES = 8 << 20
 """Tensors at least this large are compared in two halves at once: the C comparison releases the GIL, and a
 round's critical path is this comparison while the consumer waits for the changes."""
 _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-diff")
 
 
-def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec.Changes | None:
+def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec.Changes | codec.Whole:
     """:func:`refit_app.core.delta.diff` of one tensor, its second half on a helper thread where it is large."""
     n = new.size
     half = n // 2 - (n // 2) % 16
@@ -276,8 +284,9 @@ def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec
         rest = second.result()
     if hasher is not None:
         hasher.update(new[half:])
-    if first is None or rest is None:
-        return None  # both halves' snapshots are up to date: each half copied or patched its own
+    if isinstance(first, codec.Whole) or isinstance(rest, codec.Whole):
+        # Both halves' snapshots are up to date: each half copied or patched its own.
+        return codec.Whole(first.count + rest.count)
     offset = half // itemsize
     return codec.Changes(np.concatenate([first.positions, rest.positions + offset]),
                          np.concatenate([first.values, rest.values]))

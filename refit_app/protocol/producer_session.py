@@ -21,7 +21,7 @@ from refit_app.packed_tensor import (
     packed_broadcast_producer,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
-from refit_app.protocol.delta import ProducerDelta
+from refit_app.protocol.delta import DELTA_CHUNK_BYTES, ProducerDelta
 from refit_app.protocol.handshake import (
     finish,
     send_checksums,
@@ -180,7 +180,8 @@ class ProducerSession(Session):
             result.num_tensors = len(manifest.tensors)
             if base:
                 stats, sums = self._delta.send_delta(
-                    tensors, self.group.group, PRODUCER_RANK, chunk_bytes=manifest.buffer_size_bytes,
+                    tensors, self.group.group, PRODUCER_RANK,
+                    chunk_bytes=min(manifest.buffer_size_bytes, DELTA_CHUNK_BYTES),
                     num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm, round_index=k,
                     on_chunk=self._stream_counter(result))
                 record_delta(result, base, stats)
@@ -189,6 +190,9 @@ class ProducerSession(Session):
                                           num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm,
                                           round_index=k)
             self._count_dense(result)
+            if self._delta.sampled_fraction is not None:
+                result.total_elements = sum(m.numel for m in manifest.tensors)
+                result.changed_elements = round(self._delta.sampled_fraction * result.total_elements)
             return sums
         hasher = _SendHasher(self._checksum) if manifest.checksums else None
         post = hasher.post if hasher is not None else _tensor_of

@@ -42,6 +42,7 @@ from refit_app.checkpoint.layout import CONFIG_FILE_NAME
 from refit_app.common.errors import SinkError, VerificationError, some_of
 from refit_app.core.meta import dtype_to_str
 from refit_app.integrations.vllm.backend import BACKEND, register
+from refit_app.integrations.vllm.defaults import DEFAULT_ENGINE_SEED, DEFAULT_KV_CACHE_GIB, DEFAULT_MAX_MODEL_LEN
 from refit_app.models.hf.spec import model_spec
 from refit_app.models.probe import (
     DEFAULT_PROBE_TOKENS,
@@ -59,11 +60,6 @@ VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vLLM CPU's KV cache in GiB; ``sink=vllm`` sets it from ``sink.kv_cache_gib`` unless the user did."""
 
-DEFAULT_MAX_MODEL_LEN = 256
-"""The engine's context length (capped by the config's ``max_position_embeddings``): the probe needs
-``probe_tokens + 1`` positions, and vLLM sizes its KV cache for at least one sequence this long."""
-DEFAULT_KV_CACHE_GIB = 1
-"""``VLLM_CPU_KVCACHE_SPACE`` unless the environment sets it: vLLM's CPU default is a share of the machine's memory."""
 MAX_LOGPROBS = MAX_PROBE_COLUMNS
 """Log-probabilities the check asks vLLM for per position: the whole vocabulary up to the size whose logits the
 producer's probe carries whole (exact comparison), else the top ``MAX_LOGPROBS`` (see :meth:`VllmSink.check`)."""
@@ -121,7 +117,7 @@ class VllmSink:
         strict: bool = True,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
-        seed: int = 0,
+        seed: int = DEFAULT_ENGINE_SEED,
     ) -> None:
         if model is not None and not (Path(model) / CONFIG_FILE_NAME).is_file():
             raise SinkError(f"sink.model {model} has no {CONFIG_FILE_NAME}; give a Hugging Face model directory")
