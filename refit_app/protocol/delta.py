@@ -280,10 +280,11 @@ def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec
     second = _HELPER.submit(codec.diff, new[half:], old[half:], itemsize)
     try:
         first = codec.diff(new[:half], old[:half], itemsize, hasher=hasher)
+        # The hash reads only the new bytes: the second half's runs while the helper may still be comparing it.
+        if hasher is not None:
+            hasher.update(new[half:])
     finally:
         rest = second.result()
-    if hasher is not None:
-        hasher.update(new[half:])
     if isinstance(first, codec.Whole) or isinstance(rest, codec.Whole):
         # Both halves' snapshots are up to date: each half copied or patched its own.
         return codec.Whole(first.count + rest.count)
