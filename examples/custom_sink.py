@@ -45,8 +45,11 @@ class ModuleSink:
 
     def begin(self, manifest: Manifest) -> None:
         # Refuse a checkpoint that does not fit before any tensor moves: every rank then stops with this line.
-        wrong = [f"{t.name} {list(t.shape)}" for t in manifest.tensors
-                 if t.name not in self.params or tuple(self.params[t.name].shape) != t.shape]
+        wrong = [
+            f"{t.name} {list(t.shape)}"
+            for t in manifest.tensors
+            if t.name not in self.params or tuple(self.params[t.name].shape) != t.shape
+        ]
         if wrong:
             raise SinkError(f"these tensors do not fit the network: {', '.join(wrong)}")
 
@@ -78,13 +81,24 @@ def main() -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         group = [f"group.port={port}", "group.timeout_s=120"]
-        producer = subprocess.Popen([sys.executable, "-m", "refit_app", "role=producer", "source=safetensors",
-                                     f"source.path={checkpoint}", "hydra.run.dir=" + tmp, *group])
+        producer = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "refit_app",
+                "role=producer",
+                "source=safetensors",
+                f"source.path={checkpoint}",
+                "hydra.run.dir=" + tmp,
+                *group,
+            ]
+        )
         error = None
         try:
             with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-                cfg = compose("config", overrides=["role=consumer", "sink=custom", "sink._target_=__main__.ModuleSink",
-                                                   *group])
+                cfg = compose(
+                    "config", overrides=["role=consumer", "sink=custom", "sink._target_=__main__.ModuleSink", *group]
+                )
             metrics = run(cfg)
         except RefitError as e:
             error = e

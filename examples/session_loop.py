@@ -48,8 +48,10 @@ def engine(port: int, out: Path) -> None:
     with connect(spec) as group:
         session = ConsumerSession(group, verify=True)
         while (received := session.receive(load)) is not None:
-            print(f"engine: round {received.round} loaded in {received.seconds * 1e3:.1f} ms, "
-                  f"manifest sent: {received.manifest_sent}, verified: {received.verified}")
+            print(
+                f"engine: round {received.round} loaded in {received.seconds * 1e3:.1f} ms, "
+                f"manifest sent: {received.manifest_sent}, verified: {received.verified}"
+            )
     torch.save({name: p.detach().clone() for name, p in params.items()}, out / "engine.pt")
 
 

@@ -72,8 +72,11 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         new = MOVED[module.__name__]
-        warnings.warn(f"{module.__name__} is deprecated: import {new} (the old path goes in refit_app 0.3)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{module.__name__} is deprecated: import {new} (the old path goes in refit_app 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         # The import returns whatever sys.modules holds under the name once this returns.
         sys.modules[module.__name__] = importlib.import_module(new)
 

@@ -104,6 +104,7 @@ __all__ = [  # noqa: RUF022 - grouped as the spec lists them, not sorted
 
 logger = logging.getLogger(__name__)
 
+
 def _resolve_settings(buffer_size_bytes: int | None, num_buffers: int | None) -> tuple[int, int]:
     target = get_target_packed_tensor_size() if buffer_size_bytes is None else buffer_size_bytes
     count = get_num_buffers() if num_buffers is None else num_buffers
@@ -214,8 +215,9 @@ def _packed_broadcast_consumer_batches(
     planned :class:`Chunk` as it is received (or, not broadcast, reached), in order. ``plan``: see
     :class:`PackedPlan`.
     """
-    rx = _make_receiver(iterator, group, src, num_buffers, buffer_size_bytes, use_legacy_packing, device, on_chunk,
-                        on_chunk_done, plan)
+    rx = _make_receiver(
+        iterator, group, src, num_buffers, buffer_size_bytes, use_legacy_packing, device, on_chunk, on_chunk_done, plan
+    )
     with contextlib.closing(rx):
         while (batch := rx.next_batch(force=True)) is not None:
             yield batch
@@ -292,8 +294,9 @@ def packed_broadcast_consumer(
     if post_unpack_func is None and not return_iterator:
         raise ValueError("post_unpack_func is None and return_iterator is False: nothing would receive the tensors")
     # Validate before any communication, also for the lazy form.
-    rx = _make_receiver(iterator, group, src, num_buffers, buffer_size_bytes, use_legacy_packing, device, on_chunk,
-                        on_chunk_done, plan)
+    rx = _make_receiver(
+        iterator, group, src, num_buffers, buffer_size_bytes, use_legacy_packing, device, on_chunk, on_chunk_done, plan
+    )
     if return_iterator:
         return iter_tensors(rx, post_unpack_func)
     with contextlib.closing(rx):

@@ -33,16 +33,49 @@ RUN_TIMEOUT_S = 1800
 
 
 def _run_pair(args: argparse.Namespace, lr: str, mode: str, port: int, out: Path) -> tuple[dict, dict]:
-    common = [f"source.preset={args.preset}", f"source.size={args.size}", "source.update=training",
-              f"source.lr={lr}", f"refit.rounds={args.rounds}", f"group.port={port}", "group.timeout_s=300"]
+    common = [
+        f"source.preset={args.preset}",
+        f"source.size={args.size}",
+        "source.update=training",
+        f"source.lr={lr}",
+        f"refit.rounds={args.rounds}",
+        f"group.port={port}",
+        "group.timeout_s=300",
+    ]
     env = {**os.environ, "REFIT_APP_TOKEN": TOKEN}
-    producer = ["ip", "netns", "exec", f"{PREFIX}1", sys.executable, "-m", "refit_app", "role=producer",
-                "group.host=0.0.0.0", f"refit.delta={mode}", f"hydra.run.dir={out}/producer", *common]
-    consumer = ["ip", "netns", "exec", f"{PREFIX}2", sys.executable, "-m", "refit_app", "role=consumer",
-                f"group.host={PRODUCER_ADDRESS}", "group.rank=1", "sink=verify", f"hydra.run.dir={out}/consumer",
-                *common]
-    with open(out.parent / f"{out.name}.producer.log", "w") as plog, open(out.parent / f"{out.name}.consumer.log",
-                                                                          "w") as clog:
+    producer = [
+        "ip",
+        "netns",
+        "exec",
+        f"{PREFIX}1",
+        sys.executable,
+        "-m",
+        "refit_app",
+        "role=producer",
+        "group.host=0.0.0.0",
+        f"refit.delta={mode}",
+        f"hydra.run.dir={out}/producer",
+        *common,
+    ]
+    consumer = [
+        "ip",
+        "netns",
+        "exec",
+        f"{PREFIX}2",
+        sys.executable,
+        "-m",
+        "refit_app",
+        "role=consumer",
+        f"group.host={PRODUCER_ADDRESS}",
+        "group.rank=1",
+        "sink=verify",
+        f"hydra.run.dir={out}/consumer",
+        *common,
+    ]
+    with (
+        open(out.parent / f"{out.name}.producer.log", "w") as plog,
+        open(out.parent / f"{out.name}.consumer.log", "w") as clog,
+    ):
         p = subprocess.Popen(producer, env=env, stdout=plog, stderr=subprocess.STDOUT)
         c = subprocess.Popen(consumer, env=env, stdout=clog, stderr=subprocess.STDOUT)
         codes = (p.wait(timeout=RUN_TIMEOUT_S), c.wait(timeout=RUN_TIMEOUT_S))
@@ -85,15 +118,27 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "off":
                         dense = steady
                     fraction = _steady(producer, "changed_fraction")
-                    rows.append((lr, mode, rep, steady, producer["steady_round_seconds"],
-                                 _steady(producer, "wire_bytes"), fraction, consumer.get("verified"),
-                                 dense / steady if dense and steady else None))
+                    rows.append(
+                        (
+                            lr,
+                            mode,
+                            rep,
+                            steady,
+                            producer["steady_round_seconds"],
+                            _steady(producer, "wire_bytes"),
+                            fraction,
+                            consumer.get("verified"),
+                            dense / steady if dense and steady else None,
+                        )
+                    )
                     print(f"lr={lr} delta={mode}: steady {steady:.3f} s", flush=True)
     finally:
         subprocess.run(["bash", str(HOSTS_SCRIPT), "down", PREFIX], check=False)
     print(f"\n{args.preset} {args.size}, {args.rate} link, {args.rounds} verified rounds per run; runs in {out_root}\n")
-    print("| source.lr | refit.delta | rep | steady round (consumer) | steady round (producer) | wire bytes / round "
-          "| changed elements | verified | dense / this |")
+    print(
+        "| source.lr | refit.delta | rep | steady round (consumer) | steady round (producer) | wire bytes / round "
+        "| changed elements | verified | dense / this |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for lr, mode, rep, steady, psteady, wire, fraction, verified, speedup in rows:
         share = "-" if fraction is None else f"{fraction:.3%}"

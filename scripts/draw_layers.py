@@ -42,18 +42,25 @@ def architecture_test() -> ModuleType:
     return module
 
 
-def layer_table(layers: list[str], graph: Mapping[str, set[str]], outside: set[str]
-                ) -> list[tuple[str, list[str], list[str]]]:
+def layer_table(
+    layers: list[str], graph: Mapping[str, set[str]], outside: set[str]
+) -> list[tuple[str, list[str], list[str]]]:
     """``(layer, its modules, the lower layers they import)`` for every layer, bottom first. A module is named
     below its layer (``core.wire`` as ``wire``); a layer that is one module (``packed_tensor``) lists none."""
+
     def layer_of(module: str) -> str:
         return module.split(".")[1]
 
     rows = []
     for layer in layers:
         modules = sorted(m.split(".", 2)[2] for m in graph if layer_of(m) == layer and m.count(".") >= 2)
-        used = {layer_of(dep) for m, deps in graph.items() if layer_of(m) == layer
-                for dep in deps if dep not in outside and layer_of(dep) != layer}
+        used = {
+            layer_of(dep)
+            for m, deps in graph.items()
+            if layer_of(m) == layer
+            for dep in deps
+            if dep not in outside and layer_of(dep) != layer
+        }
         rows.append((layer, modules, sorted(used, key=layers.index)))
     return rows
 
@@ -92,19 +99,26 @@ def layers_svg(rows: list[tuple[str, list[str], list[str]]]) -> str:
     y = 28
     for i, (layer, module_rows, uses_rows, n) in enumerate(bands):
         h = n * row_h + 2 * _PAD - _GAP
-        out.append(f'<rect x="0.5" y="{y}" width="{_WIDTH - 1}" height="{h}" fill="{_BAND_FILLS[i % 2]}" '
-                   'stroke="#9db2d3"/>')
+        out.append(
+            f'<rect x="0.5" y="{y}" width="{_WIDTH - 1}" height="{h}" fill="{_BAND_FILLS[i % 2]}" stroke="#9db2d3"/>'
+        )
         out.append(f'<text x="{_PAD}" y="{y + _PAD + 14}" font-weight="bold">{escape(layer)}</text>')
-        out.append(f'<text x="{_USES_X}" y="{y + _PAD + 14}" fill="#5a4a2a">'
-                   f'{"imports" if uses_rows[0] else "imports nothing of refit_app"}</text>')
-        for chips, fill, font in ((module_rows, _MODULE_FILL, 'font-family="monospace" font-size="12"'),
-                                  (uses_rows, _USES_FILL, 'font-family="monospace" font-size="12"')):
+        out.append(
+            f'<text x="{_USES_X}" y="{y + _PAD + 14}" fill="#5a4a2a">'
+            f"{'imports' if uses_rows[0] else 'imports nothing of refit_app'}</text>"
+        )
+        for chips, fill, font in (
+            (module_rows, _MODULE_FILL, 'font-family="monospace" font-size="12"'),
+            (uses_rows, _USES_FILL, 'font-family="monospace" font-size="12"'),
+        ):
             for r, row in enumerate(chips):
                 cy = y + _PAD + r * row_h
                 for x, word in row:
                     w = len(word) * _CHAR_W + 2 * _GAP
-                    out.append(f'<rect x="{x:.1f}" y="{cy}" width="{w:.1f}" height="{_CHIP_H}" rx="4" '
-                               f'fill="{fill}" stroke="#9db2d3"/>')
+                    out.append(
+                        f'<rect x="{x:.1f}" y="{cy}" width="{w:.1f}" height="{_CHIP_H}" rx="4" '
+                        f'fill="{fill}" stroke="#9db2d3"/>'
+                    )
                     out.append(f'<text x="{x + _GAP:.1f}" y="{cy + 14}" {font}>{escape(word)}</text>')
         y += h
     out.append("</svg>")

@@ -70,17 +70,39 @@ def worker(rank: int, plan: dict) -> None:
         consumers = case["consumers"]
         if rank > consumers:
             continue
-        spec = GroupSpec(backend="gloo", host="0.0.0.0" if rank == 0 else PRODUCER_ADDRESS, port=BASE_PORT + index,
-                         world_size=consumers + 1, rank=rank, timeout_s=plan["timeout_s"], topology=case["topology"],
-                         token=TOKEN)
+        spec = GroupSpec(
+            backend="gloo",
+            host="0.0.0.0" if rank == 0 else PRODUCER_ADDRESS,
+            port=BASE_PORT + index,
+            world_size=consumers + 1,
+            rank=rank,
+            timeout_s=plan["timeout_s"],
+            topology=case["topology"],
+            token=TOKEN,
+        )
         with connect(spec) as rg:
             for buffer in plan["buffers"]:
-                target = get_target_packed_tensor_size() if buffer == DEFAULT_BUFFER else parse_size(buffer,
-                                                                                                     key="--buffers")
+                target = (
+                    get_target_packed_tensor_size() if buffer == DEFAULT_BUFFER else parse_size(buffer, key="--buffers")
+                )
                 # The transport's limit on this link: the same chunks pre-packed on both sides, all in flight, until
                 # every consumer holds them (a barrier), alternating with the refit rounds.
-                limit = Limit(rank, source, metas, Case(plan["preset"], size, target, get_num_buffers(), consumers,
-                                                        "none", plan["rounds"], ("limit",), 0))
+                limit = Limit(
+                    rank,
+                    source,
+                    metas,
+                    Case(
+                        plan["preset"],
+                        size,
+                        target,
+                        get_num_buffers(),
+                        consumers,
+                        "none",
+                        plan["rounds"],
+                        ("limit",),
+                        0,
+                    ),
+                )
                 seconds, limit_seconds = [], []
                 if rank == 0:
                     session = ProducerSession(rg, buffer_size_bytes=target)
@@ -102,9 +124,20 @@ def worker(rank: int, plan: dict) -> None:
                     limit_seconds.append(time.perf_counter() - started)
                 if rank == 0:
                     session.close()
-                    print(json.dumps({**case, "buffer": buffer, "target": target, "bytes": sent.bytes,
-                                      "chunks": sent.num_chunks, "seconds": seconds, "limit_seconds": limit_seconds}),
-                          flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                **case,
+                                "buffer": buffer,
+                                "target": target,
+                                "bytes": sent.bytes,
+                                "chunks": sent.num_chunks,
+                                "seconds": seconds,
+                                "limit_seconds": limit_seconds,
+                            }
+                        ),
+                        flush=True,
+                    )
                 else:
                     if session.receive(lambda batch: None) is not None:
                         raise SystemExit(f"rank {rank}: the producer's session did not end")
@@ -124,10 +157,26 @@ def _run_workers(plan: dict, hosts: int, out_dir: Path, limit_s: float) -> list[
     try:
         for rank in range(hosts):
             with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err:
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", f"{PREFIX}{rank + 1}", sys.executable, __file__, "--worker", str(rank),
-                     "--plan", json.dumps(plan)],
-                    stdout=out, stderr=err, cwd=REPO, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            f"{PREFIX}{rank + 1}",
+                            sys.executable,
+                            __file__,
+                            "--worker",
+                            str(rank),
+                            "--plan",
+                            json.dumps(plan),
+                        ],
+                        stdout=out,
+                        stderr=err,
+                        cwd=REPO,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + limit_s
         for proc in procs:
             proc.wait(max(deadline - time.monotonic(), 1))
@@ -138,8 +187,9 @@ def _run_workers(plan: dict, hosts: int, out_dir: Path, limit_s: float) -> list[
                 proc.wait(10)
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
-        tails = "\n".join(f"--- rank {r} (exit {rc}) ---\n{(out_dir / f'rank{r}.err').read_text()[-2000:]}"
-                          for r, rc in failed)
+        tails = "\n".join(
+            f"--- rank {r} (exit {rc}) ---\n{(out_dir / f'rank{r}.err').read_text()[-2000:]}" for r, rc in failed
+        )
         raise SystemExit(f"netns_bench: workers failed:\n{tails}")
     return [json.loads(line) for line in (out_dir / "rank0.out").read_text().splitlines() if line.startswith("{")]
 
@@ -153,12 +203,17 @@ def _table(results: list[dict], rate: float, rate_text: str, verify: bool) -> st
     limit = bytes_ / rate
     mib = 2**20
     lines = [
-        (f"B = {bytes_ / 1e6:.0f} MB, R = {rate_text} ({rate / 1e6:.0f} MB/s), B / R = {limit:.2f} s; times are "
-         "medians of the rounds after the first; consumers " + ("verify every round" if verify else "discard")
-         + "; the limit moves the same chunks, pre-packed, all in flight, alternating with the refit's rounds."),
+        (
+            f"B = {bytes_ / 1e6:.0f} MB, R = {rate_text} ({rate / 1e6:.0f} MB/s), B / R = {limit:.2f} s; times are "
+            "medians of the rounds after the first; consumers "
+            + ("verify every round" if verify else "discard")
+            + "; the limit moves the same chunks, pre-packed, all in flight, alternating with the refit's rounds."
+        ),
         "",
-        ("| topology | consumers | default buffer: refit (s) | x B/R | limit (s) | x B/R | limit / refit |"
-         " best buffer | refit (s) | x B/R | sweep (buffer: refit x B/R) |"),
+        (
+            "| topology | consumers | default buffer: refit (s) | x B/R | limit (s) | x B/R | limit / refit |"
+            " best buffer | refit (s) | x B/R | sweep (buffer: refit x B/R) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases = sorted({(r["topology"], r["consumers"]) for r in results}, key=lambda c: (c[0] != "tree", c[1]))
@@ -169,12 +224,16 @@ def _table(results: list[dict], rate: float, rate_text: str, verify: bool) -> st
         sweep = ", ".join(f"{r['target'] // mib} MiB: {steady(r) / limit:.2f}" for r in rows)
         if default:
             refit_s, limit_s = steady(default), steady(default, "limit_seconds")
-            default_cells = (f"{refit_s:.2f} | {refit_s / limit:.2f}x ({default['target'] // mib} MiB) | "
-                             f"{limit_s:.2f} | {limit_s / limit:.2f}x | {limit_s / refit_s:.2f}")
+            default_cells = (
+                f"{refit_s:.2f} | {refit_s / limit:.2f}x ({default['target'] // mib} MiB) | "
+                f"{limit_s:.2f} | {limit_s / limit:.2f}x | {limit_s / refit_s:.2f}"
+            )
         else:
             default_cells = "- | - | - | - | -"
-        lines.append(f"| {topology} | {consumers} | {default_cells} | {best['target'] // mib} MiB | "
-                     f"{steady(best):.2f} | {steady(best) / limit:.2f}x | {sweep} |")
+        lines.append(
+            f"| {topology} | {consumers} | {default_cells} | {best['target'] // mib} MiB | "
+            f"{steady(best):.2f} | {steady(best) / limit:.2f}x | {sweep} |"
+        )
     return "\n".join(lines)
 
 
@@ -185,11 +244,17 @@ def main() -> None:
     parser.add_argument("--size", default="512MiB", help=f"model size B, or {NATURAL!r} for the preset's own")
     parser.add_argument("--consumers", default="1,2,3")
     parser.add_argument("--topologies", default="tree,chain")
-    parser.add_argument("--buffers", default=f"{DEFAULT_BUFFER},4MiB,64MiB,256MiB",
-                        help=f"buffer sizes to sweep; {DEFAULT_BUFFER!r} is the library default")
+    parser.add_argument(
+        "--buffers",
+        default=f"{DEFAULT_BUFFER},4MiB,64MiB,256MiB",
+        help=f"buffer sizes to sweep; {DEFAULT_BUFFER!r} is the library default",
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--verify", action="store_true",
-                        help="consumers verify every round (sink=verify): the producer checksums, they check")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="consumers verify every round (sink=verify): the producer checksums, they check",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="group.timeout_s of every group")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -210,7 +275,10 @@ def main() -> None:
         raise SystemExit(f"netns_bench: error: {e}") from None
     counts = [int(c) for c in args.consumers.split(",")]
     plan = {
-        "preset": args.preset, "size": args.size, "rounds": args.rounds, "timeout_s": args.timeout_s,
+        "preset": args.preset,
+        "size": args.size,
+        "rounds": args.rounds,
+        "timeout_s": args.timeout_s,
         "verify": args.verify,
         "buffers": args.buffers.split(","),
         "cases": [{"topology": t, "consumers": c} for t in args.topologies.split(",") for c in counts],

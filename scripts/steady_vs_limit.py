@@ -23,8 +23,14 @@ from pathlib import Path
 
 def _app(sink: str, args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [
-        sys.executable, "-m", "refit_app", f"source.preset={args.preset}", f"source.size={args.size}",
-        f"refit.rounds={args.rounds}", f"sink={sink}", f"hydra.run.dir={run_dir}",
+        sys.executable,
+        "-m",
+        "refit_app",
+        f"source.preset={args.preset}",
+        f"source.size={args.size}",
+        f"refit.rounds={args.rounds}",
+        f"sink={sink}",
+        f"hydra.run.dir={run_dir}",
     ]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
@@ -44,8 +50,21 @@ def _app(sink: str, args: argparse.Namespace, run_dir: Path) -> dict:
 
 def _limit(args: argparse.Namespace, out: Path) -> float:
     cmd = [
-        sys.executable, "-m", "refit_app.bench", "--preset", args.preset, "--size", args.size, "--modes", "limit",
-        "--reps", str(args.bench_reps), "--flat-refits", "0", "--out", str(out),
+        sys.executable,
+        "-m",
+        "refit_app.bench",
+        "--preset",
+        args.preset,
+        "--size",
+        args.size,
+        "--modes",
+        "limit",
+        "--reps",
+        str(args.bench_reps),
+        "--flat-refits",
+        "0",
+        "--out",
+        str(out),
     ]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
@@ -70,7 +89,8 @@ def main() -> None:
     args = p.parse_args()
     if args.pairs < 1 or args.rounds < 2 or args.bench_reps < 1:
         raise SystemExit(
-            "steady_vs_limit: error: --pairs and --bench-reps must be >= 1, --rounds >= 2 (a steady round)")
+            "steady_vs_limit: error: --pairs and --bench-reps must be >= 1, --rounds >= 2 (a steady round)"
+        )
     out = Path(args.out).resolve()
     rows = []
     for i in range(1, args.pairs + 1):

@@ -234,8 +234,10 @@ class Launcher:
         one has started up (each within ``startup_limit_s``, a hang limit: no deadline under test includes it).
         ``envs``: extra environment variables of the process of that name."""
         envs = envs or {}
-        procs = {name: RefitProcess(name, self.cwd, overrides, envs.get(name), gated=True)
-                 for name, overrides in ranks.items()}
+        procs = {
+            name: RefitProcess(name, self.cwd, overrides, envs.get(name), gated=True)
+            for name, overrides in ranks.items()
+        }
         self._procs.extend(procs.values())
         for proc in procs.values():
             proc.wait_ready(startup_limit_s)

@@ -55,4 +55,3 @@ class AsyncRecordingGroup(RecordingGroup):
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> _DoneWork:
         self.broadcast(tensor, src)
         return _DoneWork(self.events, len(self.sent) - 1)
-

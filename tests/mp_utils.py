@@ -23,8 +23,17 @@ from refit_app.app import launch
 from refit_app.app.launch import free_port
 from refit_app.transport.spec import GroupSpec
 
-__all__ = ["DEADLINE_MARGIN", "EXIT_SLACK_S", "STARTUP_LIMIT_S", "RankFailure", "deadline_budget", "free_port",
-           "gloo_spec", "play_scenarios", "run_ranks"]
+__all__ = [
+    "DEADLINE_MARGIN",
+    "EXIT_SLACK_S",
+    "STARTUP_LIMIT_S",
+    "RankFailure",
+    "deadline_budget",
+    "free_port",
+    "gloo_spec",
+    "play_scenarios",
+    "run_ranks",
+]
 
 STARTUP_LIMIT_S = 180.0
 """Hard limit on one process's start-up (interpreter, torch, Hydra, the code under test). Observed: 3 s idle, up to
@@ -91,11 +100,13 @@ def run_ranks(
     AssertionError carrying every failed rank's traceback instead. ``timeout`` counts from the moment every
     rank has started up and ``fn`` starts everywhere; start-up has its own limit, :data:`STARTUP_LIMIT_S`.
     """
-    outcomes = launch.run_ranks(_call, world_size, (fn, world_size, free_port(), args), timeout_s=timeout,
-                                startup_s=STARTUP_LIMIT_S)
+    outcomes = launch.run_ranks(
+        _call, world_size, (fn, world_size, free_port(), args), timeout_s=timeout, startup_s=STARTUP_LIMIT_S
+    )
     ordered = [
-        o.value if o.ok else RankFailure(o.rank, o.exc_type, str(o.exc) if o.exc is not None else o.error,
-                                         o.traceback, o.exc)
+        o.value
+        if o.ok
+        else RankFailure(o.rank, o.exc_type, str(o.exc) if o.exc is not None else o.error, o.traceback, o.exc)
         for o in outcomes
     ]
     failures = [o for o in ordered if isinstance(o, RankFailure)]

@@ -56,8 +56,12 @@ def _imports(path: Path, module: str) -> set[str]:
             if base == "refit_app" or base.startswith("refit_app."):
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
-                    found.add(sub if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists()
-                              or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else base)
+                    found.add(
+                        sub
+                        if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                        or (PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                        else base
+                    )
     return {m for m in found if m not in ("refit_app", module)}
 
 
@@ -85,7 +89,7 @@ def test_no_import_circles():
         state[m] = 1
         for dep in sorted(graph.get(m, ())):
             if state.get(dep) == 1:
-                circles.append([*path[path.index(dep):], dep] if dep in path else [m, dep])
+                circles.append([*path[path.index(dep) :], dep] if dep in path else [m, dep])
             elif dep not in state:
                 visit(dep, [*path, dep])
         state[m] = 2

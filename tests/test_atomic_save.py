@@ -88,7 +88,7 @@ def save_version(directory: str | Path, version: str) -> None:
 
 
 def loaded_version(directory: Path) -> str:
-    """"old" or "new", from the weights (through the index and the safetensors package) and the config alike;
+    """ "old" or "new", from the weights (through the index and the safetensors package) and the config alike;
     fails on anything else: a mix, a missing file, an unloadable directory."""
     index = json.loads((directory / INDEX_FILE_NAME).read_text())
     got: dict[str, torch.Tensor] = {}
@@ -99,8 +99,10 @@ def loaded_version(directory: Path) -> str:
     matches = []
     for version in ("old", "new"):
         tensors, shard_of, files = checkpoint_spec(version)
-        if index["weight_map"] == shard_of and set(got) == set(tensors) and all(
-            torch.equal(got[n], t) for n, t in tensors.items()
+        if (
+            index["weight_map"] == shard_of
+            and set(got) == set(tensors)
+            and all(torch.equal(got[n], t) for n, t in tensors.items())
         ):
             assert (directory / "config.json").read_text() == files["config.json"]
             weights = sorted(p.name for p in directory.glob("*.safetensors") if p.name.startswith(("old-", "new-")))
@@ -127,8 +129,13 @@ def test_a_save_killed_at_every_step_leaves_old_or_new(tmp_path):
     tests_dir = str(Path(__file__).parent)
     seen = []
     for kill_at in range(MAX_STEPS):
-        proc = subprocess.run([sys.executable, "-c", _KILLING_SAVE, str(target), str(kill_at), tests_dir],
-                              capture_output=True, text=True, timeout=SAVE_TIMEOUT_S, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", _KILLING_SAVE, str(target), str(kill_at), tests_dir],
+            capture_output=True,
+            text=True,
+            timeout=SAVE_TIMEOUT_S,
+            check=False,
+        )
         if proc.returncode == 0:
             break
         assert proc.returncode == -signal.SIGKILL, proc.stderr

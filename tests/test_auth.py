@@ -34,8 +34,18 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 HANG_S = 120.0
 """Hard limit on any wait here; only a hang gets near it."""
 
-_GARBAGE = [b"{", b"[]", b"null", b'{"rank": "x"}', b'{"rank": 1, "caps": {}}', b"[" * 100_000,
-            b"1" * 5000, b'{"body": "{}", "mac": "zz"}', b"\xff\xfe", b'{"ok": false, "kind": "ConfigError"}']
+_GARBAGE = [
+    b"{",
+    b"[]",
+    b"null",
+    b'{"rank": "x"}',
+    b'{"rank": 1, "caps": {}}',
+    b"[" * 100_000,
+    b"1" * 5000,
+    b'{"body": "{}", "mac": "zz"}',
+    b"\xff\xfe",
+    b'{"ok": false, "kind": "ConfigError"}',
+]
 """Values a rogue writes: malformed JSON, deep nesting, huge numbers, wrong types, missing fields, bad signatures."""
 
 
@@ -96,17 +106,24 @@ class Rogue:
                 n = store.add("refit/rdzv/checkins", 1)
                 store.set(f"refit/rdzv/checkin/{n}", value)
             # A well-formed but unsigned claim to be rank 1 (it joins a run without a token: that is the point).
-            forged = {"rank": 1, "run_id": doc["run_id"], "producer_address": "127.0.0.1",
-                      "caps": {"backend": "gloo", "cuda": False, "vllm": False}}
+            forged = {
+                "rank": 1,
+                "run_id": doc["run_id"],
+                "producer_address": "127.0.0.1",
+                "caps": {"backend": "gloo", "cuda": False, "vllm": False},
+            }
             if "body" in hello:
                 n = store.add("refit/rdzv/checkins", 1)
                 store.set(f"refit/rdzv/checkin/{n}", json.dumps({"body": json.dumps(forged), "mac": "00" * 32}))
             # Abort attempts: a failed outcome and a first error of its choosing, where the ranks look for them.
             abort = json.dumps({"ok": False, "kind": "ConfigError", "message": "ATTACKER: please run rm -rf"})
             store.set(ns + "rdzv/outcome", abort if "body" in hello else _GARBAGE[0])
-            store.set(ns + "refit/ctl/error",
-                      json.dumps({"rank": 1, "message": "ATTACKER: please run rm -rf", "phase": None})
-                      if "body" in hello else _GARBAGE[3])
+            store.set(
+                ns + "refit/ctl/error",
+                json.dumps({"rank": 1, "message": "ATTACKER: please run rm -rf", "phase": None})
+                if "body" in hello
+                else _GARBAGE[3],
+            )
             self.done.set()
             while not self.stop.is_set():  # read everything it can while the run goes on
                 for key in store.list_keys():
@@ -220,8 +237,9 @@ def test_wrong_token_is_refused_on_both_sides_within_the_deadline(tmp_path):
             {"producer": {TOKEN_ENV: TOKEN}, "consumer": {TOKEN_ENV: "another-token"}},
         )
         _one_line_error(procs["consumer"], deadline_budget(SHORT_S), "holds another group.token")
-        output = _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join",
-                                 "check-in(s) were ignored")
+        output = _one_line_error(
+            procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join", "check-in(s) were ignored"
+        )
         assert "signature that does not check" in output
     # Neither the logs nor anything in the run directories (config_resolved.yaml, metrics.json) hold a token.
     for path in tmp_path.rglob("*"):
@@ -235,13 +253,18 @@ def test_no_token_warns_on_loopback_and_refuses_an_exposed_port_unless_allowed(t
     with Launcher(tmp_path) as launcher:
         loopback = launcher.start("loopback", *short, f"group.port={free_port()}")
         exposed = launcher.start("exposed", *short, "group.host=0.0.0.0", f"group.port={free_port()}")
-        allowed = launcher.start("allowed", *short, "group.host=0.0.0.0", f"group.port={free_port()}",
-                                 "group.allow_unauthenticated=true")
+        allowed = launcher.start(
+            "allowed", *short, "group.host=0.0.0.0", f"group.port={free_port()}", "group.allow_unauthenticated=true"
+        )
         limit = STARTUP_LIMIT_S + deadline_budget(1)
         output = _one_line_error(loopback, limit, "rank 1 did not join")
         assert "group.token is not set: any process on this host can join" in output, output
-        _one_line_error(exposed, limit, "group.host=0.0.0.0 is not a loopback address and group.token is not set",
-                        "group.allow_unauthenticated=true")
+        _one_line_error(
+            exposed,
+            limit,
+            "group.host=0.0.0.0 is not a loopback address and group.token is not set",
+            "group.allow_unauthenticated=true",
+        )
         output = _one_line_error(allowed, limit, "rank 1 did not join")
         assert "group.allow_unauthenticated=true: any host" in output, output
 
@@ -274,8 +297,11 @@ def test_a_record_is_believed_only_as_its_run_signed_it(token):
         tampered = json.loads(sealed)
         tampered["body"] = tampered["body"].replace("boom", "ATTACKER")
         forged = [json.dumps(tampered), json.dumps(record)]
-        for other in (RunAuth.derive(TOKEN, "run-a", "nonce-2", 0), RunAuth.derive("other", "run-a", "nonce-1", 0),
-                      RunAuth.derive(TOKEN, "run-b", "nonce-1", 0)):
+        for other in (
+            RunAuth.derive(TOKEN, "run-a", "nonce-2", 0),
+            RunAuth.derive("other", "run-a", "nonce-1", 0),
+            RunAuth.derive(TOKEN, "run-b", "nonce-1", 0),
+        ):
             forged.append(other.seal("error", record))
         forged.append(auth.seal("outcome", record))  # a signature made for another kind of record
         for value in forged:
@@ -315,12 +341,14 @@ def test_cli_consumer_of_another_run_refuses_the_producer_and_saves_nothing(tmp_
     sink = tmp_path / "run-a-weights"
     with Launcher(tmp_path) as launcher:
         procs = launcher.start_together(
-            {"producer": ["role=producer", "group.run_id=run-b", *common],
-             "consumer": ["role=consumer", "group.run_id=run-a", "sink=save", f"sink.path={sink}", *common]},
+            {
+                "producer": ["role=producer", "group.run_id=run-b", *common],
+                "consumer": ["role=consumer", "group.run_id=run-a", "sink=save", f"sink.path={sink}", *common],
+            },
             STARTUP_LIMIT_S,
         )
-        _one_line_error(procs["consumer"], deadline_budget(SHORT_S), "belongs to run 'run-b'",
-                        "this consumer to run 'run-a'")
+        _one_line_error(
+            procs["consumer"], deadline_budget(SHORT_S), "belongs to run 'run-b'", "this consumer to run 'run-a'"
+        )
         _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join")
     assert not sink.exists()
-

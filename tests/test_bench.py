@@ -31,8 +31,9 @@ def _bound(summary: dict) -> int:
     """The documented rule (README "Performance": ``num_buffers x max(target, largest tensor)`` + 10%, the 10% being
     report.MEMORY_SLACK), recomputed here from the summary's own figures."""
     case = summary["case"]
-    return int(case["num_buffers"] * max(case["buffer_size_bytes"], summary["largest_tensor_bytes"])
-               * (1 + MEMORY_SLACK))
+    return int(
+        case["num_buffers"] * max(case["buffer_size_bytes"], summary["largest_tensor_bytes"]) * (1 + MEMORY_SLACK)
+    )
 
 
 def _assert_plot_follows_json(data: PlotData, doc: dict) -> None:
@@ -62,8 +63,23 @@ def _assert_plot_follows_json(data: PlotData, doc: dict) -> None:
 
 def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench"
-    args = ["--preset", "llama-1b", "lora", "--size", "2MB", "--buffer-size", "256KiB", "--num-buffers", "2",
-            "--reps", "1", "--flat-refits", "2", "--out", str(out)]
+    args = [
+        "--preset",
+        "llama-1b",
+        "lora",
+        "--size",
+        "2MB",
+        "--buffer-size",
+        "256KiB",
+        "--num-buffers",
+        "2",
+        "--reps",
+        "1",
+        "--flat-refits",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert bench.main(args) == 0
 
     printed = capsys.readouterr().out
@@ -91,8 +107,12 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
             assert 0 < s["min"] <= s["median"] <= s["max"]
             assert mode["gb_per_s"]["median"] == pytest.approx(case["bytes"] / 1e9 / s["median"])
             assert len(mode["per_rank_seconds"]) == 2
-        assert set(case["ratios"]) == {"refit_over_limit", "refit_speedup_over_per_tensor", "session_over_limit",
-                                       "session_speedup_over_per_tensor"}
+        assert set(case["ratios"]) == {
+            "refit_over_limit",
+            "refit_speedup_over_per_tensor",
+            "session_over_limit",
+            "session_speedup_over_per_tensor",
+        }
         assert case["memory_buffers_bytes"] == 2 * max(256 * 1024, case["largest_tensor_bytes"])
         bound = _bound(case)
         assert case["memory_bound_bytes"] == bound
@@ -102,8 +122,11 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
             session = m["session"]
             for entry, worst in ((m, m["refit_peak_extra_bytes_max"]), (session, session["peak_extra_bytes_max"])):
                 # Linux measures every call, so the worst peak is the largest of them and the verdict follows.
-                assert worst == entry["max_peak_extra_bytes"] >= max(entry["first_peak_extra_bytes"],
-                                                                     entry["last_peak_extra_bytes"])
+                assert (
+                    worst
+                    == entry["max_peak_extra_bytes"]
+                    >= max(entry["first_peak_extra_bytes"], entry["last_peak_extra_bytes"])
+                )
                 assert entry["within_bound"] is (worst <= bound)
 
     png = (out / "throughput.png").read_bytes()
@@ -118,14 +141,17 @@ def test_bench_runs_prints_table_and_writes_json(tmp_path, capsys):
 MiB = 2**20
 
 
-def _rank_result(seconds: dict[str, list[float]], refit_peaks: list[int | None],
-                 session_peaks: list[int | None]) -> dict:
+def _rank_result(
+    seconds: dict[str, list[float]], refit_peaks: list[int | None], session_peaks: list[int | None]
+) -> dict:
     """What measure.run_case returns on one rank, with chosen figures: a 10 MB model whose largest tensor is 3 MiB."""
     return {
         "seconds": seconds,
         "cpu_seconds": {mode: [t / 2 for t in times] for mode, times in seconds.items()},
-        "flat": {mode: [{"baseline_rss_bytes": 100 * MiB, "peak_extra_bytes": p} for p in peaks]
-                 for mode, peaks in (("refit", refit_peaks), ("session", session_peaks))},
+        "flat": {
+            mode: [{"baseline_rss_bytes": 100 * MiB, "peak_extra_bytes": p} for p in peaks]
+            for mode, peaks in (("refit", refit_peaks), ("session", session_peaks))
+        },
         "model": "made up",
         "bytes": 10_000_000,
         "num_tensors": 7,
@@ -161,8 +187,11 @@ def test_the_summary_takes_the_slowest_rank_and_judges_memory_by_the_bound():
 
 
 def _doc(summaries: list[dict]) -> dict:
-    return {"machine": {"cpu_count": 2, "load_average_before": [1.5, 1, 1], "load_average_after": [2.5, 1, 1]},
-            "backend": "gloo (loopback, one process per rank)", "cases": summaries}
+    return {
+        "machine": {"cpu_count": 2, "load_average_before": [1.5, 1, 1], "load_average_after": [2.5, 1, 1]},
+        "backend": "gloo (loopback, one process per rank)",
+        "cases": summaries,
+    }
 
 
 def test_the_plot_names_cases_by_what_differs_and_draws_only_measured_modes(tmp_path):
@@ -175,8 +204,10 @@ def test_the_plot_names_cases_by_what_differs_and_draws_only_measured_modes(tmp_
 
     data = plot_data(doc)
     assert data.labels == ["1 MiB x 2", "16 MiB x 2", "64 MiB x 1"]
-    assert data.title.splitlines() == ["llama-1b 10 MB, 1 consumer, post=none",
-                                       "gloo (loopback, one process per rank); 2 cores; load 1.5-2.5"]
+    assert data.title.splitlines() == [
+        "llama-1b 10 MB, 1 consumer, post=none",
+        "gloo (loopback, one process per rank); 2 cores; load 1.5-2.5",
+    ]
     assert list(data.throughput) == ["refit", "limit", "per_tensor"]  # session was timed nowhere
     assert data.throughput["limit"][2] is None and data.ratios == {"refit/limit": [0.5, 0.5, None]}
     assert (data.throughput["refit"][0].low, data.throughput["refit"][0].high) == (0.01 / 3.0, 0.01 / 1.0)
@@ -189,14 +220,16 @@ def test_the_plot_names_cases_by_what_differs_and_draws_only_measured_modes(tmp_
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--num-buffers", "0"], "refit_app.bench: error: --num-buffers 0 must be >= 1"),
-     (["--reps", "0"], "refit_app.bench: error: --reps 0 must be >= 1"),
-     (["--delta-shares", "0.01", "0"], r"error: --delta-shares 0 must be above 0 and at most 1$"),
-     (["--delta-shares", "1.5"], r"error: --delta-shares 1.5 must be above 0 and at most 1$"),
-     (["--delta-shares", "nan"], r"error: --delta-shares nan must be above 0 and at most 1$"),
-     (["--delta-shares", "0.1", "0.1"], r"error: --delta-shares has a share twice; give each once$"),
-     (["--delta-rounds", "5"], r"error: --delta-rounds needs --delta-shares \(the shares its rounds change\)$"),
-     (["--delta-shares", "0.1", "--delta-rounds", "-1"], r"error: --delta-rounds -1 must be >= 0$")],
+    [
+        (["--num-buffers", "0"], "refit_app.bench: error: --num-buffers 0 must be >= 1"),
+        (["--reps", "0"], "refit_app.bench: error: --reps 0 must be >= 1"),
+        (["--delta-shares", "0.01", "0"], r"error: --delta-shares 0 must be above 0 and at most 1$"),
+        (["--delta-shares", "1.5"], r"error: --delta-shares 1.5 must be above 0 and at most 1$"),
+        (["--delta-shares", "nan"], r"error: --delta-shares nan must be above 0 and at most 1$"),
+        (["--delta-shares", "0.1", "0.1"], r"error: --delta-shares has a share twice; give each once$"),
+        (["--delta-rounds", "5"], r"error: --delta-rounds needs --delta-shares \(the shares its rounds change\)$"),
+        (["--delta-shares", "0.1", "--delta-rounds", "-1"], r"error: --delta-rounds -1 must be >= 0$"),
+    ],
 )
 def test_bad_flags_are_refused_before_any_process_starts(args, message):
     with pytest.raises(SystemExit, match=message):
@@ -205,9 +238,27 @@ def test_bad_flags_are_refused_before_any_process_starts(args, message):
 
 def _one_rank(rank: int, world_size: int, port: int, out: str, extra: list[str]) -> tuple[int, str, str]:
     printed, errors = io.StringIO(), io.StringIO()
-    args = ["--preset", "lora", "--size", "1MB", "--buffer-size", "256KiB", "--reps", "1", "--flat-refits", "1",
-            "--out", f"{out}/rank{rank}", "--rank", str(rank), "--world-size", str(world_size), "--port", str(port),
-            *(extra if rank == 0 else [])]
+    args = [
+        "--preset",
+        "lora",
+        "--size",
+        "1MB",
+        "--buffer-size",
+        "256KiB",
+        "--reps",
+        "1",
+        "--flat-refits",
+        "1",
+        "--out",
+        f"{out}/rank{rank}",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--port",
+        str(port),
+        *(extra if rank == 0 else []),
+    ]
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         try:
             code = bench.main(args)
@@ -222,8 +273,22 @@ def test_the_delta_comparison_replaces_the_default_modes_unless_they_are_asked_f
     assert (plain.modes, plain.flat_refits, plain.delta_shares, plain.delta_rounds) == (MODES, 20, (), 0)
     (delta,) = bench.cases_from_args(parse(["--preset", "llama-1b", "--delta-shares", "0.001", "0.5"]))
     assert (delta.modes, delta.flat_refits, delta.delta_shares, delta.delta_rounds) == ((), 0, (0.001, 0.5), 50)
-    (both,) = bench.cases_from_args(parse(["--preset", "llama-1b", "--delta-shares", "0.1", "--modes", "limit",
-                                           "--flat-refits", "3", "--delta-rounds", "0"]))
+    (both,) = bench.cases_from_args(
+        parse(
+            [
+                "--preset",
+                "llama-1b",
+                "--delta-shares",
+                "0.1",
+                "--modes",
+                "limit",
+                "--flat-refits",
+                "3",
+                "--delta-rounds",
+                "0",
+            ]
+        )
+    )
     assert (both.modes, both.flat_refits, both.delta_shares, both.delta_rounds) == (("limit",), 3, (0.1,), 0)
 
 
@@ -238,8 +303,9 @@ def _assert_delta_plot_follows_json(doc: dict) -> None:
         case = by_label[line.case]
         rows = case["delta"]["shares"]
         assert line.shares == [r["share"] for r in rows]
-        assert line.speedup == [r["modes"]["off"]["seconds"]["median"] / r["modes"][line.mode]["seconds"]["median"]
-                                for r in rows]
+        assert line.speedup == [
+            r["modes"]["off"]["seconds"]["median"] / r["modes"][line.mode]["seconds"]["median"] for r in rows
+        ]
         assert line.wire_fraction == [r["modes"][line.mode]["wire_bytes_per_round"] / case["bytes"] for r in rows]
     speed, wire = delta_figure(data).axes
     assert speed.get_xscale() == "log" and wire.get_xscale() == "log"
@@ -250,8 +316,23 @@ def _assert_delta_plot_follows_json(doc: dict) -> None:
 
 def test_delta_shares_time_dense_on_and_auto_rounds_and_report_each_share(tmp_path, capsys):
     out = tmp_path / "delta"
-    args = ["--preset", "llama-1b", "--size", "2MB", "--buffer-size", "256KiB", "--reps", "2",
-            "--delta-shares", "0.01", "0.5", "--delta-rounds", "3", "--out", str(out)]
+    args = [
+        "--preset",
+        "llama-1b",
+        "--size",
+        "2MB",
+        "--buffer-size",
+        "256KiB",
+        "--reps",
+        "2",
+        "--delta-shares",
+        "0.01",
+        "0.5",
+        "--delta-rounds",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert bench.main(args) == 0
 
     printed = capsys.readouterr().out
@@ -303,8 +384,24 @@ def test_memory_stays_flat_over_50_delta_rounds_with_one_copy_of_the_model_on_ea
     reached in the first round at every share; round 1 leaves one host copy of the model held on each side (the
     producer's snapshot, the consumer's mirror), as the docs say."""
     out = tmp_path / "flat"
-    args = ["--preset", "llama-1b", "--size", "16MiB", "--buffer-size", "1MiB", "--reps", "1",
-            "--delta-shares", "0.001", "0.03", "0.3", "--delta-rounds", "50", "--out", str(out)]
+    args = [
+        "--preset",
+        "llama-1b",
+        "--size",
+        "16MiB",
+        "--buffer-size",
+        "1MiB",
+        "--reps",
+        "1",
+        "--delta-shares",
+        "0.001",
+        "0.03",
+        "0.3",
+        "--delta-rounds",
+        "50",
+        "--out",
+        str(out),
+    ]
     assert bench.main(args) == 0
     (case,) = json.loads((out / "bench.json").read_text())["cases"]
     memory = case["delta"]["memory"]
@@ -320,16 +417,42 @@ def test_memory_stays_flat_over_50_delta_rounds_with_one_copy_of_the_model_on_ea
 
 def _delta_rank(rss_before: list[int], peaks: list[int], shares: tuple[float, ...]) -> dict:
     """What measure.run_delta returns on one rank, with chosen memory figures (MiB) and one repetition per share."""
-    figures = {"wire_bytes": 10, "base_round": 1, "changed_elements": 1, "total_elements": 100, "encodings": {},
-               "delta_seconds": 0.0}
+    figures = {
+        "wire_bytes": 10,
+        "base_round": 1,
+        "changed_elements": 1,
+        "total_elements": 100,
+        "encodings": {},
+        "delta_seconds": 0.0,
+    }
     modes = ("off", "on", "auto")
-    return {"delta": {
-        "shares": [{"share": s, "seconds": {m: [1.0] for m in modes}, "cpu_seconds": {m: [1.0] for m in modes},
-                    "rounds": {m: [figures] for m in modes}} for s in shares],
-        "flat": {"model_rss_bytes": 100 * MiB, "rss_after_bytes": rss_before[-1] * MiB,
-                 "rounds": [{"round": k + 1, "share": None, "delta": k > 0, "rss_before_bytes": b * MiB,
-                             "peak_rss_bytes": p * MiB} for k, (b, p) in enumerate(zip(rss_before, peaks))]},
-    }}
+    return {
+        "delta": {
+            "shares": [
+                {
+                    "share": s,
+                    "seconds": {m: [1.0] for m in modes},
+                    "cpu_seconds": {m: [1.0] for m in modes},
+                    "rounds": {m: [figures] for m in modes},
+                }
+                for s in shares
+            ],
+            "flat": {
+                "model_rss_bytes": 100 * MiB,
+                "rss_after_bytes": rss_before[-1] * MiB,
+                "rounds": [
+                    {
+                        "round": k + 1,
+                        "share": None,
+                        "delta": k > 0,
+                        "rss_before_bytes": b * MiB,
+                        "peak_rss_bytes": p * MiB,
+                    }
+                    for k, (b, p) in enumerate(zip(rss_before, peaks))
+                ],
+            },
+        }
+    }
 
 
 def test_the_delta_memory_verdict_follows_its_figures():
@@ -354,8 +477,11 @@ def test_the_delta_memory_verdict_follows_its_figures():
     assert (peak_grows["peak_growth_bytes"], peak_grows["flat"]) == ((1 + slack) * MiB, False)
     two_copies = verdict([100, 120, 121, 122, 122, 122, 122], [130] * 7, model_mib=10)
     assert two_copies["one_copy"] is False and two_copies["flat"] is True
-    too_few = summarize_delta(Case("llama-1b", None, MiB, 2, 1, "none", 1, (), 0, (0.01, 0.5), 2),
-                              [_delta_rank([100, 110, 111], [110, 120, 130], (0.01, 0.5))] * 2, 10 * MiB)
+    too_few = summarize_delta(
+        Case("llama-1b", None, MiB, 2, 1, "none", 1, (), 0, (0.01, 0.5), 2),
+        [_delta_rank([100, 110, 111], [110, 120, 130], (0.01, 0.5))] * 2,
+        10 * MiB,
+    )
     assert too_few["memory"][0]["flat"] is None
 
 
@@ -363,8 +489,13 @@ def test_one_rank_per_host_rank_0_runs_its_cases_and_reports_every_rank(tmp_path
     """``--rank``: each rank in its own process joins the producer's address as the application's ranks do; the
     consumers take rank 0's cases (here: modes and delta shares they were not given) and rank 0 alone writes every
     rank's results."""
-    results = run_ranks(_one_rank, 3, str(tmp_path), ["--modes", "refit", "limit", "--delta-shares", "0.01",
-                                                       "--delta-rounds", "2"], timeout=120)
+    results = run_ranks(
+        _one_rank,
+        3,
+        str(tmp_path),
+        ["--modes", "refit", "limit", "--delta-shares", "0.01", "--delta-rounds", "2"],
+        timeout=120,
+    )
     for code, _, errors in results:
         assert code == 0, errors
     table = (tmp_path / "rank0" / "table.md").read_text()
@@ -401,7 +532,8 @@ def test_across_hosts_refuses_consumers_and_a_rank_outside_the_world_and_gives_u
     assert code == 1
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(
-        f"refit_app.bench: error: rank 1: could not reach the producer at 127.0.0.1:{port} within 2s"), errors
+        f"refit_app.bench: error: rank 1: could not reach the producer at 127.0.0.1:{port} within 2s"
+    ), errors
 
 
 def test_a_consumer_killed_mid_run_ends_rank_0_with_one_line_within_its_deadline(tmp_path):
@@ -410,9 +542,26 @@ def test_a_consumer_killed_mid_run_ends_rank_0_with_one_line_within_its_deadline
     common = [sys.executable, "-m", "refit_app.bench", "--port", str(port), "--group-timeout-s", str(timeout_s)]
     logs = [tmp_path / "rank0.err", tmp_path / "rank1.err"]
     with open(logs[0], "w") as err0, open(logs[1], "w") as err1:
-        producer = subprocess.Popen([*common, "--rank", "0", "--preset", "llama-1b", "--size", "1GB", "--reps", "50",
-                                     "--modes", "refit", "limit", "--out", str(tmp_path / "out")],
-                                    stdout=subprocess.DEVNULL, stderr=err0)
+        producer = subprocess.Popen(
+            [
+                *common,
+                "--rank",
+                "0",
+                "--preset",
+                "llama-1b",
+                "--size",
+                "1GB",
+                "--reps",
+                "50",
+                "--modes",
+                "refit",
+                "limit",
+                "--out",
+                str(tmp_path / "out"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err0,
+        )
         consumer = subprocess.Popen([*common, "--rank", "1"], stdout=subprocess.DEVNULL, stderr=err1)
         try:
             deadline = time.monotonic() + STARTUP_LIMIT_S
@@ -435,10 +584,13 @@ def test_a_consumer_killed_mid_run_ends_rank_0_with_one_line_within_its_deadline
     assert not list((tmp_path / "out").iterdir())  # no results of a run that did not finish
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--size", "0"], r"^refit_app.bench: error: --size: '0' is not a size"),
-    (["--buffer-size", "0"], r"^refit_app.bench: error: --buffer-size: '0' is not a size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--size", "0"], r"^refit_app.bench: error: --size: '0' is not a size"),
+        (["--buffer-size", "0"], r"^refit_app.bench: error: --buffer-size: '0' is not a size"),
+    ],
+)
 def test_a_bad_size_is_one_line(args, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(args)

@@ -53,8 +53,14 @@ def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 def save_through_sink(source: SafetensorsSource, out: Path, rounds: int = 2) -> dict:
     """What a consumer with ``sink=save`` does with this source's rounds, without the group: the manifest goes
     through its wire encoding (binary companion files included), the tensors through the sink."""
-    manifest = Manifest(source.manifest_tensors(), BUFFER, False, metadata=source.metadata(),
-                        source=source.describe(), files=source.companion_files())
+    manifest = Manifest(
+        source.manifest_tensors(),
+        BUFFER,
+        False,
+        metadata=source.metadata(),
+        source=source.describe(),
+        files=source.companion_files(),
+    )
     manifest = Manifest.from_bytes(manifest.to_bytes())
     sink = SaveSink(str(out))
     sink.begin(manifest)
@@ -90,8 +96,11 @@ def test_companion_files_are_published_with_the_weights_only(tmp_path):
     source = SafetensorsSource(str(src))
     out = tmp_path / "out"
     sink = SaveSink(str(out))
-    sink.begin(Manifest.from_bytes(Manifest(source.manifest_tensors(), BUFFER, False,
-                                            files=source.companion_files()).to_bytes()))
+    sink.begin(
+        Manifest.from_bytes(
+            Manifest(source.manifest_tensors(), BUFFER, False, files=source.companion_files()).to_bytes()
+        )
+    )
     # Before close: temporary files only, no config.json that would make the directory look loadable.
     assert all(p.name.startswith(".") for p in out.iterdir())
     sink.consume(list(source.tensors()))
@@ -133,8 +142,10 @@ def test_minilm_saved_opens_with_from_pretrained(minilm_dir, tmp_path):
     original = transformers.AutoModel.from_pretrained(minilm_dir)
     _assert_identical(dict(model.state_dict()), dict(original.state_dict()))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    assert tokenizer("refit the weights")["input_ids"] == transformers.AutoTokenizer.from_pretrained(minilm_dir)(
-        "refit the weights")["input_ids"]
+    assert (
+        tokenizer("refit the weights")["input_ids"]
+        == transformers.AutoTokenizer.from_pretrained(minilm_dir)("refit the weights")["input_ids"]
+    )
 
 
 def test_fracast_saved_loads_identical_with_safetensors(fracast_dir, tmp_path):
@@ -189,14 +200,20 @@ def _refit_and_save(rank: int, world_size: int, port: int, path: str, out: str) 
             source = SafetensorsSource(path)
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
                 for _ in range(2):
-                    r = session.send(source.tensors(), metas=source.manifest_tensors(), metadata=source.metadata(),
-                                     files=source.companion_files(), source=source.describe())
+                    r = session.send(
+                        source.tensors(),
+                        metas=source.manifest_tensors(),
+                        metadata=source.metadata(),
+                        files=source.companion_files(),
+                        source=source.describe(),
+                    )
             return session.manifest.checksum_algorithm, r.manifest_sent
         sink = SaveSink(out)
         session = ConsumerSession(rg, verify=True)
         verified = []
-        while (r := session.receive(sink.consume, on_manifest=sink.begin,
-                                    on_round_end=lambda r: sink.finish(r.checksums))) is not None:
+        while (
+            r := session.receive(sink.consume, on_manifest=sink.begin, on_round_end=lambda r: sink.finish(r.checksums))
+        ) is not None:
             verified.append(r.verified)
         return verified, sink.close()["saved_files"]
 

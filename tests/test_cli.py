@@ -88,7 +88,10 @@ def test_producer_and_consumer_processes_pair_up_and_consumer_adopts_settings(cl
     port = free_port()
     # Started together, as on two hosts: whichever comes first waits for the other within group.timeout_s.
     producer = cli.start(
-        "role=producer", f"group.port={port}", f"refit.buffer_size_bytes={MiB}", "refit.use_legacy_packing=true",
+        "role=producer",
+        f"group.port={port}",
+        f"refit.buffer_size_bytes={MiB}",
+        "refit.use_legacy_packing=true",
         COVER_STARTUP,
     )
     consumer = cli.start("role=consumer", f"group.port={port}", COVER_STARTUP)

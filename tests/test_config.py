@@ -83,16 +83,34 @@ def test_local_world_size_follows_num_consumers() -> None:
 
 
 def test_two_host_group_settings() -> None:
-    s = settings("role=consumer", "group.world_size=4", "group.rank=3", "group.host=10.0.0.7", "group.port=30000",
-                 "group.backend=gloo", "group.timeout_s=5")
+    s = settings(
+        "role=consumer",
+        "group.world_size=4",
+        "group.rank=3",
+        "group.host=10.0.0.7",
+        "group.port=30000",
+        "group.backend=gloo",
+        "group.timeout_s=5",
+    )
     assert s.group == GroupSpec(backend="gloo", host="10.0.0.7", port=30000, world_size=4, rank=3, timeout_s=5.0)
 
 
 def test_synthetic_source_params() -> None:
-    s = settings("source.preset=lora", "source.size=2GiB", "source.seed=7", "source.dtype=float32",
-                 "source.update=training", "source.lr=3e-6")
+    s = settings(
+        "source.preset=lora",
+        "source.size=2GiB",
+        "source.seed=7",
+        "source.dtype=float32",
+        "source.update=training",
+        "source.lr=3e-6",
+    )
     assert s.source.params == {
-        "preset": "lora", "size_bytes": 2 * 1024**3, "seed": 7, "dtype": "float32", "update": "training", "lr": 3e-6
+        "preset": "lora",
+        "size_bytes": 2 * 1024**3,
+        "seed": 7,
+        "dtype": "float32",
+        "update": "training",
+        "lr": 3e-6,
     }
 
 
@@ -100,7 +118,9 @@ def test_model_source_params(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     s = settings("source=model", f"source.path={tmp_path}", "source.dtype=float32", "source.send_dtype=bfloat16")
     assert (s.source.params["dtype"], s.source.params["send_dtype"], s.source.params["lr"]) == (
-        "float32", "bfloat16", 1e-3
+        "float32",
+        "bfloat16",
+        1e-3,
     )
     assert settings("source=model", f"source.path={tmp_path}").source.params["send_dtype"] is None
 
@@ -174,8 +194,12 @@ def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "suffix"),
-    [([], "_local"), (["role=producer"], "_producer"), (["role=consumer"], "_consumer1"),
-     (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2")],
+    [
+        ([], "_local"),
+        (["role=producer"], "_producer"),
+        (["role=consumer"], "_consumer1"),
+        (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2"),
+    ],
 )
 def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> None:
     cfg = compose_config(overrides, return_hydra_config=True)
@@ -213,8 +237,10 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.timeout_s=1e300"], "group.timeout_s=1e+300 is invalid: must be a number of seconds from 0.001"),
         (["group.backend=mpi"], "group.backend='mpi' is invalid: choose one of auto, gloo, nccl, pynccl"),
         (["group.host="], "group.host='' is invalid: must be the producer's host name or IP address"),
-        (["source.preset=gpt-5"],
-         "source.preset='gpt-5' is invalid: choose one of tiny, llama-1b, llama-8b, qwen-0.5b, lora"),
+        (
+            ["source.preset=gpt-5"],
+            "source.preset='gpt-5' is invalid: choose one of tiny, llama-1b, llama-8b, qwen-0.5b, lora",
+        ),
         (["source.dtype=int3"], "source.dtype='int3' is invalid: choose one of bfloat16, float16, float32, float64"),
         (["source.size=lots"], "source.size: 'lots' is not a size"),
         (["source.seed=-1"], "source.seed=-1 is invalid: must be an integer >= 0"),
@@ -223,9 +249,11 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["source.lr=-1e-6"], "source.lr=-1e-06 is invalid: must be a number > 0"),
         (["source.lr=inf"], "source.lr=inf is invalid: must be a number > 0"),
         (["source=model", "source.lr=nan"], "source.lr=nan is invalid: must be a number > 0"),
-        (["source=model", "source.send_dtype=int8"],
-         "source.send_dtype='int8' is invalid: choose one of bfloat16, float16, float32, float64 (or null: as "
-         "trained)"),
+        (
+            ["source=model", "source.send_dtype=int8"],
+            "source.send_dtype='int8' is invalid: choose one of bfloat16, float16, float32, float64 (or null: as "
+            "trained)",
+        ),
         (["source=safetensors"], "source.path is required: add source.path=<value> to the command line"),
         (["source=safetensors", "source.path=/no/such/model"], "source.path='/no/such/model' is invalid: no such"),
         (["sink=save"], "sink.path is required: add sink.path=<value> to the command line"),
@@ -245,10 +273,13 @@ def test_only_the_role_that_reads_a_path_requires_it() -> None:
     assert settings("role=producer", "sink=save").sink is None
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("abc", f"refit.num_buffers: environment variable {ENV}='abc' is invalid: must be an integer >= 1"),
-    ("0", f"refit.num_buffers=0 is invalid: must be an integer >= 1 (from environment variable {ENV})"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("abc", f"refit.num_buffers: environment variable {ENV}='abc' is invalid: must be an integer >= 1"),
+        ("0", f"refit.num_buffers=0 is invalid: must be an integer >= 1 (from environment variable {ENV})"),
+    ],
+)
 def test_bad_num_buffers_from_environment(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
     monkeypatch.setenv(ENV, value)
     assert refused() == message
@@ -316,26 +347,41 @@ def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
     environment.update(env)
     # cwd: Hydra's outputs/ land beside the script, not in the repository.
-    return subprocess.run([sys.executable, str(app), *args], cwd=app.parent, env=environment, capture_output=True,
-                          text=True, timeout=STARTUP_LIMIT_S)
+    return subprocess.run(
+        [sys.executable, str(app), *args],
+        cwd=app.parent,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_LIMIT_S,
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "env", "line"),
     [
-        (["refit.buffer_sz=1"], {},
-         "unknown key 'refit.buffer_sz' (value '1'); keys under refit: buffer_size_bytes, num_buffers, "
-         "use_legacy_packing, rounds, delta, debug"),
-        (["role=consumer", "role.num_consumers=2"], {},
-         "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name"),
+        (
+            ["refit.buffer_sz=1"],
+            {},
+            "unknown key 'refit.buffer_sz' (value '1'); keys under refit: buffer_size_bytes, num_buffers, "
+            "use_legacy_packing, rounds, delta, debug",
+        ),
+        (
+            ["role=consumer", "role.num_consumers=2"],
+            {},
+            "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name",
+        ),
         (["role=foo"], {}, "role=foo is not an option; choose one of auto, consumer, local, producer"),
         (["refit.num_buffers=abc"], {}, "refit.num_buffers=abc is invalid: must be an integer"),
         (["refit.use_legacy_packing=maybe"], {}, "refit.use_legacy_packing=maybe is invalid: must be true or false"),
         (["refit.num_buffers=0"], {}, "refit.num_buffers=0 is invalid: must be an integer >= 1"),
         ([], {ENV: "abc"}, f"refit.num_buffers: environment variable {ENV}='abc' is invalid: must be an integer >= 1"),
-        (["refit.buffer_size_bytes=12XB"], {},
-         "refit.buffer_size_bytes: '12XB' is not a size; use an integer number of bytes or a size like 256MiB, "
-         "1GiB, 64MB"),
+        (
+            ["refit.buffer_size_bytes=12XB"],
+            {},
+            "refit.buffer_size_bytes: '12XB' is not a size; use an integer number of bytes or a size like 256MiB, "
+            "1GiB, 64MB",
+        ),
         (["refit.num_buffers=["], {}, "cannot parse the command line: no viable alternative at input '['"),
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     ],

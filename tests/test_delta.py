@@ -12,8 +12,18 @@ from refit_app.core import delta as codec
 from refit_app.core.wire import tensor_bytes
 from refit_app.protocol.delta import TensorDelta, apply_positions
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.int64, torch.bool, torch.complex128]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+    torch.complex128,
+]
 
 
 @pytest.fixture(params=["kernel", "numpy"])
@@ -28,8 +38,7 @@ def path(request, monkeypatch):
 
 def _tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),), generator=g,
-                        dtype=torch.uint8)
+    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
     t = raw.view(dtype) if dtype != torch.bool else (raw % 2).view(torch.bool)
     return t.clone()
 
@@ -96,10 +105,18 @@ def test_hashing_during_the_comparison_covers_every_byte(path):
     assert h.value() == checksum_function("xxh3_64")(memoryview(_np(new)))
 
 
-@pytest.mark.parametrize("positions, numel", [
-    ([], 10), ([0], 1), ([3], 10), ([0, 1, 2], 3), ([0, 255, 256, 70_000, 70_001, 10**6], 10**6 + 1),
-    (list(range(0, 100_000, 3)), 100_000), (list(range(1000, 2000)), 10**7),
-])
+@pytest.mark.parametrize(
+    "positions, numel",
+    [
+        ([], 10),
+        ([0], 1),
+        ([3], 10),
+        ([0, 1, 2], 3),
+        ([0, 255, 256, 70_000, 70_001, 10**6], 10**6 + 1),
+        (list(range(0, 100_000, 3)), 100_000),
+        (list(range(1000, 2000)), 10**7),
+    ],
+)
 def test_every_encoding_round_trips(positions, numel):
     positions = np.array(positions, dtype=np.int64)
     gaps = np.diff(positions, prepend=-1) - 1
@@ -133,10 +150,13 @@ def test_zstd_only_where_it_pays():
     assert not codec.encode(scattered, 10_000_000, 2, compressor=compressor).flags & codec.ZSTD
 
 
-@pytest.mark.parametrize("section, count, escapes, numel", [
-    (np.array([5, 5], dtype=np.uint8), 2, 0, 5),  # positions past the end
-    (np.array([255, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], dtype=np.uint8), 1, 0, 10),  # escape not counted
-])
+@pytest.mark.parametrize(
+    "section, count, escapes, numel",
+    [
+        (np.array([5, 5], dtype=np.uint8), 2, 0, 5),  # positions past the end
+        (np.array([255, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], dtype=np.uint8), 1, 0, 10),  # escape not counted
+    ],
+)
 def test_an_inconsistent_record_is_refused(section, count, escapes, numel):
     with pytest.raises(ValueError):
         codec.decode_positions(codec.GAPS8, section, count, escapes, numel)
@@ -155,8 +175,9 @@ def test_tensor_delta_applies_on_raw_bits(dtype):
     old = _tensor(dtype, 100, 7)
     new = _change(old, [0, 50, 99])
     changes = codec.diff(_np(new), _np(old).copy(), new.element_size())
-    d = TensorDelta("t", tuple(old.shape), dtype, torch.from_numpy(changes.positions),
-                    torch.from_numpy(changes.values).view(dtype))
+    d = TensorDelta(
+        "t", tuple(old.shape), dtype, torch.from_numpy(changes.positions), torch.from_numpy(changes.values).view(dtype)
+    )
     target = old.clone()
     d.apply_to(target)
     assert torch.equal(tensor_bytes(target), tensor_bytes(new))

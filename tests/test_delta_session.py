@@ -17,8 +17,9 @@ BUFFER = 4096
 
 
 def _spec(rank: int, world_size: int, port: int, topology: str = "tree") -> GroupSpec:
-    return GroupSpec(backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S,
-                     topology=topology)
+    return GroupSpec(
+        backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S, topology=topology
+    )
 
 
 def _model(round_index: int, shares: list[float]) -> list[tuple[str, torch.Tensor]]:
@@ -30,7 +31,7 @@ def _model(round_index: int, shares: list[float]) -> list[tuple[str, torch.Tenso
         ("w", torch.randn(77, 33, generator=g)),
         ("f16", torch.randn(129, generator=g).to(torch.float16)),
         ("i8", torch.randint(-128, 127, (1001,), generator=g, dtype=torch.int8)),
-        ("i64", torch.randint(-2**62, 2**62, (50,), generator=g, dtype=torch.int64)),
+        ("i64", torch.randint(-(2**62), 2**62, (50,), generator=g, dtype=torch.int64)),
         ("mask", torch.rand(333, generator=g) > 0.5),
         ("scalar", torch.tensor(1.5, dtype=torch.float64)),
         ("empty", torch.empty(0, 3)),
@@ -59,8 +60,9 @@ def _plain(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
     return str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list[float], kind: str,
-                  topology: str = "tree") -> list:
+def _delta_rounds(
+    rank: int, world_size: int, port: int, mode: str, shares: list[float], kind: str, topology: str = "tree"
+) -> list:
     with connect(_spec(rank, world_size, port, topology)) as rg:
         if rank == 0:
             out = []
@@ -69,8 +71,12 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
                     r = session.send(_model(k, shares))
                     out.append((r.round, r.base_round, r.wire_bytes, r.changed_elements, dict(r.encodings)))
             return out
-        session = ConsumerSession(rg, verify=kind != "deltas", mirror=kind in ("mirror", "mirror+deltas"),
-                                  accept_deltas=kind in ("deltas", "mirror+deltas"))
+        session = ConsumerSession(
+            rg,
+            verify=kind != "deltas",
+            mirror=kind in ("mirror", "mirror+deltas"),
+            accept_deltas=kind in ("deltas", "mirror+deltas"),
+        )
         held: dict[str, torch.Tensor] = {}
         handed: list[str] = []
         targets = None
@@ -78,6 +84,7 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
             targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)}
         out = []
         while True:
+
             def take(batch):
                 for name, t in batch:
                     handed.append(name)
@@ -88,6 +95,7 @@ def _delta_rounds(rank: int, world_size: int, port: int, mode: str, shares: list
                             assert _plain(t.mirror[name]) == _plain(held[name]), name
                     elif kind in ("deltas", "mirror+deltas"):
                         held[name] = t.clone()
+
             handed.clear()
             r = session.receive(take, targets=targets)
             if r is None:

@@ -76,7 +76,7 @@ def test_the_configuration_page_has_a_heading_per_option() -> None:
     text = markdown_reference()
     for section in reference():
         assert f"## `{section.name}`" in text
-        for option in (group_options(section.name) if section.kind != "node" else []):
+        for option in group_options(section.name) if section.kind != "node" else []:
             assert f"### `{section.name}={option}`" in text
 
 
@@ -85,8 +85,11 @@ def test_markdown_text_is_escaped_outside_its_code_spans() -> None:
 
 
 def _pip_lines(text: str) -> list[str]:
-    return [" ".join(w for w in line.split() if w != "-q") for line in text.splitlines()
-            if line.strip().startswith("pip install")]
+    return [
+        " ".join(w for w in line.split() if w != "-q")
+        for line in text.splitlines()
+        if line.strip().startswith("pip install")
+    ]
 
 
 def test_the_readme_installs_and_tests_as_ci_does() -> None:
@@ -108,4 +111,4 @@ def test_the_readme_sections_the_docs_include_are_marked() -> None:
         start, end = f"--8<-- [start:{name}]", f"--8<-- [end:{name}]"
         assert readme.count(start) == 1 and readme.count(end) == 1 and readme.index(start) < readme.index(end)
         # The site cannot resolve the README's own links to docs/*.md: a section it includes has none.
-        assert "](docs/" not in readme[readme.index(start):readme.index(end)], name
+        assert "](docs/" not in readme[readme.index(start) : readme.index(end)], name

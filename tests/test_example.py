@@ -106,8 +106,13 @@ def test_a_custom_source_of_the_users_own(cli, tmp_path):
         "    def tensors(self):\n"
         "        yield 'ones', torch.ones(self.n)\n"
     )
-    result = cli("source=custom", "source._target_=my_source.Ones", "+source.n=1000", COVER_STARTUP,
-                 env={"PYTHONPATH": str(tmp_path)})
+    result = cli(
+        "source=custom",
+        "source._target_=my_source.Ones",
+        "+source.n=1000",
+        COVER_STARTUP,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 0, result.describe()
     metrics = local_metrics(tmp_path)
     assert (metrics["source"], metrics["bytes"], metrics["verified"]) == ("1000 ones", 4000, True)

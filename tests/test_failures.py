@@ -115,9 +115,7 @@ def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
 @pytest.fixture(scope="module")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="scenario")
-    futures = {
-        name: pool.submit(SCENARIOS[name], tmp_path_factory.mktemp(name)) for name in _selected_cases(request)
-    }
+    futures = {name: pool.submit(SCENARIOS[name], tmp_path_factory.mktemp(name)) for name in _selected_cases(request)}
     try:
         yield futures
     finally:
@@ -206,9 +204,7 @@ def wait_all(
 
 def metrics_statuses(cwd: Path) -> dict[str, str]:
     """``status`` of every metrics.json the runs in ``cwd`` wrote, by output directory name."""
-    return {
-        p.parent.name: json.loads(p.read_text())["status"] for p in sorted((cwd / "outputs").rglob("metrics.json"))
-    }
+    return {p.parent.name: json.loads(p.read_text())["status"] for p in sorted((cwd / "outputs").rglob("metrics.json"))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -603,8 +599,9 @@ def test_save_killed_midway(results: dict[str, Future]) -> None:
     # The killed consumer was writing: its temporary file is there, in a hidden directory beside the target.
     staged = res.extra["staged"]
     assert staged, "no temporary file: the consumer was not killed while saving"
-    assert all(re.fullmatch(r"\.ckpt\.refit-save-[0-9a-f]{12}/\.model\.safetensors\.[0-9a-f]+\.tmp", n)
-               for n in staged), staged
+    assert all(
+        re.fullmatch(r"\.ckpt\.refit-save-[0-9a-f]{12}/\.model\.safetensors\.[0-9a-f]+\.tmp", n) for n in staged
+    ), staged
     assert res.after == res.before
 
 
@@ -730,10 +727,15 @@ BAD_INPUTS = [
         ("role=consumer", "group.host=no-such-host.invalid"),
         ("group.host='no-such-host.invalid'", "cannot be resolved"),
     ),
-    BadInput("pynccl_without_vllm_or_gpu", ("group.backend=pynccl",), ("group.backend=pynccl", "vLLM", "GPU"),
-             marks=(needs_no_cuda,)),
-    BadInput("nccl_without_gpu", ("group.backend=nccl",), ("group.backend=nccl", "GPU", "gloo"),
-             marks=(needs_no_cuda,)),
+    BadInput(
+        "pynccl_without_vllm_or_gpu",
+        ("group.backend=pynccl",),
+        ("group.backend=pynccl", "vLLM", "GPU"),
+        marks=(needs_no_cuda,),
+    ),
+    BadInput(
+        "nccl_without_gpu", ("group.backend=nccl",), ("group.backend=nccl", "GPU", "gloo"), marks=(needs_no_cuda,)
+    ),
     BadInput(
         "world_size_below_2", ("role=producer", "group.world_size=1"), ("group.world_size=1", ">= 2"), uses_sink=False
     ),

@@ -48,14 +48,21 @@ def cuda_tensors() -> list[tuple[str, torch.Tensor]]:
 
 def _round_trip(tensors, *, legacy: bool, nb_producer: int, nb_consumer: int, consumer_device: str = "cuda"):
     sender = RecordingGroup(device="cuda")
-    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=TARGET,
-                              num_buffers=nb_producer, use_legacy_packing=legacy)
+    packed_broadcast_producer(
+        iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=TARGET, num_buffers=nb_producer, use_legacy_packing=legacy
+    )
     chunks = [c.to(consumer_device) for c in sender.sent]
     receiver = ReplayGroup(chunks, device=consumer_device)
     received = []
-    packed_broadcast_consumer(iter(metas(tensors)), receiver, 0,
-                              lambda batch: received.extend((n, t.clone()) for n, t in batch),
-                              num_buffers=nb_consumer, buffer_size_bytes=TARGET, use_legacy_packing=legacy)
+    packed_broadcast_consumer(
+        iter(metas(tensors)),
+        receiver,
+        0,
+        lambda batch: received.extend((n, t.clone()) for n, t in batch),
+        num_buffers=nb_consumer,
+        buffer_size_bytes=TARGET,
+        use_legacy_packing=legacy,
+    )
     assert receiver.received == len(sender.sent)
     return sender, received
 

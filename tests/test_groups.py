@@ -280,17 +280,21 @@ def test_control_explains_a_reset_without_a_published_error():
     )
 
 
-@pytest.mark.parametrize(("world_size", "expected"), [
-    (2, "no progress from rank 1 within 5s; it may have stalled or died, or the network to it failed (Timed out"),
-    (3, "no progress from a peer within 5s; a rank may have stalled or died (Timed out"),
-])
+@pytest.mark.parametrize(
+    ("world_size", "expected"),
+    [
+        (2, "no progress from rank 1 within 5s; it may have stalled or died, or the network to it failed (Timed out"),
+        (3, "no progress from a peer within 5s; a rank may have stalled or died (Timed out"),
+    ],
+)
 def test_control_names_the_silent_peer_when_there_is_only_one(world_size, expected):
     """A producer whose send timed out (a consumer frozen, or its link cut) names the consumer when there is one;
     with several, a broadcast does not say which one stopped."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     control = Control(store, rank=0, world_size=world_size, timeout_s=5.0, address=f"127.0.0.1:{store.port}")
-    timeout = RuntimeError("[/w/gloo/transport/tcp/unbound_buffer.cc:133] Timed out waiting 5000ms for send "
-                           "operation to complete")
+    timeout = RuntimeError(
+        "[/w/gloo/transport/tcp/unbound_buffer.cc:133] Timed out waiting 5000ms for send operation to complete"
+    )
     assert control.explain(timeout).startswith(expected)
 
 

@@ -31,7 +31,8 @@ def test_every_key_is_listed_with_its_default(lines: list[str]) -> None:
     for section in ("refit", "group"):
         node = getattr(schema.Config(), section)
         expected = {
-            f"{section}.{f.name}": getattr(node, f.name) for f in dataclasses.fields(node)
+            f"{section}.{f.name}": getattr(node, f.name)
+            for f in dataclasses.fields(node)
             if not dataclasses.is_dataclass(getattr(node, f.name))
         }
         for key, default in expected.items():
@@ -56,10 +57,12 @@ def test_every_key_is_listed_with_its_default(lines: list[str]) -> None:
 
 def test_each_key_has_its_field_docstring_on_its_line(lines: list[str]) -> None:
     assert line_of(lines, "group.port=null").endswith(
-        "Rendezvous port. null: a free port for role=local, 29500 for a producer and its consumers.")
+        "Rendezvous port. null: a free port for role=local, 29500 for a producer and its consumers."
+    )
     # A docstring that spans lines in the source is one line here.
     assert line_of(lines, "refit.buffer_size_bytes=null").endswith(
-        "null: the library default on a producer; the producer's value on a consumer.")
+        "null: the library default on a producer; the producer's value on a consumer."
+    )
     # A key that two options share is listed under each, with each option's meaning.
     paths = [line for line in lines if line.startswith("source.path (required)")]
     assert [p.endswith("(sharded or not).") for p in paths] == [True, False], paths
@@ -67,8 +70,12 @@ def test_each_key_has_its_field_docstring_on_its_line(lines: list[str]) -> None:
 
 @pytest.mark.parametrize(
     ("key", "choices"),
-    [("group.backend=auto", BACKENDS), ("source.preset=tiny", tuple(PRESETS)),
-     ("source.dtype=bfloat16", FLOAT_DTYPES), ("source.update=shuffle", SYNTHETIC_UPDATES)],
+    [
+        ("group.backend=auto", BACKENDS),
+        ("source.preset=tiny", tuple(PRESETS)),
+        ("source.dtype=bfloat16", FLOAT_DTYPES),
+        ("source.update=shuffle", SYNTHETIC_UPDATES),
+    ],
 )
 def test_the_values_of_a_choice_come_from_their_home(lines: list[str], key: str, choices: tuple[str, ...]) -> None:
     assert line_of(lines, key).endswith(f"[{', '.join(choices)}]")
@@ -77,8 +84,9 @@ def test_the_values_of_a_choice_come_from_their_home(lines: list[str], key: str,
 def test_every_group_lists_the_options_that_conf_holds(lines: list[str]) -> None:
     root = resources.files(schema.CONF_MODULE)
     for group in ("role", "source", "sink", "hparams_search"):
-        on_disk = sorted(p.name.removesuffix(".yaml") for p in root.joinpath(group).iterdir()
-                         if p.name.endswith(".yaml"))
+        on_disk = sorted(
+            p.name.removesuffix(".yaml") for p in root.joinpath(group).iterdir() if p.name.endswith(".yaml")
+        )
         assert sorted(group_options(group)) == on_disk
         for option in on_disk:
             line_of(lines, f"{group}={option}: ")
@@ -90,9 +98,14 @@ def test_help_prints_the_reference_and_the_config(cli) -> None:
     result = cli("--help")
     assert result.returncode == 0, result.describe()
     out = result.stdout
-    for text in ("Usage: python -m refit_app", "group.backend=auto", "[auto, gloo, nccl, pynccl]",
-                 "refit.num_buffers=2 (or $NRL_REFIT_NUM_BUFFERS)", "hparams_search=buffers_optuna: ",
-                 # $CONFIG: the composed config with this command line's choices
-                 "  num_consumers: 1\n"):
+    for text in (
+        "Usage: python -m refit_app",
+        "group.backend=auto",
+        "[auto, gloo, nccl, pynccl]",
+        "refit.num_buffers=2 (or $NRL_REFIT_NUM_BUFFERS)",
+        "hparams_search=buffers_optuna: ",
+        # $CONFIG: the composed config with this command line's choices
+        "  num_consumers: 1\n",
+    ):
         assert text in out, f"{text!r} missing\n{result.describe()}"
     assert "base_" not in out, "the typed schemas are not options users choose"

@@ -43,19 +43,29 @@ def refused(path: Path) -> str:
 
 ENTRY = '{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
 HOSTILE_HEADERS = {
-    "huge shape number": ('{"a":{"dtype":"F32","shape":[' + "9" * 5000 + '],"data_offsets":[0,8]}}',
-                          "number of 5000 digits"),
-    "huge offset number": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,1' + "0" * 3000 + ']}}',
-                           "number of 3001 digits"),
+    "huge shape number": (
+        '{"a":{"dtype":"F32","shape":[' + "9" * 5000 + '],"data_offsets":[0,8]}}',
+        "number of 5000 digits",
+    ),
+    "huge offset number": (
+        '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,1' + "0" * 3000 + "]}}",
+        "number of 3001 digits",
+    ),
     "deep nesting": ('{"__metadata__":{"x":' + "[" * 200_000 + "]" * 200_000 + "}}", "nests"),
     "deep nesting, tensor entry": ('{"a":' + '{"b":' * 200_000 + "1" + "}" * 200_001, "nests"),
-    "zero elements, overflowing sizes": ('{"a":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}}',
-                                         "multiply past int64"),
-    "size above int64": ('{"a":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}}',
-                         "not a list of sizes"),
+    "zero elements, overflowing sizes": (
+        '{"a":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}}',
+        "multiply past int64",
+    ),
+    "size above int64": (
+        '{"a":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}}',
+        "not a list of sizes",
+    ),
     "duplicate tensor": ('{"a":' + ENTRY + ',"a":' + ENTRY + "}", "key 'a' appears twice"),
-    "duplicate field": ('{"a":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}}',
-                        "key 'dtype' appears twice"),
+    "duplicate field": (
+        '{"a":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}}',
+        "key 'dtype' appears twice",
+    ),
     "duplicate metadata key": ('{"__metadata__":{"k":"1","k":"2"},"a":' + ENTRY + "}", "key 'k' appears twice"),
     "NaN": ('{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}', "NaN"),
     "float size": ('{"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}}', "only integers"),
@@ -69,12 +79,15 @@ def test_hostile_headers_are_refused_in_one_line(tmp_path, case):
     assert fragment in message and "corrupt header" in message and "re-download or re-save" in message, message
 
 
-@pytest.mark.parametrize(("length", "fragment"), [
-    (2**64 - 1, "negative header length"),
-    (2**63, "negative header length"),
-    (2**40, "above the format's limit"),
-    (1000, "is truncated"),
-])
+@pytest.mark.parametrize(
+    ("length", "fragment"),
+    [
+        (2**64 - 1, "negative header length"),
+        (2**63, "negative header length"),
+        (2**40, "above the format's limit"),
+        (1000, "is truncated"),
+    ],
+)
 def test_impossible_header_lengths(tmp_path, length, fragment):
     path = tmp_path / "m.safetensors"
     path.write_bytes(struct.pack("<Q", length) + b"{}" + b"\0" * 6)
@@ -89,10 +102,10 @@ def test_a_valid_header_still_loads(tmp_path):
 
 def test_a_hostile_index_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
-        '{"weight_map":{"a":"s.safetensors"},"metadata":' + "[" * 200_000 + "]" * 200_000 + "}")
+        '{"weight_map":{"a":"s.safetensors"},"metadata":' + "[" * 200_000 + "]" * 200_000 + "}"
+    )
     assert "nests" in refused(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(
-        '{"weight_map":{"a":"s1.safetensors","a":"s2.safetensors"}}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map":{"a":"s1.safetensors","a":"s2.safetensors"}}')
     assert "appears twice" in refused(tmp_path)
 
 
@@ -103,7 +116,8 @@ def test_fifo_in_a_directory_is_refused_without_opening_it(tmp_path):
     os.mkfifo(tmp_path / "s2.safetensors")
     write_header(tmp_path / "s1.safetensors", '{"a":' + ENTRY + "}", b"\0" * 8)
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}})
+    )
     assert "s2.safetensors" in refused(tmp_path)
 
 

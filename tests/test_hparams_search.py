@@ -94,8 +94,14 @@ def test_objective_of_a_one_round_run_is_its_gb_per_s(objective) -> None:
 @pytest.mark.slow
 @needs_optuna_sweeper
 def test_a_short_search_maximizes_the_steady_rounds_throughput(cli, tmp_path):
-    result = cli("-m", "hparams_search=buffers_optuna", "sink=discard", f"refit.rounds={ROUNDS}",
-                 f"hydra.sweeper.n_trials={TRIALS}", timeout_s=(1 + TRIALS) * CLI_TIMEOUT_S)
+    result = cli(
+        "-m",
+        "hparams_search=buffers_optuna",
+        "sink=discard",
+        f"refit.rounds={ROUNDS}",
+        f"hydra.sweeper.n_trials={TRIALS}",
+        timeout_s=(1 + TRIALS) * CLI_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.describe()
     (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*_local")
     trials = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]

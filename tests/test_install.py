@@ -50,8 +50,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             shutil.copy2(path, source / name)
     out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(out), str(source)], cwd=out)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        cwd=out,
+    )
     (built,) = out.glob("refit_app-*.whl")
     return built
 
@@ -62,10 +76,13 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root)
     python = root / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-          str(wheel)], cwd=root)
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=root).stdout.strip())
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        cwd=root,
+    )
+    site = Path(
+        _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout.strip()
+    )
     # Written after the install: pip must see an empty environment, never the test environment's refit_app.
     (site / "test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return root

@@ -120,8 +120,20 @@ def test_torchrun_inside_slurm_uses_torchrun_ranks():
 @pytest.mark.parametrize(
     "env,key,fragments",
     [
-        ({}, "rank", ["found no launcher", "RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "SLURM_NTASKS",
-                      "SLURM_JOB_NODELIST", "group.rank"]),
+        (
+            {},
+            "rank",
+            [
+                "found no launcher",
+                "RANK",
+                "WORLD_SIZE",
+                "MASTER_ADDR",
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "SLURM_JOB_NODELIST",
+                "group.rank",
+            ],
+        ),
         ({"RANK": "1"}, "world_size", ["torchrun", "WORLD_SIZE is not set", "group.world_size"]),
         ({"RANK": "1"}, "host", ["MASTER_ADDR is not set", "group.host"]),
         ({"RANK": "1"}, "port", ["MASTER_PORT is not set", "group.port"]),
@@ -244,11 +256,26 @@ def _free_port_pair_below_the_ephemeral_range() -> int:
 def test_torchrun_three_ranks_verified_refit(cli, tmp_path, launcher_env):
     """``torchrun --nproc-per-node 3 -m refit_app role=auto``: rank 0 sends, ranks 1 and 2 verify, all exit 0, one
     run directory and metrics.json per rank, and the refit group beside torchrun's store, never on its port."""
-    result = cli.start_command(["-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-                                "--rdzv-endpoint", f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
-                                "--max-restarts", "0", "-m", "refit_app", "role=auto", COVER_STARTUP],
-                               # torchrun's agent logs the MASTER_PORT it gives its workers
-                               env={"LOGLEVEL": "INFO"}).wait()
+    result = cli.start_command(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
+            "--max-restarts",
+            "0",
+            "-m",
+            "refit_app",
+            "role=auto",
+            COVER_STARTUP,
+        ],
+        # torchrun's agent logs the MASTER_PORT it gives its workers
+        env={"LOGLEVEL": "INFO"},
+    ).wait()
     assert_ok(result)
     ports = set(_MASTER_PORT_LOG.findall(result.stderr + result.stdout))
     assert len(ports) == 1, f"torchrun's master_port not found once in its log\n{result.describe()}"

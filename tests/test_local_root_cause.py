@@ -32,8 +32,9 @@ class StalledSource(SafetensorsSource):
 
 
 def many_tiny_tensors(path: Path, n: int) -> Path:
-    header = {f"model.layers.{i}.bias": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
-              for i in range(n)}
+    header = {
+        f"model.layers.{i}.bias": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(n)
+    }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4 * n))
@@ -43,8 +44,14 @@ def many_tiny_tensors(path: Path, n: int) -> Path:
 def test_a_slow_producer_is_named_with_its_step_and_the_consumers_reason(cli, tmp_path):
     (tmp_path / "stalled_source.py").write_text(STALLED_SOURCE)
     ckpt = many_tiny_tensors(tmp_path / "many.safetensors", 20_000)
-    result = cli("source=custom", "source._target_=stalled_source.StalledSource", f"+source.path={ckpt}",
-                 "sink=discard", "group.timeout_s=2", env={"PYTHONPATH": str(tmp_path)})
+    result = cli(
+        "source=custom",
+        "source._target_=stalled_source.StalledSource",
+        f"+source.path={ckpt}",
+        "sink=discard",
+        "group.timeout_s=2",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 1, result.describe()
     lines = [line for line in result.stderr_lines() if line.startswith("refit_app: error:")]
     assert len(lines) == 1, result.describe()
@@ -61,16 +68,23 @@ def test_root_cause_prefers_the_first_real_failure():
     peer = RankOutcome(2, False, error="the producer failed", exc_type="PeerError", failed_at=3.0)
     own = RankOutcome(0, False, error="disk full", exc_type="SinkError", failed_at=2.0)
     gave_up = RankOutcome(1, False, error="could not reach the producer", exc_type="PeerError", failed_at=1.0)
-    stopped = RankOutcome(0, False, error="rank 0 did not exit within 5s after rank 1 failed; killed",
-                          exc_type="Timeout", activity="reading the tensor list of /x")
+    stopped = RankOutcome(
+        0,
+        False,
+        error="rank 0 did not exit within 5s after rank 1 failed; killed",
+        exc_type="Timeout",
+        activity="reading the tensor list of /x",
+    )
     labels = ["producer", "consumer 1", "consumer 2"]
     # A rank's own failure beats one that only reports a peer's, whatever came first.
     assert root_cause([own, gave_up, peer], labels, secondary=("PeerError",)) == "disk full"
     # Only reports of peers: the first of them, with the rank that had to be stopped and its step.
-    assert root_cause([stopped, gave_up, RankOutcome(2, True)], labels, secondary=("PeerError",),
-                      stopped_hint="raise it") == (
+    assert root_cause(
+        [stopped, gave_up, RankOutcome(2, True)], labels, secondary=("PeerError",), stopped_hint="raise it"
+    ) == (
         "consumer 1 (rank 1) failed first: could not reach the producer; producer (rank 0) was still running "
-        "(its last step: reading the tensor list of /x) and was stopped; raise it")
+        "(its last step: reading the tensor list of /x) and was stopped; raise it"
+    )
     # A rank's own failure is the whole story, even when another rank had to be stopped after it.
     assert root_cause([stopped, own], labels, secondary=("PeerError",), stopped_hint="raise it") == "disk full"
     assert root_cause([RankOutcome(0, True)], labels[:1]) == ""

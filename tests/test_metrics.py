@@ -160,8 +160,15 @@ def test_summary_line() -> None:
 def test_one_line_is_one_bounded_line() -> None:
     assert one_line(ValueError("bad\n  value\tthere"), with_type=True) == "ValueError: bad; value there"
     assert one_line(KeyError()) == "KeyError"
-    assert one_line(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                                 "This is typically caused by a crash")) == "Connection closed by peer"
+    assert (
+        one_line(
+            RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                "This is typically caused by a crash"
+            )
+        )
+        == "Connection closed by peer"
+    )
     long = one_line(RuntimeError("x" * 2000), with_type=True)
     assert len(long) == 500 and long.endswith("...")
 
@@ -186,8 +193,10 @@ class FakeTerminal(io.StringIO):
 def test_progress_is_silent_for_short_transfers(caplog: pytest.LogCaptureFixture) -> None:
     for tty in (True, False):
         clock, stream = FakeClock(), FakeTerminal(tty)
-        with caplog.at_level(logging.INFO, logger="refit_app.app.progress"), \
-                Progress(10 * 10**9, 10, "producer", stream=stream, clock=clock) as progress:
+        with (
+            caplog.at_level(logging.INFO, logger="refit_app.app.progress"),
+            Progress(10 * 10**9, 10, "producer", stream=stream, clock=clock) as progress,
+        ):
             for _ in range(10):
                 clock.now += 0.19
                 progress.update(10**9)

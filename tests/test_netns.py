@@ -69,9 +69,21 @@ class Rank:
         self.err = cwd / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "refit_app", *overrides,
-                 f"hydra.run.dir={cwd / name}"],
-                cwd=cwd, stdout=out, stderr=err, start_new_session=True,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "refit_app",
+                    *overrides,
+                    f"hydra.run.dir={cwd / name}",
+                ],
+                cwd=cwd,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
             )
 
     def text(self) -> str:
@@ -114,10 +126,31 @@ def _verified_refit(hosts, tmp_path: Path, consumers: int, *extra: str) -> list[
     names = hosts(consumers + 1, "2gbit")
     world = consumers + 1
     model = ["source.preset=llama-1b", "source.size=192MiB", "refit.buffer_size_bytes=16MiB"]
-    ranks = [Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *model, *extra,
-                  *_group(world, STARTUP_LIMIT_S))]
-    ranks += [Rank(names[k], tmp_path, f"consumer{k}", "role=consumer", "group.host=10.77.0.1", "sink=verify",
-                   *extra, *_group(world, STARTUP_LIMIT_S, k)) for k in range(1, world)]
+    ranks = [
+        Rank(
+            names[0],
+            tmp_path,
+            "producer",
+            "role=producer",
+            "group.host=0.0.0.0",
+            *model,
+            *extra,
+            *_group(world, STARTUP_LIMIT_S),
+        )
+    ]
+    ranks += [
+        Rank(
+            names[k],
+            tmp_path,
+            f"consumer{k}",
+            "role=consumer",
+            "group.host=10.77.0.1",
+            "sink=verify",
+            *extra,
+            *_group(world, STARTUP_LIMIT_S, k),
+        )
+        for k in range(1, world)
+    ]
     try:
         codes = [r.wait(STARTUP_LIMIT_S * 2) for r in ranks]
     finally:
@@ -139,10 +172,12 @@ def test_verified_refit_across_hosts(hosts, tmp_path: Path, consumers: int) -> N
 def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tmp_path: Path) -> None:
     names = hosts(2, "1gbit")
     run = ["refit.rounds=1000", "source.size=32MiB", "refit.buffer_size_bytes=4MiB"]
-    producer = Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run,
-                    *_group(2, FAIL_TIMEOUT_S))
-    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
-                    *_group(2, FAIL_TIMEOUT_S, 1))
+    producer = Rank(
+        names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run, *_group(2, FAIL_TIMEOUT_S)
+    )
+    consumer = Rank(
+        names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, FAIL_TIMEOUT_S, 1)
+    )
     try:
         # Both sides are past their start-up once the second round is done: cut the consumer's link then.
         producer.wait_for(r"round 2/1000", STARTUP_LIMIT_S)
@@ -167,10 +202,12 @@ def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tm
 def test_a_link_that_comes_back_within_the_deadline_does_not_fail_the_run(hosts, tmp_path: Path) -> None:
     names = hosts(2, "1gbit")
     run = ["refit.rounds=20", "source.size=32MiB", "refit.buffer_size_bytes=4MiB"]
-    producer = Rank(names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run,
-                    *_group(2, STARTUP_LIMIT_S))
-    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
-                    *_group(2, STARTUP_LIMIT_S, 1))
+    producer = Rank(
+        names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run, *_group(2, STARTUP_LIMIT_S)
+    )
+    consumer = Rank(
+        names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, STARTUP_LIMIT_S, 1)
+    )
     try:
         producer.wait_for(r"round 2/20", STARTUP_LIMIT_S)
         assert _sh("link", names[1], "down").returncode == 0
@@ -189,8 +226,9 @@ def test_a_link_that_comes_back_within_the_deadline_does_not_fail_the_run(hosts,
 def test_a_consumer_that_cannot_reach_the_producer_says_so(hosts, tmp_path: Path) -> None:
     names = hosts(2)
     assert _sh("link", names[1], "down").returncode == 0
-    consumer = Rank(names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1",
-                    *_group(2, FAIL_TIMEOUT_S, 1))
+    consumer = Rank(
+        names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, FAIL_TIMEOUT_S, 1)
+    )
     started = time.monotonic()
     try:
         assert consumer.wait(STARTUP_LIMIT_S + EXIT_BUDGET_S) == 1
@@ -217,9 +255,31 @@ def test_the_link_benchmark_times_verified_rounds_against_the_limit_on_the_same_
     the same link between them, and the table names both as multiples of B / R; the hosts are gone afterwards."""
     script = NETNS_SCRIPT.parent / "netns_bench.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--rate", "2gbit", "--preset", "llama-1b", "--size", "64MiB", "--consumers", "1",
-         "--topologies", "tree", "--buffers", "default", "--rounds", "3", "--verify", "--timeout-s", "120"],
-        capture_output=True, text=True, timeout=STARTUP_LIMIT_S * 2, check=False,
+        [
+            sys.executable,
+            str(script),
+            "--rate",
+            "2gbit",
+            "--preset",
+            "llama-1b",
+            "--size",
+            "64MiB",
+            "--consumers",
+            "1",
+            "--topologies",
+            "tree",
+            "--buffers",
+            "default",
+            "--rounds",
+            "3",
+            "--verify",
+            "--timeout-s",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_LIMIT_S * 2,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "consumers verify every round" in run.stdout, run.stdout

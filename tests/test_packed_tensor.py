@@ -30,21 +30,37 @@ from refit_app.packed_tensor import (
 def round_trip(tensors, *, target, legacy=False, nb_producer=2, nb_consumer=2, return_iterator=False):
     sender = RecordingGroup()
     packed_broadcast_producer(
-        iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=target, num_buffers=nb_producer,
+        iter(tensors),
+        sender,
+        0,
+        IDENTITY,
+        buffer_size_bytes=target,
+        num_buffers=nb_producer,
         use_legacy_packing=legacy,
     )
     receiver = ReplayGroup(sender.sent)
     received = []
     if return_iterator:
         it = packed_broadcast_consumer(
-            iter(metas(tensors)), receiver, 0, None, True, num_buffers=nb_consumer, buffer_size_bytes=target,
+            iter(metas(tensors)),
+            receiver,
+            0,
+            None,
+            True,
+            num_buffers=nb_consumer,
+            buffer_size_bytes=target,
             use_legacy_packing=legacy,
         )
         received = [(name, t.clone()) for name, t in it]
     else:
         packed_broadcast_consumer(
-            iter(metas(tensors)), receiver, 0, lambda batch: received.extend((n, t.clone()) for n, t in batch),
-            num_buffers=nb_consumer, buffer_size_bytes=target, use_legacy_packing=legacy,
+            iter(metas(tensors)),
+            receiver,
+            0,
+            lambda batch: received.extend((n, t.clone()) for n, t in batch),
+            num_buffers=nb_consumer,
+            buffer_size_bytes=target,
+            use_legacy_packing=legacy,
         )
     assert receiver.received == len(sender.sent)
     return sender, received
@@ -129,11 +145,17 @@ def test_plan_chunks_hand_computed():
     C = Chunk
     # bounded, target 10: [4, 4] | [5] | [12] alone | [0, 3]
     assert plan_chunks([4, 4, 5, 12, 0, 3], 10) == [
-        C(0, 0, 2, 8, True, False), C(1, 2, 1, 5, True, False), C(2, 3, 1, 12, True, True), C(3, 4, 2, 3, True, False),
+        C(0, 0, 2, 8, True, False),
+        C(1, 2, 1, 5, True, False),
+        C(2, 3, 1, 12, True, True),
+        C(3, 4, 2, 3, True, False),
     ]
     # legacy: the oversized tensor shares the chunk before it, so nothing is ever `alone`
-    assert plan_chunks([4, 4, 5, 12, 0, 3], 10, True) == [C(0, 0, 3, 13, True, False), C(1, 3, 1, 12, True, False),
-                                                          C(2, 4, 2, 3, True, False)]
+    assert plan_chunks([4, 4, 5, 12, 0, 3], 10, True) == [
+        C(0, 0, 3, 13, True, False),
+        C(1, 3, 1, 12, True, False),
+        C(2, 4, 2, 3, True, False),
+    ]
     # a chunk of only zero-byte tensors: skipped in bounded mode, broadcast (0 bytes) in legacy mode
     assert plan_chunks([12, 0, 0], 10) == [C(0, 0, 1, 12, True, True), C(1, 1, 2, 0, False, False)]
     assert plan_chunks([12, 0, 0], 10, True) == [C(0, 0, 1, 12, True, False), C(1, 1, 2, 0, True, False)]
@@ -186,10 +208,25 @@ def test_both_sides_report_the_planned_chunks(legacy):
     sizes = [t.numel() * t.element_size() for _, t in tensors]
     sent_chunks, received_chunks, counts = [], [], []
     sender = RecordingGroup()
-    packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200, use_legacy_packing=legacy,
-                              on_chunk_done=sent_chunks.append, on_chunk=lambda n, k: counts.append((n, k)))
-    packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(sender.sent), 0, lambda batch: None,
-                              buffer_size_bytes=200, use_legacy_packing=legacy, on_chunk_done=received_chunks.append)
+    packed_broadcast_producer(
+        iter(tensors),
+        sender,
+        0,
+        IDENTITY,
+        buffer_size_bytes=200,
+        use_legacy_packing=legacy,
+        on_chunk_done=sent_chunks.append,
+        on_chunk=lambda n, k: counts.append((n, k)),
+    )
+    packed_broadcast_consumer(
+        iter(metas(tensors)),
+        ReplayGroup(sender.sent),
+        0,
+        lambda batch: None,
+        buffer_size_bytes=200,
+        use_legacy_packing=legacy,
+        on_chunk_done=received_chunks.append,
+    )
     plan = plan_chunks(sizes, 200, legacy)
     assert sent_chunks == received_chunks == plan
     assert counts == [(c.nbytes, c.count) for c in plan]
@@ -245,8 +282,13 @@ def test_golden_packed_bytes():
         ("b", torch.tensor([True, False])),
     ]
     sender, received = round_trip(tensors, target=1024)
-    golden = (bytes([7]) + bytes.fromhex("0000803f") + bytes.fromhex("00c0")
-              + bytes.fromhex("0100" "0300" "0200" "0400") + bytes([1, 0]))
+    golden = (
+        bytes([7])
+        + bytes.fromhex("0000803f")
+        + bytes.fromhex("00c0")
+        + bytes.fromhex("0100030002000400")
+        + bytes([1, 0])
+    )
     assert len(sender.sent) == 1
     assert bytes(sender.sent[0].numpy()) == golden
     assert_exact(tensors, received)
@@ -289,9 +331,13 @@ def test_shapes_as_list_tuple_or_size():
     packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=16)
     spec = [("a", ([2, 3], torch.float32)), ("b", ((4,), torch.float32)), ("c", (torch.Size([1, 1]), torch.float32))]
     out = []
-    packed_broadcast_consumer(iter(spec), ReplayGroup(sender.sent), 0,
-                              lambda b: out.extend((n, t.clone()) for n, t in b),
-                              buffer_size_bytes=16)
+    packed_broadcast_consumer(
+        iter(spec),
+        ReplayGroup(sender.sent),
+        0,
+        lambda b: out.extend((n, t.clone()) for n, t in b),
+        buffer_size_bytes=16,
+    )
     assert_exact(tensors, out)
 
 
@@ -330,16 +376,18 @@ def test_consumer_receive_buffers_are_reused():
     sender = RecordingGroup()
     packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
     ptrs = []
-    for batch in _packed_broadcast_consumer_batches(iter(metas(tensors)), ReplayGroup(sender.sent), 0,
-                                                    num_buffers=2, buffer_size_bytes=200):
+    for batch in _packed_broadcast_consumer_batches(
+        iter(metas(tensors)), ReplayGroup(sender.sent), 0, num_buffers=2, buffer_size_bytes=200
+    ):
         ptrs.append(batch[0][1].data_ptr())  # aligned tensors are views of the receive buffer
         assert [t[0].item() for _, t in batch] == [float(n[1:]) for n, _ in batch]
         del batch  # a buffer is refilled only once no tensor from it is referenced (issue 10)
     assert len(ptrs) == 6 and len(set(ptrs)) == 2
     # A loop variable still bound to the previous batch while asking for the next costs exactly one more buffer.
     ptrs = []
-    for batch in _packed_broadcast_consumer_batches(iter(metas(tensors)), ReplayGroup(sender.sent), 0,
-                                                    num_buffers=2, buffer_size_bytes=200):
+    for batch in _packed_broadcast_consumer_batches(
+        iter(metas(tensors)), ReplayGroup(sender.sent), 0, num_buffers=2, buffer_size_bytes=200
+    ):
         ptrs.append(batch[0][1].data_ptr())
     assert len(ptrs) == 6 and len(set(ptrs)) == 3
 
@@ -481,16 +529,29 @@ def test_signatures_keep_the_spec():
     assert shape(get_target_packed_tensor_size) == [] and shape(get_num_buffers) == []
     producer = shape(packed_broadcast_producer)
     assert producer[:7] == [
-        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("post_iter_func", POS, empty),
-        ("buffer_size_bytes", KW, None), ("num_buffers", KW, None), ("use_legacy_packing", KW, False),
+        ("iterator", POS, empty),
+        ("group", POS, empty),
+        ("src", POS, empty),
+        ("post_iter_func", POS, empty),
+        ("buffer_size_bytes", KW, None),
+        ("num_buffers", KW, None),
+        ("use_legacy_packing", KW, False),
     ]
     batches = shape(_packed_broadcast_consumer_batches)
     assert batches[:4] == [
-        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("num_buffers", KW, None)]
+        ("iterator", POS, empty),
+        ("group", POS, empty),
+        ("src", POS, empty),
+        ("num_buffers", KW, None),
+    ]
     consumer = shape(packed_broadcast_consumer)
     assert consumer[:6] == [
-        ("iterator", POS, empty), ("group", POS, empty), ("src", POS, empty), ("post_unpack_func", POS, empty),
-        ("return_iterator", POS, False), ("num_buffers", KW, None),
+        ("iterator", POS, empty),
+        ("group", POS, empty),
+        ("src", POS, empty),
+        ("post_unpack_func", POS, empty),
+        ("return_iterator", POS, False),
+        ("num_buffers", KW, None),
     ]
     for extra in producer[7:] + batches[4:] + consumer[6:]:
         assert extra[1] == KW and extra[2] is not empty, extra
@@ -508,8 +569,9 @@ def _rounds_with_plans(rounds, *, target, legacy=False, return_iterator=False):
     kept = []
     for r in rounds:
         sender = RecordingGroup()
-        packed_broadcast_producer(iter(r), sender, 0, IDENTITY, buffer_size_bytes=target, use_legacy_packing=legacy,
-                                  plan=send_plan)
+        packed_broadcast_producer(
+            iter(r), sender, 0, IDENTITY, buffer_size_bytes=target, use_legacy_packing=legacy, plan=send_plan
+        )
         kwargs = {"buffer_size_bytes": target, "use_legacy_packing": legacy, "plan": recv_plan}
         if return_iterator:
             got = list(packed_broadcast_consumer(iter(metas(r)), ReplayGroup(sender.sent), 0, None, True, **kwargs))
@@ -530,8 +592,15 @@ def test_plan_rounds_are_exact_and_send_the_same_chunks(legacy, target, return_i
     g = torch.Generator().manual_seed(9)
     base = awkward_tensors()
     rounds = [base] + [
-        [(n, (torch.randn(t.shape, generator=g) * 3).to(t.dtype) if t.is_floating_point() or t.is_complex()
-          else t.clone()) for n, t in base]
+        [
+            (
+                n,
+                (torch.randn(t.shape, generator=g) * 3).to(t.dtype)
+                if t.is_floating_point() or t.is_complex()
+                else t.clone(),
+            )
+            for n, t in base
+        ]
         for _ in range(3)
     ]
     rounds = [[(n, t.resolve_conj().resolve_neg()) for n, t in r] for r in rounds]
@@ -552,8 +621,9 @@ def test_plan_refuses_a_changed_tensor_list():
     with pytest.raises(ValueError, match=r"tensor 3 .*float64.*w3"):
         packed_broadcast_producer(iter(changed), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
     with pytest.raises(ValueError, match=r"tensor 6 .*(one more|end)"):
-        packed_broadcast_producer(iter(tensors + tensors[:1]), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200,
-                                  plan=plan)
+        packed_broadcast_producer(
+            iter(tensors + tensors[:1]), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan
+        )
     with pytest.raises(ValueError, match=r"tensor 5 .*missing"):
         packed_broadcast_producer(iter(tensors[:5]), RecordingGroup(), 0, IDENTITY, buffer_size_bytes=200, plan=plan)
     with pytest.raises(ValueError, match="use a new PackedPlan"):
@@ -561,8 +631,9 @@ def test_plan_refuses_a_changed_tensor_list():
     recv = PackedPlan()
     sender = RecordingGroup()
     packed_broadcast_producer(iter(tensors), sender, 0, IDENTITY, buffer_size_bytes=200)
-    packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(sender.sent), 0, print, buffer_size_bytes=200,
-                              plan=recv)
+    packed_broadcast_consumer(
+        iter(metas(tensors)), ReplayGroup(sender.sent), 0, print, buffer_size_bytes=200, plan=recv
+    )
     renamed = metas(tensors)
     renamed[2] = ("other", renamed[2][1])
     with pytest.raises(ValueError, match=r"tensor 2 .*other"):
@@ -611,8 +682,7 @@ class _LateReleaseGroup(ReplayGroup):
         return _LateWork(self, tensor)
 
 
-def test_consumer_receives_into_two_target_sized_buffers_and_waits_out_a_late_release_without_sleeping(
-        monkeypatch):
+def test_consumer_receives_into_two_target_sized_buffers_and_waits_out_a_late_release_without_sleeping(monkeypatch):
     """Each receive buffer is sized for the target from its first chunk (never grown: a grown buffer leaves the
     old one behind in the allocator), and a buffer the transport still references just after its receive is
     reused once the next receive has been waited for, not slept on (TRANSPORT_RELEASE_S) nor replaced."""
@@ -631,9 +701,14 @@ def test_consumer_receives_into_two_target_sized_buffers_and_waits_out_a_late_re
     buffers.release_buffers()  # the producer's, kept in this process's pool: the consumer allocates its own
     group = _LateReleaseGroup(sender.sent)
     got = []
-    packed_broadcast_consumer(iter(metas(tensors)), group, 0,
-                              lambda batch: got.extend((n, t.clone()) for n, t in batch),
-                              buffer_size_bytes=256, num_buffers=2)
+    packed_broadcast_consumer(
+        iter(metas(tensors)),
+        group,
+        0,
+        lambda batch: got.extend((n, t.clone()) for n, t in batch),
+        buffer_size_bytes=256,
+        num_buffers=2,
+    )
     assert [(n, raw_bytes(t)) for n, t in got] == [(n, raw_bytes(t)) for n, t in tensors]
     assert len(set(group.ptrs)) == 2
     assert group.capacities == [256] * 5

@@ -38,8 +38,15 @@ def _refit_rank(rank: int, world_size: int, port: int, cases) -> list:
     with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
         for legacy, nb_p, nb_c, use_iterator in cases:
             if rank == 0:
-                packed_broadcast_producer(iter(tensors), rg.group, 0, lambda x: x[1], buffer_size_bytes=TARGET,
-                                          num_buffers=nb_p, use_legacy_packing=legacy)
+                packed_broadcast_producer(
+                    iter(tensors),
+                    rg.group,
+                    0,
+                    lambda x: x[1],
+                    buffer_size_bytes=TARGET,
+                    num_buffers=nb_p,
+                    use_legacy_packing=legacy,
+                )
                 results.append(None)
                 continue
             kwargs = dict(num_buffers=nb_c, buffer_size_bytes=TARGET, use_legacy_packing=legacy)
@@ -49,8 +56,9 @@ def _refit_rank(rank: int, world_size: int, port: int, cases) -> list:
                 results.append(digest(it))
             else:
                 got = []
-                packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, lambda b, got=got: got.extend(digest(b)),
-                                          **kwargs)
+                packed_broadcast_consumer(
+                    iter(metas(tensors)), rg.group, 0, lambda b, got=got: got.extend(digest(b)), **kwargs
+                )
                 results.append(got)
     return results
 

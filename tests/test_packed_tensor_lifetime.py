@@ -52,8 +52,13 @@ def test_callback_that_keeps_every_tensor(target, num_buffers, legacy):
     tensors = weights(0)
     kept = []
     packed_broadcast_consumer(
-        iter(metas(tensors)), ReplayGroup(send(tensors, target, legacy)), 0, kept.extend,
-        num_buffers=num_buffers, buffer_size_bytes=target, use_legacy_packing=legacy,
+        iter(metas(tensors)),
+        ReplayGroup(send(tensors, target, legacy)),
+        0,
+        kept.extend,
+        num_buffers=num_buffers,
+        buffer_size_bytes=target,
+        use_legacy_packing=legacy,
     )
     assert_exact(tensors, kept)
 
@@ -62,8 +67,14 @@ def test_callback_that_keeps_every_tensor(target, num_buffers, legacy):
 def test_iterator_kept_to_the_end(target, num_buffers, legacy):
     tensors = weights(1)
     it = packed_broadcast_consumer(
-        iter(metas(tensors)), ReplayGroup(send(tensors, target, legacy)), 0, None, True,
-        num_buffers=num_buffers, buffer_size_bytes=target, use_legacy_packing=legacy,
+        iter(metas(tensors)),
+        ReplayGroup(send(tensors, target, legacy)),
+        0,
+        None,
+        True,
+        num_buffers=num_buffers,
+        buffer_size_bytes=target,
+        use_legacy_packing=legacy,
     )
     kept = list(it)
     assert_exact(tensors, kept)
@@ -72,9 +83,15 @@ def test_iterator_kept_to_the_end(target, num_buffers, legacy):
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
 def test_batches_kept_to_the_end(num_buffers):
     tensors = weights(2)
-    batches = list(_packed_broadcast_consumer_batches(
-        iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, num_buffers=num_buffers, buffer_size_bytes=1024,
-    ))
+    batches = list(
+        _packed_broadcast_consumer_batches(
+            iter(metas(tensors)),
+            ReplayGroup(send(tensors, 1024)),
+            0,
+            num_buffers=num_buffers,
+            buffer_size_bytes=1024,
+        )
+    )
     assert_exact(tensors, [item for batch in batches for item in batch])
 
 
@@ -87,8 +104,13 @@ def test_layerwise_reload_pattern(num_buffers):
     held: list[tuple[str, torch.Tensor]] = []
     checked = 0
     for name, t in packed_broadcast_consumer(
-        iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, None, True,
-        num_buffers=num_buffers, buffer_size_bytes=1024,
+        iter(metas(tensors)),
+        ReplayGroup(send(tensors, 1024)),
+        0,
+        None,
+        True,
+        num_buffers=num_buffers,
+        buffer_size_bytes=1024,
     ):
         held.append((name, t))
         if len(held) == layer:
@@ -101,8 +123,9 @@ def test_layerwise_reload_pattern(num_buffers):
 def test_awkward_tensors_kept_through_the_iterator():
     tensors = awkward_tensors() * 4
     tensors = [(f"{n}.{i}", t) for i, (n, t) in enumerate(tensors)]
-    it = packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 64)), 0, None, True,
-                                   buffer_size_bytes=64)
+    it = packed_broadcast_consumer(
+        iter(metas(tensors)), ReplayGroup(send(tensors, 64)), 0, None, True, buffer_size_bytes=64
+    )
     assert_exact([(n, t.resolve_conj().resolve_neg()) for n, t in tensors], list(it))
 
 
@@ -110,11 +133,15 @@ def test_tensors_kept_from_one_call_survive_the_next_call():
     """The host buffer pool must not hand a buffer whose views are still held to the next refit in this process."""
     release_buffers()
     first, second = weights(4), weights(5)
-    kept = list(packed_broadcast_consumer(iter(metas(first)), ReplayGroup(send(first, 1024)), 0, None, True,
-                                          buffer_size_bytes=1024))
+    kept = list(
+        packed_broadcast_consumer(
+            iter(metas(first)), ReplayGroup(send(first, 1024)), 0, None, True, buffer_size_bytes=1024
+        )
+    )
     # The next refit, both as a producer and as a consumer, with other values.
-    packed_broadcast_consumer(iter(metas(second)), ReplayGroup(send(second, 1024)), 0, lambda batch: None,
-                              buffer_size_bytes=1024)
+    packed_broadcast_consumer(
+        iter(metas(second)), ReplayGroup(send(second, 1024)), 0, lambda batch: None, buffer_size_bytes=1024
+    )
     assert_exact(first, kept)
     release_buffers()
 
@@ -126,8 +153,12 @@ def test_is_shared_sees_every_other_user_of_a_buffer():
     """The check rests on torch's storage use count: pin what it counts in this torch."""
     buffer = torch.empty(64, dtype=torch.uint8)
     assert not is_shared(buffer)
-    for other in (lambda: buffer[8:16].view(torch.float32), lambda: buffer.numpy(), lambda: buffer[:0],
-                  lambda: torch.nn.Parameter(buffer[:8].view(torch.int64), requires_grad=False)):
+    for other in (
+        lambda: buffer[8:16].view(torch.float32),
+        lambda: buffer.numpy(),
+        lambda: buffer[:0],
+        lambda: torch.nn.Parameter(buffer[:8].view(torch.int64), requires_grad=False),
+    ):
         user = other()
         assert is_shared(buffer)
         del user
@@ -157,8 +188,9 @@ def test_consumer_that_drops_tensors_reuses_its_buffers(num_buffers):
             assert t[0].item() == float(name[1:])
 
     release_buffers()
-    packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 200)), 0, load,
-                              num_buffers=num_buffers, buffer_size_bytes=200)
+    packed_broadcast_consumer(
+        iter(metas(tensors)), ReplayGroup(send(tensors, 200)), 0, load, num_buffers=num_buffers, buffer_size_bytes=200
+    )
     assert len(storages) == num_buffers
 
 
@@ -169,8 +201,15 @@ def test_iterator_that_drops_tensors_reuses_its_buffers(num_buffers):
     tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(40)]
     storages = set()
     release_buffers()
-    for name, t in packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 200)), 0, None, True,
-                                             num_buffers=num_buffers, buffer_size_bytes=200):
+    for name, t in packed_broadcast_consumer(
+        iter(metas(tensors)),
+        ReplayGroup(send(tensors, 200)),
+        0,
+        None,
+        True,
+        num_buffers=num_buffers,
+        buffer_size_bytes=200,
+    ):
         storages.add(t.untyped_storage().data_ptr())
         assert t[0].item() == float(name[1:])
     assert len(storages) == num_buffers
@@ -181,8 +220,11 @@ def test_pool_keeps_held_buffers_out_of_the_next_call():
     the caller lets go, it hands them out again."""
     release_buffers()
     tensors = weights(6)
-    kept = list(packed_broadcast_consumer(iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, None, True,
-                                          buffer_size_bytes=1024))
+    kept = list(
+        packed_broadcast_consumer(
+            iter(metas(tensors)), ReplayGroup(send(tensors, 1024)), 0, None, True, buffer_size_bytes=1024
+        )
+    )
     held = {t.untyped_storage().data_ptr() for _, t in kept}
     # The subject must be there: the call gave its buffers back to the pool, and the caller holds tensors in them.
     assert len(HOST_POOL) > 0, "the call kept no buffers: the test would not test"
@@ -212,8 +254,9 @@ def _keep_everything_rank(rank: int, world_size: int, port: int, target: int, ro
                 kept = []
                 packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, kept.extend, buffer_size_bytes=target)
             else:
-                kept = list(packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, None, True,
-                                                      buffer_size_bytes=target))
+                kept = list(
+                    packed_broadcast_consumer(iter(metas(tensors)), rg.group, 0, None, True, buffer_size_bytes=target)
+                )
             kept_rounds.append(kept)
         # Every round's tensors, still held, compared only after all rounds have been received.
         results = [digest(kept) for kept in kept_rounds]

@@ -68,8 +68,11 @@ class _Consumer:
 
     def producer_comes_up(self) -> Any:
         """Start the producer's store; the consumer must then join it."""
-        store = rendezvous.start_store(GroupSpec(backend="gloo", host="127.0.0.1", port=self.spec.port,
-                                                 world_size=2, rank=0, timeout_s=HANG_LIMIT_S))
+        store = rendezvous.start_store(
+            GroupSpec(
+                backend="gloo", host="127.0.0.1", port=self.spec.port, world_size=2, rank=0, timeout_s=HANG_LIMIT_S
+            )
+        )
         self.thread.join(HANG_LIMIT_S)
         assert not self.thread.is_alive(), "the consumer did not join the producer's store"
         assert "error" not in self.result, self.result["error"]
@@ -86,7 +89,9 @@ def test_a_waiting_consumer_says_so_at_once_with_the_address(notices):
     joined_after = time.monotonic() - consumer.started
     # Once, not at every retry: one notice per interval waited at most, whatever the machine's load made that.
     assert len(notices.messages) <= 1 + joined_after // rendezvous.WAITING_NOTICE_INTERVAL_S, (
-        joined_after, notices.messages)
+        joined_after,
+        notices.messages,
+    )
     del store
 
 

@@ -50,8 +50,17 @@ def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> Non
     # probe of the weights as sent, every round; rounds after the first send only what real AdamW steps changed,
     # patched into the consumer model's own parameters.
     model_dir = write_tiny_llama(tmp_path / "tiny-llama")
-    result = cli("source=model", f"source.path={model_dir}", "source.dtype=float32", "source.send_dtype=bfloat16",
-                 "source.lr=1e-6", "sink=model", "refit.rounds=6", "refit.delta=auto", COVER_STARTUP)
+    result = cli(
+        "source=model",
+        f"source.path={model_dir}",
+        "source.dtype=float32",
+        "source.send_dtype=bfloat16",
+        "source.lr=1e-6",
+        "sink=model",
+        "refit.rounds=6",
+        "refit.delta=auto",
+        COVER_STARTUP,
+    )
     assert result.returncode == 0, result.describe()
     m = local_metrics(cli.cwd)
     assert m["status"] == "ok" and m["rounds_done"] == 6
@@ -75,8 +84,9 @@ def test_mixed_precision_trainer_matches_every_round(cli, tmp_path: Path) -> Non
 def test_synthetic_training_rounds_send_what_a_rerun_computes(cli, tmp_path: Path) -> None:
     out = tmp_path / "saved"
     # Delta rounds: the save sink writes the whole model from the session's copy, the changes applied.
-    result = cli("source.update=training", "refit.rounds=3", "refit.delta=on", "sink=save", f"sink.path={out}",
-                 COVER_STARTUP)
+    result = cli(
+        "source.update=training", "refit.rounds=3", "refit.delta=on", "sink=save", f"sink.path={out}", COVER_STARTUP
+    )
     assert result.returncode == 0, result.describe()
     m = local_metrics(cli.cwd)
     assert "training-like steps at lr 1e-06" in m["source"]

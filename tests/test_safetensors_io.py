@@ -123,8 +123,10 @@ def test_header_not_an_object(tmp_path):
 
 
 def test_unknown_dtype_named(tmp_path):
-    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F33", "shape": [1],
-                                                                                "data_offsets": [4, 8]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "b": {"dtype": "F33", "shape": [1], "data_offsets": [4, 8]},
+    }
     path = write_raw(tmp_path / "m.safetensors", header, bytes(8))
     with pytest.raises(SourceError) as excinfo:
         SafetensorsFile(path)
@@ -297,7 +299,7 @@ def test_unaligned_file_from_another_writer_reads_aligned(tmp_path):
 def test_read_tensors_are_copy_on_write(tmp_path):
     path = save_tensors(tmp_path / "m.safetensors", {"w": torch.arange(4, dtype=torch.float32)})
     before = path.read_bytes()
-    (_, t), = SafetensorsFile(path).iter_tensors()
+    ((_, t),) = SafetensorsFile(path).iter_tensors()
     t.fill_(7.0)
     assert path.read_bytes() == before
 
@@ -434,8 +436,10 @@ def test_saved_files_get_ordinary_permissions(tmp_path):
 
 def test_a_save_removes_only_shards_that_the_old_index_named(tmp_path):
     # An old sharded checkpoint whose index also names config.json (hand-edited, or hostile).
-    old = [TensorMeta("a", (2,), torch.float32, "model-00001-of-00002.safetensors"),
-           TensorMeta("b", (2,), torch.float32, "model-00002-of-00002.safetensors")]
+    old = [
+        TensorMeta("a", (2,), torch.float32, "model-00001-of-00002.safetensors"),
+        TensorMeta("b", (2,), torch.float32, "model-00002-of-00002.safetensors"),
+    ]
     writer = CheckpointWriter(tmp_path, old, {"format": "pt"})
     writer.open()
     for m in old:

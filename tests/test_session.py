@@ -78,8 +78,12 @@ def test_rounds_send_the_manifest_once_and_every_round_verifies():
     assert [(r, fresh) for r, fresh, _, _ in producer] == [(1, True), (2, False), (3, False), (4, False)]
     assert all(checked for *_, checked in producer)  # a consumer verifies, so checksums travel every round
     for rounds in consumers:
-        assert [(r, fresh, ok) for r, fresh, ok, _ in rounds] == [(1, True, True), (2, False, True),
-                                                                  (3, False, True), (4, False, True)]
+        assert [(r, fresh, ok) for r, fresh, ok, _ in rounds] == [
+            (1, True, True),
+            (2, False, True),
+            (3, False, True),
+            (4, False, True),
+        ]
         for i, (*_, received) in enumerate(rounds):
             _expect_same(received, _weights(i + 1))
 
@@ -170,7 +174,9 @@ def _iterator_rounds(rank: int, world_size: int, port: int) -> list:
 def test_iterator_form_keeps_references_safely_and_carries_the_extra_payload():
     _, consumer = run_ranks(_iterator_rounds, 2, timeout=120)
     assert [(r, ok, extra) for r, ok, extra, _ in consumer] == [
-        (1, True, b"probe 1"), (2, True, b"probe 2"), (3, True, b"probe 3")
+        (1, True, b"probe 1"),
+        (2, True, b"probe 2"),
+        (3, True, b"probe 3"),
     ]
     for i, (*_, received) in enumerate(consumer):
         _expect_same(received, _weights(i + 1))
@@ -294,8 +300,7 @@ def test_ranks_that_disagree_on_the_topology_all_refuse():
     # Refused as soon as the ranks compare topologies, never at a deadline: the limit, which counts from the moment
     # every rank has started up, is the ranks' own TIMEOUT_S, so a rank that waited out its deadline (or hung)
     # shows up as a "Timeout" failure instead of the ConfigError.
-    results = run_ranks(_over_process_group, 3, ("chain", "chain", "tree"), timeout=TIMEOUT_S,
-                        return_exceptions=True)
+    results = run_ranks(_over_process_group, 3, ("chain", "chain", "tree"), timeout=TIMEOUT_S, return_exceptions=True)
     for r in results:
         assert isinstance(r, RankFailure) and r.exc_type == "ConfigError", r
         assert "topology differs between ranks (rank 0 'chain', rank 1 'chain', rank 2 'tree')" in r.message

@@ -62,10 +62,20 @@ def test_a_signal_ends_the_run_with_metrics_and_no_rank_left(tmp_path: Path, sig
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "refit_app", "refit.rounds=1000000", "source.size=16MiB",
-             "refit.buffer_size_bytes=4MiB", f"group.timeout_s={STARTUP_LIMIT_S:g}",
-             f"hydra.run.dir={tmp_path / 'run'}"],
-            cwd=tmp_path, stdout=o, stderr=e, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "refit_app",
+                "refit.rounds=1000000",
+                "source.size=16MiB",
+                "refit.buffer_size_bytes=4MiB",
+                f"group.timeout_s={STARTUP_LIMIT_S:g}",
+                f"hydra.run.dir={tmp_path / 'run'}",
+            ],
+            cwd=tmp_path,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + REACH_ROUND_3_S

@@ -113,8 +113,9 @@ def test_default_checksum_is_the_fastest_installed_and_zlib_is_the_fallback(monk
     monkeypatch.setitem(sys.modules, "crc32c", None)
     try:
         assert default_algorithm() == FALLBACK_ALGORITHM
-        with pytest.raises(HandshakeError,
-                           match="checksums with xxh3_64, which this host cannot compute: pip install xxhash"):
+        with pytest.raises(
+            HandshakeError, match="checksums with xxh3_64, which this host cannot compute: pip install xxhash"
+        ):
             checksum_function("xxh3_64")
     finally:
         checksum._load.cache_clear()
@@ -366,8 +367,10 @@ def test_corrupting_sink_flips_one_byte_of_the_chosen_chunk():
 
     sink = CorruptingSink(Recorder(), chunk=1)
     sink.begin(Manifest([], 1, False))
-    originals = [[("a", torch.zeros(4, dtype=torch.uint8))],
-                 [("b", torch.zeros(0)), ("c", torch.zeros(4, dtype=torch.uint8))]]
+    originals = [
+        [("a", torch.zeros(4, dtype=torch.uint8))],
+        [("b", torch.zeros(0)), ("c", torch.zeros(4, dtype=torch.uint8))],
+    ]
     for batch in originals:
         sink.consume(batch)
     assert seen[0][0].tolist() == [0, 0, 0, 0]

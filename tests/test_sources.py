@@ -19,7 +19,6 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -98,8 +97,10 @@ def test_make_source_refuses_a_target_it_cannot_build(tmp_path):
 
 
 def test_tiny_is_the_small_default():
-    source = make_source("refit_app.models.sources.SyntheticSource",
-                         {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"})
+    source = make_source(
+        "refit_app.models.sources.SyntheticSource",
+        {"preset": "tiny", "size_bytes": None, "seed": 0, "dtype": "bfloat16"},
+    )
     assert 6 * MiB < source.total_bytes < 10 * MiB
     assert all(m.shard is None for m in source.manifest_tensors())
     assert_streams_like_manifest(source)

@@ -130,8 +130,12 @@ def test_multi_round_jobs_are_shown_and_plotted_by_their_steady_round(
     sweep = tmp_path / "multirun"
     # Four rounds of a 1 GB model: a slow first round (handshake, cold buffers), then delta rounds that send little.
     # Whole run: 4 GB in 6 s = 0.667 GB/s; steady: 1 GB in the median 1.0 s = 1.0 GB/s, median wire 200 MB.
-    _job(sweep, 0, _overrides(16, 1), **{**_ok(16, 1, 1.0), **_rounds(10**9, [3.0, 1.0, 1.25, 0.75],
-                                                                     wire=[10**9, 2 * 10**8, 10**8, 3 * 10**8])})
+    _job(
+        sweep,
+        0,
+        _overrides(16, 1),
+        **{**_ok(16, 1, 1.0), **_rounds(10**9, [3.0, 1.0, 1.25, 0.75], wire=[10**9, 2 * 10**8, 10**8, 3 * 10**8])},
+    )
     # The same, in a metrics file from before wire bytes were counted.
     _job(sweep, 1, _overrides(64, 1), **{**_ok(64, 1, 1.0), **_rounds(10**9, [2.0, 0.5, 0.5], wire=None)})
     # One round: today's figures, whole run.

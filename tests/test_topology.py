@@ -62,15 +62,20 @@ def test_chain_with_nccl_is_refused_in_one_line(backend: str) -> None:
 
 def test_the_cli_refuses_chain_with_nccl_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "refit_app", "group.topology=chain", "group.backend=nccl",
-         f"hydra.run.dir={tmp_path}"],
-        check=False, capture_output=True, text=True, timeout=STARTUP_LIMIT_S, cwd=tmp_path,
+        [sys.executable, "-m", "refit_app", "group.topology=chain", "group.backend=nccl", f"hydra.run.dir={tmp_path}"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_LIMIT_S,
+        cwd=tmp_path,
     )
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip().splitlines() == [(
-        "refit_app: error: group.topology='chain' is invalid: chain relays over gloo only, and group.backend=nccl "
-        "already pipelines its broadcast on GPUs; use group.topology=tree or group.backend=gloo"
-    )]
+    assert result.stderr.strip().splitlines() == [
+        (
+            "refit_app: error: group.topology='chain' is invalid: chain relays over gloo only, and group.backend=nccl "
+            "already pipelines its broadcast on GPUs; use group.topology=tree or group.backend=gloo"
+        )
+    ]
 
 
 def _info(topology: str | None, backend: str = "auto", cuda: bool = False) -> dict:
@@ -106,8 +111,10 @@ def _check_in_with_topology(rank: int, world_size: int, port: int) -> str:
 
 
 def test_a_topology_mismatch_is_refused_at_the_rendezvous_on_every_rank() -> None:
-    expected = ("group.topology differs between ranks (rank 0 'tree', rank 1 'tree', rank 2 'chain'); "
-                "set the same group.topology on every rank")
+    expected = (
+        "group.topology differs between ranks (rank 0 'tree', rank 1 'tree', rank 2 'chain'); "
+        "set the same group.topology on every rank"
+    )
     outcomes = run_ranks(_check_in_with_topology, 3, timeout=60)
     # Rank 1 may check in after the producer already saw rank 2's: it then reports the conflict as far as seen.
     assert outcomes[0] in (expected, expected.replace("rank 1 'tree', ", ""))
@@ -200,8 +207,14 @@ def test_a_relay_forwards_each_chunk_once_it_arrived_and_holds_the_buffer_until_
     backend.wait_posted("send 1 to 2").done.set()
     works[1].wait()
     assert backend.log == [
-        "recv 0 from 0", "recv 1 from 0", "recv 0 from 0 done", "send 0 to 2", "send 0 to 2 done",
-        "recv 1 from 0 done", "send 1 to 2", "send 1 to 2 done",
+        "recv 0 from 0",
+        "recv 1 from 0",
+        "recv 0 from 0 done",
+        "send 0 to 2",
+        "send 0 to 2 done",
+        "recv 1 from 0 done",
+        "send 1 to 2",
+        "send 1 to 2 done",
     ]
     group.shutdown(abort=False)
 
@@ -253,8 +266,12 @@ def _chain_cases(rank: int, world_size: int, port: int, ports: list[int]) -> lis
                     continue
                 # A consumer's buffer count is its own: mirror the producer's count backwards.
                 plan_settings["num_buffers"] = 4 - buffers
-                got = [(name, t.clone()) for name, t in packed_broadcast_consumer(
-                    iter(metas), rg.group, 0, None, return_iterator=True, **plan_settings)]
+                got = [
+                    (name, t.clone())
+                    for name, t in packed_broadcast_consumer(
+                        iter(metas), rg.group, 0, None, return_iterator=True, **plan_settings
+                    )
+                ]
                 assert [name for name, _ in got] == [name for name, _ in expected]
                 for (name, t), (_, want) in zip(got, expected):
                     assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), (
@@ -278,10 +295,24 @@ def test_chain_refits_are_bit_exact_for_1_to_3_consumers_buffers_and_plans() -> 
 @pytest.mark.parametrize("consumers", [1, 2, 3])
 def test_a_chain_refit_through_the_application_is_verified(tmp_path: Path, consumers: int) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "refit_app", f"role.num_consumers={consumers}", "group.topology=chain",
-         "sink=verify", "source.preset=llama-1b", "source.size=24MiB", "refit.buffer_size_bytes=1MiB",
-         "refit.rounds=2", f"hydra.run.dir={tmp_path}"],
-        check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "refit_app",
+            f"role.num_consumers={consumers}",
+            "group.topology=chain",
+            "sink=verify",
+            "source.preset=llama-1b",
+            "source.size=24MiB",
+            "refit.buffer_size_bytes=1MiB",
+            "refit.rounds=2",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -306,10 +337,22 @@ MID_TRANSFER_DELAY_S = 0.3
 
 def test_a_consumer_killed_mid_chain_fails_every_rank_within_the_deadline_naming_it(tmp_path: Path) -> None:
     port, world = free_port(), 4
-    group = [f"group.port={port}", f"group.world_size={world}", f"group.timeout_s={TIMEOUT_S}",
-             "group.topology=chain", "group.backend=gloo"]
-    ranks = {"producer": ["role=producer", *group, "source.preset=llama-1b", "source.size=1GiB",
-                          "refit.buffer_size_bytes=8MiB"]}
+    group = [
+        f"group.port={port}",
+        f"group.world_size={world}",
+        f"group.timeout_s={TIMEOUT_S}",
+        "group.topology=chain",
+        "group.backend=gloo",
+    ]
+    ranks = {
+        "producer": [
+            "role=producer",
+            *group,
+            "source.preset=llama-1b",
+            "source.size=1GiB",
+            "refit.buffer_size_bytes=8MiB",
+        ]
+    }
     ranks |= {f"consumer{r}": ["role=consumer", *group, f"group.rank={r}", "sink=discard"] for r in (1, 2, 3)}
     budget = deadline_budget(TIMEOUT_S)
     with Launcher(tmp_path) as launcher:
@@ -318,8 +361,9 @@ def test_a_consumer_killed_mid_chain_fails_every_rank_within_the_deadline_naming
         time.sleep(MID_TRANSFER_DELAY_S)
         killed_at = time.monotonic()
         procs["consumer2"].signal(signal.SIGKILL)
-        outcomes = {name: procs[name].wait(budget * 4, event_at=killed_at)
-                    for name in ("producer", "consumer1", "consumer3")}
+        outcomes = {
+            name: procs[name].wait(budget * 4, event_at=killed_at) for name in ("producer", "consumer1", "consumer3")
+        }
     for name, o in outcomes.items():
         assert o.returncode == 1, o.describe()
         assert "Traceback" not in o.stderr and len(o.error_lines) == 1, o.describe()

@@ -43,6 +43,7 @@ def quiet_c10d() -> None:
     importing torch, which reads the variable once); a user's own ``TORCH_CPP_LOG_LEVEL`` wins."""
     os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
 
+
 PROG = "refit_app"
 
 _SCHEMA_PREFIX = "base_"
@@ -269,4 +270,3 @@ def _first_line(text: str) -> str:
 def _squeeze(text: str) -> str:
     """One line even when a message spans several."""
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
-

@@ -238,8 +238,12 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     if c.errors:
         return None
     return RefitSpec(
-        buffer_size_bytes=buffer_size, num_buffers=num_buffers, use_legacy_packing=legacy, rounds=rounds,
-        delta=delta, corrupt_chunk=corrupt_chunk,
+        buffer_size_bytes=buffer_size,
+        num_buffers=num_buffers,
+        use_legacy_packing=legacy,
+        rounds=rounds,
+        delta=delta,
+        corrupt_chunk=corrupt_chunk,
     )
 
 
@@ -268,13 +272,17 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
         # A local run starts every rank itself, so the group's shape follows from role.num_consumers.
         expected = 1 + num_consumers if is_int(num_consumers) else None
         if world_size not in (None, expected):
-            c.fail("group.world_size", world_size,
-                   f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null")
+            c.fail(
+                "group.world_size",
+                world_size,
+                f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null",
+            )
         if rank is not None:
             c.fail("group.rank", rank, "role=local assigns ranks itself; leave it null")
         if values.get("local_rank") is not None:
-            c.fail("group.local_rank", values["local_rank"],
-                   "role=local gives each rank its own (its rank); leave it null")
+            c.fail(
+                "group.local_rank", values["local_rank"], "role=local gives each rank its own (its rank); leave it null"
+            )
         values.update(world_size=expected or 2, rank=0)
     else:
         if values["port"] is None:
@@ -286,9 +294,12 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
             top = known_size - 1 if known_size else None
             if not is_int(rank) or rank < 1 or (top is not None and rank > top):
                 span = f"1..{top}" if top else "1..world_size-1"
-                c.fail("group.rank", rank,
-                       f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
-                       f"{show(known_size)})")
+                c.fail(
+                    "group.rank",
+                    rank,
+                    f"a consumer's rank must be in {span} (rank 0 is the producer; group.world_size="
+                    f"{show(known_size)})",
+                )
         if role == "producer" or (role == "consumer" and not (is_int(rank) and known_size and 1 <= rank < known_size)):
             values["rank"] = 0  # refused above where it matters; GroupSpec checks the rest
     try:
@@ -320,7 +331,11 @@ def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
         if update is not _ABSENT and update not in SYNTHETIC_UPDATES:
             c.fail("source.update", update, _one_of(SYNTHETIC_UPDATES))
         params = {
-            "preset": preset, "size_bytes": size_bytes, "seed": seed, "dtype": dtype, "update": update,
+            "preset": preset,
+            "size_bytes": size_bytes,
+            "seed": seed,
+            "dtype": dtype,
+            "update": update,
             "lr": _learning_rate(c),
         }
     elif kind == "safetensors":
@@ -354,8 +369,10 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
         params = {"probe_tokens": probe_tokens, "verify": c.get("sink.verify"), "device": c.get("sink.device")}
         return SinkSpec(target, params), kind
     if kind == "vllm":
-        params = {key: c.get(f"sink.{key}") for key in
-                  ("model", "probe_tokens", "verify", "strict", "max_model_len", "kv_cache_gib", "seed")}
+        params = {
+            key: c.get(f"sink.{key}")
+            for key in ("model", "probe_tokens", "verify", "strict", "max_model_len", "kv_cache_gib", "seed")
+        }
         model = params["model"]
         if model not in (None, _ABSENT) and not (Path(model) / CONFIG_FILE_NAME).is_file():
             c.fail("sink.model", model, "must be a Hugging Face model directory with a config.json, or null")
@@ -384,9 +401,7 @@ def _check_model_source(c: _Checker) -> dict[str, Any]:
     send_dtype = c.get("source.send_dtype")
     if send_dtype not in (None, _ABSENT) and send_dtype not in FLOAT_DTYPES:
         c.fail("source.send_dtype", send_dtype, _one_of(FLOAT_DTYPES) + " (or null: as trained)")
-    params: dict[str, Any] = {
-        "path": path, "dtype": dtype, "send_dtype": send_dtype, "device": c.get("source.device")
-    }
+    params: dict[str, Any] = {"path": path, "dtype": dtype, "send_dtype": send_dtype, "device": c.get("source.device")}
     for key, least in (("train_steps", 1), ("batch_tokens", 2), ("seed", 0)):
         value = c.get(f"source.{key}")
         if value is not _ABSENT and not (is_int(value) and value >= least):
@@ -399,9 +414,7 @@ def _check_model_source(c: _Checker) -> dict[str, Any]:
 def _learning_rate(c: _Checker) -> Any:
     """``source.lr``: a finite number > 0 (an infinite one would turn every weight into inf or NaN)."""
     lr = c.get("source.lr")
-    if lr is not _ABSENT and not (
-        isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")
-    ):
+    if lr is not _ABSENT and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
         c.fail("source.lr", lr, "must be a number > 0")
     return lr
 

@@ -147,8 +147,9 @@ def root_cause(
     step ("reading the tensor list of ...") goes with it: the line names both sides. ``labels``: each rank's name;
     ``stopped_hint``: advice added when a rank had to be stopped.
     """
-    failures = sorted((o for o in outcomes if not o.ok), key=lambda o: (o.exc_type == "Timeout",
-                                                                         o.failed_at or float("inf"), o.rank))
+    failures = sorted(
+        (o for o in outcomes if not o.ok), key=lambda o: (o.exc_type == "Timeout", o.failed_at or float("inf"), o.rank)
+    )
     if not failures:
         return ""
     root = next((f for f in failures if f.exc_type != "Timeout" and f.exc_type not in secondary), failures[0])
@@ -225,8 +226,15 @@ def _watch_lifeline(lifeline: Any) -> None:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, args: tuple, results: Any, lifeline: Any, env: dict[str, str], cwd: str,
-    start: tuple[Any, Any] | None, activity: Any,
+    fn: Callable[..., Any],
+    rank: int,
+    args: tuple,
+    results: Any,
+    lifeline: Any,
+    env: dict[str, str],
+    cwd: str,
+    start: tuple[Any, Any] | None,
+    activity: Any,
 ) -> None:
     global _activity
     _die_with_parent()
@@ -248,8 +256,9 @@ def _child(
         except Exception:
             exc = None
         message = str(e) if isinstance(e, RefitError) else one_line(e, with_type=True)
-        outcome = RankOutcome(rank, False, error=message, exc_type=type(e).__name__,
-                              traceback=traceback.format_exc(), exc=exc)
+        outcome = RankOutcome(
+            rank, False, error=message, exc_type=type(e).__name__, traceback=traceback.format_exc(), exc=exc
+        )
     results.put(outcome)
     results.close()
     results.join_thread()
@@ -321,8 +330,12 @@ def run_ranks(
     start = None if startup_s is None else (ctx.Queue(), ctx.Event())
     activity = ctx.Array(ctypes.c_char, world_size * _ACTIVITY_SLOT, lock=False)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, tuple(args), results, lifeline, *launcher_state, start, activity),
-                    name=f"{name}{r}", daemon=True)
+        ctx.Process(
+            target=_child,
+            args=(fn, r, tuple(args), results, lifeline, *launcher_state, start, activity),
+            name=f"{name}{r}",
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -352,8 +365,13 @@ def run_ranks(
                 _drain(results, outcomes, timeout=0.5)  # a result may still be in the pipe
                 for r in silent_dead:
                     if r not in outcomes:
-                        outcomes[r] = RankOutcome(r, False, error=f"rank {r} died (exit code {procs[r].exitcode})",
-                                                  exc_type="Died", failed_at=time.monotonic())
+                        outcomes[r] = RankOutcome(
+                            r,
+                            False,
+                            error=f"rank {r} died (exit code {procs[r].exitcode})",
+                            exc_type="Died",
+                            failed_at=time.monotonic(),
+                        )
                         first_failure = first_failure or (time.monotonic(), r)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -405,14 +423,17 @@ def _start_together(
     failed = {}
     for r, p in enumerate(procs):
         if r in ready:
-            failed[r] = RankOutcome(r, False, error=f"rank {r} started, but a peer did not; stopped",
-                                    exc_type="Stopped")
+            failed[r] = RankOutcome(
+                r, False, error=f"rank {r} started, but a peer did not; stopped", exc_type="Stopped"
+            )
         elif not p.is_alive():
-            failed[r] = RankOutcome(r, False, error=f"rank {r} died during start-up (exit code {p.exitcode})",
-                                    exc_type="Died")
+            failed[r] = RankOutcome(
+                r, False, error=f"rank {r} died during start-up (exit code {p.exitcode})", exc_type="Died"
+            )
         else:
-            failed[r] = RankOutcome(r, False, error=f"rank {r} did not start within {startup_s:g}s; killed",
-                                    exc_type="Timeout")
+            failed[r] = RankOutcome(
+                r, False, error=f"rank {r} did not start within {startup_s:g}s; killed", exc_type="Timeout"
+            )
     return failed
 
 

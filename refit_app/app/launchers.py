@@ -53,14 +53,23 @@ class Launcher:
 
 TORCHRUN = Launcher("torchrun", RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV, None)
 SLURM = Launcher("SLURM", SLURM_PROCID_ENV, SLURM_NTASKS_ENV, SLURM_LOCALID_ENV, SLURM_JOB_ID_ENV)
-SUBMITIT_LOCAL = Launcher("submitit's local executor", SUBMITIT_LOCAL_GLOBALID_ENV, SUBMITIT_LOCAL_NTASKS_ENV,
-                          SUBMITIT_LOCAL_LOCALID_ENV, SUBMITIT_LOCAL_JOB_ID_ENV)
+SUBMITIT_LOCAL = Launcher(
+    "submitit's local executor",
+    SUBMITIT_LOCAL_GLOBALID_ENV,
+    SUBMITIT_LOCAL_NTASKS_ENV,
+    SUBMITIT_LOCAL_LOCALID_ENV,
+    SUBMITIT_LOCAL_JOB_ID_ENV,
+)
 LAUNCHERS = (TORCHRUN, SLURM, SUBMITIT_LOCAL)
 """In the order role=auto recognises them, by their rank variable. torchrun first: one torchrun per node inside a
 SLURM job sets RANK to the global rank, while SLURM_PROCID there counts nodes; SLURM before submitit, whose SLURM
 executor sets SLURM's own variables."""
-LAUNCHER_ENVS = (MASTER_ADDR_ENV, MASTER_PORT_ENV, *SLURM_NODELIST_ENVS,
-                 *(v for la in LAUNCHERS for v in (la.rank, la.world_size, la.local_rank, la.job_id) if v))
+LAUNCHER_ENVS = (
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    *SLURM_NODELIST_ENVS,
+    *(v for la in LAUNCHERS for v in (la.rank, la.world_size, la.local_rank, la.job_id) if v),
+)
 """Every launcher variable role=auto reads."""
 
 LAUNCHER_PORT_OFFSET = 1
@@ -112,16 +121,20 @@ def launcher_setting(key: str, env: Mapping[str, str] | None = None) -> int | st
             return DEFAULT_HOST  # submitit's local executor: every task runs on this machine
         nodelist = next((env[n] for n in SLURM_NODELIST_ENVS if env.get(n)), None)
         if nodelist is None:
-            raise ConfigError(f"role=auto under SLURM: {' or '.join(SLURM_NODELIST_ENVS)} is not set; "
-                              "give group.host=<the host of task 0>")
+            raise ConfigError(
+                f"role=auto under SLURM: {' or '.join(SLURM_NODELIST_ENVS)} is not set; "
+                "give group.host=<the host of task 0>"
+            )
         return first_host(nodelist)
     # key == "port"
     if la.job_id is None or env.get(MASTER_PORT_ENV):
         master_port = _int_env(env, MASTER_PORT_ENV, key, la)
         port = master_port + LAUNCHER_PORT_OFFSET
         if not 1 <= port <= 65535:
-            raise ConfigError(f"role=auto: {MASTER_PORT_ENV}={master_port} leaves no port for the refit group "
-                              f"({MASTER_PORT_ENV} + {LAUNCHER_PORT_OFFSET}); give group.port")
+            raise ConfigError(
+                f"role=auto: {MASTER_PORT_ENV}={master_port} leaves no port for the refit group "
+                f"({MASTER_PORT_ENV} + {LAUNCHER_PORT_OFFSET}); give group.port"
+            )
         return port
     job = env.get(la.job_id, "")
     return DEFAULT_PORT + (int(job) % JOB_PORT_SPAN if job.isdigit() else 0)
@@ -188,9 +201,10 @@ def _expand_name(name: str, nodelist: str) -> list[str]:
     match = _BRACKETS.search(name)
     if match is None:
         return [name]
-    head, tail = name[: match.start()], name[match.end():]
-    return [head + part + rest for part in _expand_ranges(match.group(1), nodelist)
-            for rest in _expand_name(tail, nodelist)]
+    head, tail = name[: match.start()], name[match.end() :]
+    return [
+        head + part + rest for part in _expand_ranges(match.group(1), nodelist) for rest in _expand_name(tail, nodelist)
+    ]
 
 
 def _expand_ranges(spec: str, nodelist: str) -> list[str]:
@@ -199,8 +213,9 @@ def _expand_ranges(spec: str, nodelist: str) -> list[str]:
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise ConfigError(f"role=auto: malformed range {part!r} in the SLURM node list {nodelist!r}; "
-                              "give group.host")
+            raise ConfigError(
+                f"role=auto: malformed range {part!r} in the SLURM node list {nodelist!r}; give group.host"
+            )
         width = len(lo)
         out += [str(n).zfill(width) for n in range(int(lo), int(hi if sep else lo) + 1)]
     return out

@@ -74,8 +74,15 @@ def run_local(s: RunSettings) -> dict[str, Any]:
     s = replace(s, group=replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id()))
     log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     # Started together: the rendezvous deadline (group.timeout_s) never includes a rank's start-up.
-    outcomes = run_ranks(_rank_main, s.group.world_size, (s, log_files), grace_s=LOCAL_EXIT_GRACE_S,
-                         name="refit-rank", preload=RANK_MODULES, startup_s=STARTUP_LIMIT_S)
+    outcomes = run_ranks(
+        _rank_main,
+        s.group.world_size,
+        (s, log_files),
+        grace_s=LOCAL_EXIT_GRACE_S,
+        name="refit-rank",
+        preload=RANK_MODULES,
+        startup_s=STARTUP_LIMIT_S,
+    )
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     metrics = [
         o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}
@@ -86,9 +93,12 @@ def run_local(s: RunSettings) -> dict[str, Any]:
     if failures:
         # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
         # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
-        error = root_cause(outcomes, ["producer"] + [f"consumer {r}" for r in range(1, len(outcomes))],
-                           secondary=(PeerError.__name__,),
-                           stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)")
+        error = root_cause(
+            outcomes,
+            ["producer"] + [f"consumer {r}" for r in range(1, len(outcomes))],
+            secondary=(PeerError.__name__,),
+            stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
+        )
         combined.update(status="failed", error=error)
         raise LocalRunError(error, combined)
     verified = [c.get("verified") for c in combined["consumers"]]

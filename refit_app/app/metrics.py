@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 
+
 def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
 
@@ -41,91 +42,124 @@ class RoundMetrics:
     handshake_seconds: float = field(metadata=_doc("time to send and accept this round's manifest; 0 without one"))
     peak_extra_bytes: int | None = field(metadata=_doc("resident memory above this round's start, at its peak"))
     peak_rss_bytes: int | None = field(metadata=_doc("highest resident set size during this round"))
-    loss: float | None = field(default=None, metadata=_doc("source=model: mean training loss of the steps before "
-                                                          "this round"))
+    loss: float | None = field(
+        default=None, metadata=_doc("source=model: mean training loss of the steps before this round")
+    )
     model_check: dict[str, Any] | None = field(
         default=None,
-        metadata=_doc("sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
-                      "producer's after this round"),
+        metadata=_doc(
+            "sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
+            "producer's after this round"
+        ),
     )
     engine_load: dict[str, Any] | None = field(
         default=None,
-        metadata=_doc("sink=vllm: how the engine took this round: `delta`, `reloaded` (checkpoint tensors loaded "
-                      "whole through vLLM's layerwise reload) and, in a delta round, `patched` (tensors changed in "
-                      "place through vLLM's checkpoint-patch loader), `layers` (layers reloaded), `patch_seconds`, "
-                      "`reload_seconds`"),
+        metadata=_doc(
+            "sink=vllm: how the engine took this round: `delta`, `reloaded` (checkpoint tensors loaded "
+            "whole through vLLM's layerwise reload) and, in a delta round, `patched` (tensors changed in "
+            "place through vLLM's checkpoint-patch loader), `layers` (layers reloaded), `patch_seconds`, "
+            "`reload_seconds`"
+        ),
     )
     wire_bytes: int | None = field(
-        default=None, metadata=_doc("bytes that crossed the group for this round's data: the packed chunks, or a "
-                                    "delta round's stream with its chunk headers"))
+        default=None,
+        metadata=_doc(
+            "bytes that crossed the group for this round's data: the packed chunks, or a "
+            "delta round's stream with its chunk headers"
+        ),
+    )
     delta: bool = field(default=False, metadata=_doc("whether this round sent only the changed elements"))
     base_round: int | None = field(default=None, metadata=_doc("the round a delta round was based on"))
     changed_elements: int | None = field(
-        default=None, metadata=_doc("elements whose bytes changed since the last round: counted in a delta round, "
-                                    "estimated from 1/32 of the words in a dense round of refit.delta=auto"))
+        default=None,
+        metadata=_doc(
+            "elements whose bytes changed since the last round: counted in a delta round, "
+            "estimated from 1/32 of the words in a dense round of refit.delta=auto"
+        ),
+    )
     changed_fraction: float | None = field(
-        default=None, metadata=_doc("changed_elements over all the model's elements"))
+        default=None, metadata=_doc("changed_elements over all the model's elements")
+    )
     encodings: dict[str, int] | None = field(
-        default=None, metadata=_doc("delta rounds: tensors sent per encoding (dense, bitmask, gaps8, gaps16); "
-                                    "unchanged tensors are not sent"))
+        default=None,
+        metadata=_doc(
+            "delta rounds: tensors sent per encoding (dense, bitmask, gaps8, gaps16); unchanged tensors are not sent"
+        ),
+    )
     diff_seconds: float | None = field(
-        default=None, metadata=_doc("producer, delta rounds: time spent comparing and encoding"))
+        default=None, metadata=_doc("producer, delta rounds: time spent comparing and encoding")
+    )
     apply_seconds: float | None = field(
-        default=None, metadata=_doc("consumer, delta rounds: time spent decoding and applying"))
+        default=None, metadata=_doc("consumer, delta rounds: time spent decoding and applying")
+    )
 
 
 @dataclass
 class RunMetrics:
     """What one rank of a run reports in metrics.json (failed runs too, with what was known)."""
 
-    role: str = field(metadata=_doc("producer, consumer or local (local: the producer's figures, each consumer's "
-                                    "under `consumers`)"))
+    role: str = field(
+        metadata=_doc("producer, consumer or local (local: the producer's figures, each consumer's under `consumers`)")
+    )
     rank: int | None = field(metadata=_doc("rank in the refit group; the producer is 0"))
     status: str = field(default="ok", metadata=_doc('"ok" or "failed"'))
     error: str | None = field(default=None, metadata=_doc("null, or the failure as one line"))
     bytes: int | None = field(default=None, metadata=_doc("the model's bytes refitted, summed over rounds"))
     wire_bytes: int | None = field(
-        default=None, metadata=_doc("bytes that crossed the group for the rounds' data, summed over rounds"))
+        default=None, metadata=_doc("bytes that crossed the group for the rounds' data, summed over rounds")
+    )
     delta: str | None = field(default=None, metadata=_doc("producer: refit.delta (off, on or auto)"))
     num_tensors: int | None = field(default=None, metadata=_doc("tensors per round"))
     num_chunks: int | None = field(default=None, metadata=_doc("packed chunks per round"))
     num_broadcasts: int | None = field(
-        default=None, metadata=_doc("chunks broadcast per round (bounded mode skips chunks of only empty tensors)"))
-    seconds: float | None = field(default=None, metadata=_doc("transfer wall time summed over rounds, handshake "
-                                                              "excluded"))
+        default=None, metadata=_doc("chunks broadcast per round (bounded mode skips chunks of only empty tensors)")
+    )
+    seconds: float | None = field(
+        default=None, metadata=_doc("transfer wall time summed over rounds, handshake excluded")
+    )
     gb_per_s: float | None = field(default=None, metadata=_doc("bytes / 1e9 / seconds"))
     rounds_done: int | None = field(default=None, metadata=_doc("rounds completed"))
     first_round_seconds: float | None = field(default=None, metadata=_doc("the first round's transfer time"))
     steady_round_seconds: float | None = field(
-        default=None, metadata=_doc("median transfer time of the rounds after the first; null with one round"))
+        default=None, metadata=_doc("median transfer time of the rounds after the first; null with one round")
+    )
     handshake_seconds: float | None = field(
-        default=None, metadata=_doc("rendezvous-to-accepted-manifest time of the first round (not part of seconds)"))
+        default=None, metadata=_doc("rendezvous-to-accepted-manifest time of the first round (not part of seconds)")
+    )
     buffer_size_bytes: int | None = field(default=None, metadata=_doc("packed buffer size actually used"))
     num_buffers: int | None = field(default=None, metadata=_doc("buffers in flight on this rank"))
     use_legacy_packing: bool | None = field(
-        default=None, metadata=_doc("true: vLLM-compatible chunks; false: bounded packing"))
+        default=None, metadata=_doc("true: vLLM-compatible chunks; false: bounded packing")
+    )
     backend: str | None = field(default=None, metadata=_doc("collective backend actually used: gloo, nccl or pynccl"))
     world_size: int | None = field(default=None, metadata=_doc("ranks in the group (1 producer + consumers)"))
     peak_rss_bytes: int | None = field(default=None, metadata=_doc("highest resident set size during any round"))
     peak_extra_bytes: int | None = field(
-        default=None, metadata=_doc("the largest per-round peak above that round's starting resident set size"))
+        default=None, metadata=_doc("the largest per-round peak above that round's starting resident set size")
+    )
     cuda_peak_bytes: int | None = field(
-        default=None, metadata=_doc("torch.cuda.max_memory_allocated during the rounds; null without CUDA"))
+        default=None, metadata=_doc("torch.cuda.max_memory_allocated during the rounds; null without CUDA")
+    )
     cuda_peak_extra_bytes: int | None = field(
-        default=None, metadata=_doc("cuda_peak_bytes minus the memory allocated at the start; null without CUDA"))
+        default=None, metadata=_doc("cuda_peak_bytes minus the memory allocated at the start; null without CUDA")
+    )
     verified: bool | None = field(
-        default=None, metadata=_doc("true: every round matched the producer's checksums; null: not checked"))
+        default=None, metadata=_doc("true: every round matched the producer's checksums; null: not checked")
+    )
     verified_tensors: int | None = field(default=None, metadata=_doc("sink=verify: tensors checked per round"))
     checksums: bool | None = field(
-        default=None, metadata=_doc("producer: whether it sent per-tensor checksums (some consumer verifies)"))
+        default=None, metadata=_doc("producer: whether it sent per-tensor checksums (some consumer verifies)")
+    )
     source: str | None = field(default=None, metadata=_doc("where the weights came from"))
-    sink: str | None = field(default=None, metadata=_doc("what the consumer did with them (verify, save, discard, "
-                                                         "model, or your class)"))
+    sink: str | None = field(
+        default=None, metadata=_doc("what the consumer did with them (verify, save, discard, model, or your class)")
+    )
     saved_to: str | None = field(default=None, metadata=_doc("sink=save: the checkpoint directory"))
     saved_files: list[str] | None = field(default=None, metadata=_doc("sink=save: the files written there"))
     rounds: list[RoundMetrics] = field(default_factory=list, metadata=_doc("one entry per round (table below)"))
     consumers: list[dict[str, Any]] | None = field(
-        default=None, metadata=_doc("role=local only: each consumer's metrics, with the keys above"))
+        default=None, metadata=_doc("role=local only: each consumer's metrics, with the keys above")
+    )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

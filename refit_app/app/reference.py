@@ -99,8 +99,9 @@ def help_reference() -> str:
             lines.append(f"{name}:")
         elif section.kind == "group":
             options = ", ".join(o.option for o in section.options)
-            lines.append(f"{name}: choose one with {name}=OPTION ({options}); default {section.default}. "
-                         f"{section.meaning}")
+            lines.append(
+                f"{name}: choose one with {name}=OPTION ({options}); default {section.default}. {section.meaning}"
+            )
         else:
             lines.append(f"{name}: none by default; choose one with {name}=OPTION")
         lines += [_line(k) for k in section.keys]
@@ -122,8 +123,9 @@ def markdown_reference(level: int = 2) -> str:
         name = section.name
         out += [f"{head} `{name}`", ""]
         if section.kind == "group":
-            options = ", ".join(f"`{o.option}`" + (" (default)" if o.option == section.default else "")
-                                for o in section.options)
+            options = ", ".join(
+                f"`{o.option}`" + (" (default)" if o.option == section.default else "") for o in section.options
+            )
             out += [f"{_md(section.meaning)} Choose one with `{name}=OPTION`: {options}.", ""]
         elif section.kind == "optional":
             out += [f"None by default; choose one with `{name}=OPTION`.", ""]
@@ -264,9 +266,11 @@ def _conf_text(path: str) -> str:
 def _optional_groups() -> list[str]:
     """Groups of conf/ that the schema has no node for (hparams_search): they set only Hydra's own keys."""
     root = resources.files(schema.CONF_MODULE)
-    return sorted(p.name for p in root.iterdir()
-                  if p.is_dir() and p.name not in schema.GROUP_SCHEMAS and any(
-                      f.name.endswith(".yaml") for f in p.iterdir()))
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and p.name not in schema.GROUP_SCHEMAS and any(f.name.endswith(".yaml") for f in p.iterdir())
+    )
 
 
 def _file_doc(group: str, option: str) -> str:

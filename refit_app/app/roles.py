@@ -86,7 +86,11 @@ def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics
 
 
 def _run_metrics(
-    s: RunSettings, rg: RefitGroup, manifest: Manifest | None, rounds: list[Round], memories: list[PeakMemory],
+    s: RunSettings,
+    rg: RefitGroup,
+    manifest: Manifest | None,
+    rounds: list[Round],
+    memories: list[PeakMemory],
     handshake_s: float,
 ) -> RunMetrics:
     """The figures both sides report; the top level describes the whole run (see :class:`RunMetrics`)."""
@@ -140,9 +144,14 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     rounds: list[Round] = []
     memories: list[PeakMemory] = []
     with connect(s.group) as rg:
-        session = ProducerSession(rg, buffer_size_bytes=target, num_buffers=s.refit.num_buffers,
-                                  use_legacy_packing=bool(s.refit.use_legacy_packing), on_chunk=progress.on_chunk,
-                                  delta=s.refit.delta)
+        session = ProducerSession(
+            rg,
+            buffer_size_bytes=target,
+            num_buffers=s.refit.num_buffers,
+            use_legacy_packing=bool(s.refit.use_legacy_packing),
+            on_chunk=progress.on_chunk,
+            delta=s.refit.delta,
+        )
         progress.session = session
         extra_for = _probe_encoder(probe, session.probe_tokens, source)
         files = _companion_files(source)
@@ -152,16 +161,27 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             extra = extra_for()
             with PeakMemory() as memory:
                 try:
-                    r = session.send(source.tensors(), metas=metas, metadata=source.metadata(),
-                                     files=files, source=source.describe(), extra=extra)
+                    r = session.send(
+                        source.tensors(),
+                        metas=metas,
+                        metadata=source.metadata(),
+                        files=files,
+                        source=source.describe(),
+                        extra=extra,
+                    )
                 finally:
                     progress.stop()
             r.facts.update(facts)
             rounds.append(r)
             memories.append(memory)
             if s.refit.rounds > 1:
-                logger.info("round %d/%d: %.3f s%s", k, s.refit.rounds, r.seconds,
-                            f", loss {facts['loss']:.4f}" if "loss" in facts else "")
+                logger.info(
+                    "round %d/%d: %.3f s%s",
+                    k,
+                    s.refit.rounds,
+                    r.seconds,
+                    f", loss {facts['loss']:.4f}" if "loss" in facts else "",
+                )
         session.close()
         metrics = _run_metrics(s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds)
         metrics.checksums = session.checksums_needed
@@ -195,19 +215,26 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     try:
         with connect(s.group) as rg:
             storage = getattr(sink, "delta_storage", None)
-            session = ConsumerSession(rg, buffer_size_bytes=s.refit.buffer_size_bytes,
-                                      use_legacy_packing=s.refit.use_legacy_packing,
-                                      num_buffers=s.refit.num_buffers, verify=verify, probe_tokens=probe_tokens,
-                                      on_chunk=progress.on_chunk, mirror=storage in (MIRROR, MIRRORED_DELTAS),
-                                      accept_deltas=storage in (DELTAS, MIRRORED_DELTAS))
+            session = ConsumerSession(
+                rg,
+                buffer_size_bytes=s.refit.buffer_size_bytes,
+                use_legacy_packing=s.refit.use_legacy_packing,
+                num_buffers=s.refit.num_buffers,
+                verify=verify,
+                probe_tokens=probe_tokens,
+                on_chunk=progress.on_chunk,
+                mirror=storage in (MIRROR, MIRRORED_DELTAS),
+                accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
+            )
             progress.session = session
             on_round_end = _round_end(sink, probe_tokens)
             targets = sink.targets if storage == TARGETS else None
             while True:
                 with PeakMemory() as memory:
                     try:
-                        r = session.receive(sink.consume, on_manifest=sink.begin, on_round_end=on_round_end,
-                                            targets=targets)
+                        r = session.receive(
+                            sink.consume, on_manifest=sink.begin, on_round_end=on_round_end, targets=targets
+                        )
                     finally:
                         progress.stop()
                 if r is None:
@@ -215,8 +242,9 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                 rounds.append(r)
                 memories.append(memory)
             published = sink.close()
-            metrics = _run_metrics(s, rg, session.manifest, rounds, memories,
-                                   rounds[0].handshake_seconds if rounds else 0.0)
+            metrics = _run_metrics(
+                s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds if rounds else 0.0
+            )
     except BaseException:
         sink.abort()
         raise

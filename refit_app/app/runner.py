@@ -89,8 +89,9 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     return metrics
 
 
-def _write_used_config(output_dir: str | Path, cfg: DictConfig, s: RunSettings,
-                       metrics: dict[str, Any] | None = None) -> None:
+def _write_used_config(
+    output_dir: str | Path, cfg: DictConfig, s: RunSettings, metrics: dict[str, Any] | None = None
+) -> None:
     """config_resolved.yaml: the config as this run used it, so that passing it back repeats the run. Interpolations
     are resolved, and keys left null are replaced by what the run resolved them to: the port and world size
     (before the run), the buffer size and packing mode that the producer chose (after it)."""

@@ -62,8 +62,20 @@ SUMMARY_COLUMNS = (
 a one-round run; ``steady_*`` are one steady round's (:func:`~refit_app.app.metrics.headline`), empty with one
 round; ``figure`` says which of the two the plot and the optuna objective use (``steady round`` or ``whole run``).
 New columns go at the end, so that a script reading columns by position keeps working."""
-_METRICS_COLUMNS = ("role", "backend", "buffer_size_bytes", "num_buffers", "use_legacy_packing", "bytes", "seconds",
-                    "gb_per_s", "peak_rss_bytes", "peak_extra_bytes", "rounds_done", "wire_bytes")
+_METRICS_COLUMNS = (
+    "role",
+    "backend",
+    "buffer_size_bytes",
+    "num_buffers",
+    "use_legacy_packing",
+    "bytes",
+    "seconds",
+    "gb_per_s",
+    "peak_rss_bytes",
+    "peak_extra_bytes",
+    "rounds_done",
+    "wire_bytes",
+)
 """Columns copied from metrics.json as they are."""
 
 # Overrides that place a job on the plot; the rest distinguish its lines (e.g. a sweep over model presets).
@@ -114,8 +126,11 @@ def _job_row(num: int, job_dir: Path) -> dict[str, Any]:
         figures = headline(metrics)
         row["figure"] = figures.basis
         if figures.basis == STEADY_ROUND:
-            row.update(steady_round_seconds=figures.seconds, steady_gb_per_s=figures.gb_per_s,
-                       steady_wire_bytes=figures.wire_bytes)
+            row.update(
+                steady_round_seconds=figures.seconds,
+                steady_gb_per_s=figures.gb_per_s,
+                steady_wire_bytes=figures.wire_bytes,
+            )
         row["_headline"] = figures
     failed = metrics is None or metrics.get("status") != "ok" or ended.get("status") == "failed"
     row["status"] = "failed" if failed else "ok"

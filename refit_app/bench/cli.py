@@ -37,8 +37,18 @@ from refit_app.transport.spec import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_
 
 logger = logging.getLogger(__name__)
 
-CASE_FLAGS = ("preset", "size", "buffer_size", "num_buffers", "post", "modes", "reps", "flat_refits", "delta_shares",
-              "delta_rounds")
+CASE_FLAGS = (
+    "preset",
+    "size",
+    "buffer_size",
+    "num_buffers",
+    "post",
+    "modes",
+    "reps",
+    "flat_refits",
+    "delta_shares",
+    "delta_rounds",
+)
 """The flags that make the cases: across hosts, rank 0's decide and a consumer's own are not used."""
 
 
@@ -51,54 +61,120 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m refit_app.bench",
         description="Time the packed refit against the transport limit and per-tensor broadcast over gloo.",
     )
-    p.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=list(DEFAULT_PRESETS),
-                   help="synthetic model shapes (default: %(default)s)")
-    p.add_argument("--size", nargs="+", default=None,
-                   help="bytes on the wire, e.g. 256MB 1GB 4GB, or 'natural' for the preset's own size "
-                        "(default: 1GB for llama presets, natural and 1GiB for lora)")
-    p.add_argument("--buffer-size", nargs="+", default=None,
-                   help="packed buffer target, e.g. 64MiB (default: get_target_packed_tensor_size(), "
-                        f"{format_size(get_target_packed_tensor_size())} here)")
-    p.add_argument("--num-buffers", nargs="+", type=int, default=None,
-                   help=f"buffers in flight (default: get_num_buffers(), {get_num_buffers()} here)")
-    p.add_argument("--consumers", nargs="+", type=int, default=None,
-                   help="consumer processes (default: 1; across hosts: --world-size - 1)")
-    p.add_argument("--post", nargs="+", choices=POSTS, default=["none"],
-                   help="producer post_iter_func: none, or cast (fp32 model sent as bf16) (default: none)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
-                   help="what to time (default: all; none with --delta-shares)")
-    p.add_argument("--reps", type=int, default=DEFAULT_REPS,
-                   help="timed repetitions per mode (and per delta mode and share) (default: %(default)s)")
-    p.add_argument("--flat-refits", type=int, default=None,
-                   help="consecutive refits after the timed ones, for the memory flatness check "
-                        f"(default: {DEFAULT_FLAT_REFITS}; 0 with --delta-shares)")
-    p.add_argument("--delta-shares", nargs="+", type=float, default=None, metavar="SHARE",
-                   help="time session rounds with delta off, on and auto against each other, the model changed "
-                        "between rounds at each of these shares of its elements, e.g. 0.001 0.01 0.1 (default: "
-                        "none; with it, --modes and --flat-refits default to none)")
-    p.add_argument("--delta-rounds", type=int, default=None,
-                   help="delta rounds after those, for the memory flatness check with deltas "
-                        f"(default: {DEFAULT_DELTA_ROUNDS} with --delta-shares)")
-    p.add_argument("--out", default="outputs/bench",
-                   help="directory for bench.json, table.md and throughput.png (default: %(default)s)")
-    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="deadline for each group of cases (default: %(default)s)")
+    p.add_argument(
+        "--preset",
+        nargs="+",
+        choices=sorted(PRESETS),
+        default=list(DEFAULT_PRESETS),
+        help="synthetic model shapes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--size",
+        nargs="+",
+        default=None,
+        help="bytes on the wire, e.g. 256MB 1GB 4GB, or 'natural' for the preset's own size "
+        "(default: 1GB for llama presets, natural and 1GiB for lora)",
+    )
+    p.add_argument(
+        "--buffer-size",
+        nargs="+",
+        default=None,
+        help="packed buffer target, e.g. 64MiB (default: get_target_packed_tensor_size(), "
+        f"{format_size(get_target_packed_tensor_size())} here)",
+    )
+    p.add_argument(
+        "--num-buffers",
+        nargs="+",
+        type=int,
+        default=None,
+        help=f"buffers in flight (default: get_num_buffers(), {get_num_buffers()} here)",
+    )
+    p.add_argument(
+        "--consumers",
+        nargs="+",
+        type=int,
+        default=None,
+        help="consumer processes (default: 1; across hosts: --world-size - 1)",
+    )
+    p.add_argument(
+        "--post",
+        nargs="+",
+        choices=POSTS,
+        default=["none"],
+        help="producer post_iter_func: none, or cast (fp32 model sent as bf16) (default: none)",
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=MODES, default=None, help="what to time (default: all; none with --delta-shares)"
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=DEFAULT_REPS,
+        help="timed repetitions per mode (and per delta mode and share) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--flat-refits",
+        type=int,
+        default=None,
+        help="consecutive refits after the timed ones, for the memory flatness check "
+        f"(default: {DEFAULT_FLAT_REFITS}; 0 with --delta-shares)",
+    )
+    p.add_argument(
+        "--delta-shares",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="time session rounds with delta off, on and auto against each other, the model changed "
+        "between rounds at each of these shares of its elements, e.g. 0.001 0.01 0.1 (default: "
+        "none; with it, --modes and --flat-refits default to none)",
+    )
+    p.add_argument(
+        "--delta-rounds",
+        type=int,
+        default=None,
+        help="delta rounds after those, for the memory flatness check with deltas "
+        f"(default: {DEFAULT_DELTA_ROUNDS} with --delta-shares)",
+    )
+    p.add_argument(
+        "--out",
+        default="outputs/bench",
+        help="directory for bench.json, table.md and throughput.png (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="deadline for each group of cases (default: %(default)s)",
+    )
     hosts = p.add_argument_group(
-        "across hosts", "run one rank per host (the same --host, --port and --world-size on each; REFIT_APP_TOKEN "
-                        "set alike on every host for non-loopback addresses); rank 0's other flags pick the cases, "
-                        "and rank 0 prints and writes every rank's results")
-    hosts.add_argument("--rank", type=int, default=None,
-                       help="this process's rank: 0 is the producer, 1..world-size-1 the consumers (default: spawn "
-                            "every rank on this machine over loopback)")
+        "across hosts",
+        "run one rank per host (the same --host, --port and --world-size on each; REFIT_APP_TOKEN "
+        "set alike on every host for non-loopback addresses); rank 0's other flags pick the cases, "
+        "and rank 0 prints and writes every rank's results",
+    )
+    hosts.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="this process's rank: 0 is the producer, 1..world-size-1 the consumers (default: spawn "
+        "every rank on this machine over loopback)",
+    )
     hosts.add_argument("--world-size", type=int, default=2, help="ranks in all, producer included (default: 2)")
-    hosts.add_argument("--host", default=DEFAULT_HOST,
-                       help="the producer's address; rank 0 listens on it (0.0.0.0: every interface) "
-                            "(default: %(default)s)")
+    hosts.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="the producer's address; rank 0 listens on it (0.0.0.0: every interface) (default: %(default)s)",
+    )
     hosts.add_argument("--port", type=int, default=DEFAULT_PORT, help="the producer's port (default: %(default)s)")
     hosts.add_argument("--interface", default=None, help="the NIC gloo uses (default: the route to the producer)")
-    hosts.add_argument("--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
-                       help="deadline of the rendezvous and of every collective, as group.timeout_s: a rank that dies "
-                            "ends the others within about that (default: %(default)s)")
+    hosts.add_argument(
+        "--group-timeout-s",
+        type=float,
+        default=DEFAULT_GROUP_TIMEOUT_S,
+        help="deadline of the rendezvous and of every collective, as group.timeout_s: a rank that dies "
+        "ends the others within about that (default: %(default)s)",
+    )
     return p
 
 
@@ -146,8 +222,16 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
 
 
 def _spec_from_args(args: argparse.Namespace) -> GroupSpec:
-    return GroupSpec(backend="gloo", host=args.host, port=args.port, world_size=args.world_size, rank=args.rank,
-                     timeout_s=args.group_timeout_s, interface=args.interface, token=os.environ.get(TOKEN_ENV))
+    return GroupSpec(
+        backend="gloo",
+        host=args.host,
+        port=args.port,
+        world_size=args.world_size,
+        rank=args.rank,
+        timeout_s=args.group_timeout_s,
+        interface=args.interface,
+        token=os.environ.get(TOKEN_ENV),
+    )
 
 
 def _check_out(out_dir: Path) -> None:
@@ -157,8 +241,9 @@ def _check_out(out_dir: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".bench-probe-"):
             pass
     except OSError as e:
-        raise SystemExit(f"refit_app.bench: error: --out {str(out_dir)!r} cannot take the results: "
-                         f"{e.strerror or e}") from None
+        raise SystemExit(
+            f"refit_app.bench: error: --out {str(out_dir)!r} cannot take the results: {e.strerror or e}"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,14 +100,21 @@ class DeltaSessions:
     in each; consumers verify every round, and keep a mirror that delta rounds patch (with ``delta="off"`` no
     mirror is kept: the consumer drops each batch after verifying it, as ``sink=verify`` would without deltas)."""
 
-    def __init__(self, rg: RefitGroup, model: ChangingModel | None, metas: list[TensorMeta], case: Case,
-                 modes: Sequence[str] = DELTA_MODES) -> None:
+    def __init__(
+        self,
+        rg: RefitGroup,
+        model: ChangingModel | None,
+        metas: list[TensorMeta],
+        case: Case,
+        modes: Sequence[str] = DELTA_MODES,
+    ) -> None:
         self._model, self._metas = model, metas
         self.sides: dict[str, ProducerSession | ConsumerSession] = {}
         for mode in modes:  # in the same order on every rank: each session exchanges its needs as it starts
             if rg.rank == 0:
-                self.sides[mode] = ProducerSession(rg, buffer_size_bytes=case.buffer_size_bytes,
-                                                   num_buffers=case.num_buffers, delta=mode)
+                self.sides[mode] = ProducerSession(
+                    rg, buffer_size_bytes=case.buffer_size_bytes, num_buffers=case.num_buffers, delta=mode
+                )
             else:
                 self.sides[mode] = ConsumerSession(rg, num_buffers=case.num_buffers, verify=True, mirror=True)
 

@@ -39,20 +39,22 @@ def summarize_delta(case: Case, per_rank: list[dict[str, Any]], model_bytes: int
         assert all(r["share"] == share for r in ranks), "ranks measured different shares"
         modes = {mode: _mode_summary(mode, ranks, case.reps) for mode in DELTA_MODES}
         dense, on, auto = (modes[m]["seconds"]["median"] for m in ("off", "on", "auto"))
-        shares.append({
-            "share": share,
-            "changed_fraction": modes["on"]["changed_fraction"],
-            "modes": modes,
-            "speedup_on": dense / on,
-            "auto_over_dense": auto / dense,
-        })
+        shares.append(
+            {
+                "share": share,
+                "changed_fraction": modes["on"]["changed_fraction"],
+                "modes": modes,
+                "speedup_on": dense / on,
+                "auto_over_dense": auto / dense,
+            }
+        )
     flats = [result["delta"]["flat"] for result in per_rank]
     return {
         "shares": shares,
         "flat_slack_bytes": FLAT_SLACK_BYTES,
-        "memory": None if flats[0] is None else [
-            _memory(rank, flat, len(case.delta_shares), model_bytes) for rank, flat in enumerate(flats)
-        ],
+        "memory": None
+        if flats[0] is None
+        else [_memory(rank, flat, len(case.delta_shares), model_bytes) for rank, flat in enumerate(flats)],
     }
 
 
@@ -68,7 +70,8 @@ def _mode_summary(mode: str, ranks: list[dict[str, Any]], reps: int) -> dict[str
         "wire_bytes_per_round": statistics.median(r["wire_bytes"] for r in rounds),
         "delta_rounds": len(deltas),
         "changed_fraction": statistics.median(r["changed_elements"] / r["total_elements"] for r in deltas)
-        if deltas else None,
+        if deltas
+        else None,
         "encodings": dict(sum((Counter(r["encodings"]) for r in deltas), Counter())),
         "delta_seconds_median": {
             "producer": statistics.median(r["delta_seconds"] for r in rounds),
@@ -122,8 +125,10 @@ def _share(value: float | None) -> str:
 
 def format_delta_table(summaries: list[dict[str, Any]]) -> str:
     """One row per case and share: each mode's round time, its wire bytes per round, and the speed-ups."""
-    head = ("| model | size | consumers | share | changed | dense s | delta on s | auto s | dense/on | auto/dense "
-            "| wire per round, dense / on / auto | auto's delta rounds |\n")
+    head = (
+        "| model | size | consumers | share | changed | dense s | delta on s | auto s | dense/on | auto/dense "
+        "| wire per round, dense / on / auto | auto's delta rounds |\n"
+    )
     rows = []
     for s in summaries:
         if "delta" not in s:

@@ -135,8 +135,14 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
 
 
 def _round_figures(r: Round) -> dict[str, Any]:
-    return {"wire_bytes": r.wire_bytes, "base_round": r.base_round, "changed_elements": r.changed_elements,
-            "total_elements": r.total_elements, "encodings": r.encodings, "delta_seconds": r.delta_seconds}
+    return {
+        "wire_bytes": r.wire_bytes,
+        "base_round": r.base_round,
+        "changed_elements": r.changed_elements,
+        "total_elements": r.total_elements,
+        "encodings": r.encodings,
+        "delta_seconds": r.delta_seconds,
+    }
 
 
 def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[TensorMeta]) -> dict[str, Any]:
@@ -164,7 +170,7 @@ def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[Te
                 _return_free_memory_to_os()
             # Each repetition starts with the next mode, so that no mode always runs first after the change (the
             # model's pages cold in cache) or right after another's allocations.
-            order = DELTA_MODES[rep % len(DELTA_MODES):] + DELTA_MODES[:rep % len(DELTA_MODES)]
+            order = DELTA_MODES[rep % len(DELTA_MODES) :] + DELTA_MODES[: rep % len(DELTA_MODES)]
             for mode in order:
                 run = _SessionRound(sessions, mode)
                 elapsed, cpu, _ = _timed(rg, run, total, mode)
@@ -190,8 +196,9 @@ class _SessionRound:
         return self.last.bytes
 
 
-def _delta_flatness(rg: RefitGroup, case: Case, model: ChangingModel | None, metas: list[TensorMeta], total: int,
-                    round_index: int) -> dict[str, Any] | None:
+def _delta_flatness(
+    rg: RefitGroup, case: Case, model: ChangingModel | None, metas: list[TensorMeta], total: int, round_index: int
+) -> dict[str, Any] | None:
     """Memory over ``case.delta_rounds`` delta rounds of one fresh ``delta="on"`` session pair, nothing else in
     between: this rank's RSS with the model alone, then before and at the peak of every round (round 1 dense,
     filling the snapshot or the mirror; each later round at the next share of ``case.delta_shares`` in turn)."""
@@ -212,8 +219,15 @@ def _delta_flatness(rg: RefitGroup, case: Case, model: ChangingModel | None, met
         _return_free_memory_to_os()
         run = _SessionRound(sessions, "on")
         _, _, memory = _timed(rg, run, total, "delta flatness")
-        rounds.append({"round": k, "share": share, "delta": run.last.delta,
-                       "rss_before_bytes": memory.baseline_rss, "peak_rss_bytes": memory.peak_rss})
+        rounds.append(
+            {
+                "round": k,
+                "share": share,
+                "delta": run.last.delta,
+                "rss_before_bytes": memory.baseline_rss,
+                "peak_rss_bytes": memory.peak_rss,
+            }
+        )
     _return_free_memory_to_os()
     rss_after = _rss()
     sessions.close()

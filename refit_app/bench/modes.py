@@ -65,7 +65,8 @@ class Session:
         self._source, self._metas, self._post = source, metas, post_func(case.post)
         if rg.rank == 0:
             self._side: ProducerSession | ConsumerSession = ProducerSession(
-                rg, buffer_size_bytes=case.buffer_size_bytes, num_buffers=case.num_buffers)
+                rg, buffer_size_bytes=case.buffer_size_bytes, num_buffers=case.num_buffers
+            )
         else:
             self._side = ConsumerSession(rg, num_buffers=case.num_buffers)
         self.run()

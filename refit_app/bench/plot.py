@@ -110,8 +110,9 @@ def figure(data: PlotData) -> Figure:
     from matplotlib.figure import Figure
 
     n = len(data.labels)
-    fig = Figure(figsize=(11 if data.ratios else 7.5, 1.6 + n * (0.2 * len(data.throughput) + 0.3)),
-                 layout="constrained")
+    fig = Figure(
+        figsize=(11 if data.ratios else 7.5, 1.6 + n * (0.2 * len(data.throughput) + 0.3)), layout="constrained"
+    )
     FigureCanvasAgg(fig)
     if data.ratios:
         speed, share = fig.subplots(1, 2, sharey=True, width_ratios=(2, 1))
@@ -133,31 +134,56 @@ def figure(data: PlotData) -> Figure:
             xerr = None
             if all(isinstance(e, Bar) for _, e in rows):
                 xerr = [[e.median - e.low for _, e in rows], [e.high - e.median for _, e in rows]]
-            ax.barh(ys, widths, height=height, xerr=xerr, color=colors[name], label=name, capsize=2,
-                    error_kw={"elinewidth": 0.8, "ecolor": "0.2"})
+            ax.barh(
+                ys,
+                widths,
+                height=height,
+                xerr=xerr,
+                color=colors[name],
+                label=name,
+                capsize=2,
+                error_kw={"elinewidth": 0.8, "ecolor": "0.2"},
+            )
             drawn += [(y, w, e) for (y, e), w in zip(rows, widths)]
         return drawn
 
-    draw(speed, {MODE_LABELS[m]: bars for m, bars in data.throughput.items()},
-         {MODE_LABELS[m]: MODE_COLORS[m] for m in data.throughput})
+    draw(
+        speed,
+        {MODE_LABELS[m]: bars for m, bars in data.throughput.items()},
+        {MODE_LABELS[m]: MODE_COLORS[m] for m in data.throughput},
+    )
     speed.set_yticks(range(n), data.labels)
     speed.set_ylim(n - 0.5, -0.5)  # the first case on top, as in table.md
     speed.set_xlim(left=0)
     speed.set_xlabel("throughput, GB/s (bar: median; line: slowest to fastest repetition)")
     speed.grid(True, axis="x", alpha=0.3)
     # One legend for both panels, under them where it hides no bar: a ratio takes its mode's colour.
-    fig.legend(*speed.get_legend_handles_labels(), loc="outside lower center", ncol=len(data.throughput),
-               fontsize="small", frameon=False)
+    fig.legend(
+        *speed.get_legend_handles_labels(),
+        loc="outside lower center",
+        ncol=len(data.throughput),
+        fontsize="small",
+        frameon=False,
+    )
 
     if share is not None:
         colors = {label: MODE_COLORS[mode] for label, mode in RATIOS.values()}
         for y, width, _ in draw(share, data.ratios, colors):
-            share.annotate(f"{width:.2f}x", (width, y), xytext=(3, 0), textcoords="offset points", va="center",
-                           fontsize="small")
+            share.annotate(
+                f"{width:.2f}x", (width, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize="small"
+            )
         share.axvline(1.0, color=MODE_COLORS["limit"], linestyle="--", linewidth=1)
-        share.annotate("limit", (1.0, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
-                       textcoords="offset points", ha="center", va="bottom", fontsize="small",
-                       color=MODE_COLORS["limit"])
+        share.annotate(
+            "limit",
+            (1.0, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize="small",
+            color=MODE_COLORS["limit"],
+        )
         top = max((r for rs in data.ratios.values() for r in rs if r is not None), default=1.0)
         share.set_xlim(0, max(1.0, top) * 1.25)  # room for the figures written after each bar
         share.set_xlabel("fraction of the limit (medians)")
@@ -206,11 +232,15 @@ def delta_plot_data(doc: dict[str, Any]) -> DeltaPlotData:
     for label, s in zip(labels, summaries):
         rows = s["delta"]["shares"]
         for mode in DELTA_MODE_STYLES:
-            lines.append(DeltaLine(
-                label, mode, [r["share"] for r in rows],
-                [r["modes"]["off"]["seconds"]["median"] / r["modes"][mode]["seconds"]["median"] for r in rows],
-                [r["modes"][mode]["wire_bytes_per_round"] / s["bytes"] for r in rows],
-            ))
+            lines.append(
+                DeltaLine(
+                    label,
+                    mode,
+                    [r["share"] for r in rows],
+                    [r["modes"]["off"]["seconds"]["median"] / r["modes"][mode]["seconds"]["median"] for r in rows],
+                    [r["modes"][mode]["wire_bytes_per_round"] / s["bytes"] for r in rows],
+                )
+            )
     return DeltaPlotData(title, lines)
 
 
@@ -237,8 +267,15 @@ def delta_figure(data: DeltaPlotData) -> Figure:
         wire.plot(percent, line.wire_fraction, style, marker=marker, color=color, label=label)
         if line.mode == "on":
             for x, y in zip(percent, line.speedup):
-                speed.annotate(f"{y:.2f}x", (x, y), xytext=(6, 4), textcoords="offset points", ha="left",
-                               fontsize="small", color=color)
+                speed.annotate(
+                    f"{y:.2f}x",
+                    (x, y),
+                    xytext=(6, 4),
+                    textcoords="offset points",
+                    ha="left",
+                    fontsize="small",
+                    color=color,
+                )
     speed.axhline(1.0, color="tab:gray", linestyle=":", linewidth=1, label="dense")
     shares = sorted({share for line in data.lines for share in line.shares})
     for ax in (speed, wire):

@@ -43,6 +43,10 @@ def run_rank(spec: GroupSpec, cases: list[Case], out_dir: Path) -> list[dict[str
     if spec.rank != 0:
         return None
     ordered = [summarize(case, [rank[i] for rank in per_rank]) for i, case in enumerate(cases)]
-    write_results(ordered, out_dir, load_before,
-                  f"gloo across hosts (producer at {spec.host}:{spec.port}, {spec.world_size} ranks, one per process)")
+    write_results(
+        ordered,
+        out_dir,
+        load_before,
+        f"gloo across hosts (producer at {spec.host}:{spec.port}, {spec.world_size} ranks, one per process)",
+    )
     return ordered

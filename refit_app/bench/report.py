@@ -33,7 +33,7 @@ MEMORY_SLACK = 0.10
 MODE_DESCRIPTIONS = {
     "refit": "packed_broadcast_producer/consumer, one call each, consumer drops each batch",
     "session": "one steady-state round of ProducerSession.send / ConsumerSession.receive (manifest sent in "
-               "an untimed first round), consumer drops each batch",
+    "an untimed first round), consumer drops each batch",
     "limit": "the same chunks pre-packed on both sides, all broadcast async back to back, then waited",
     "per_tensor": "one synchronous broadcast per tensor into a freshly allocated tensor",
 }
@@ -151,11 +151,15 @@ def _row(s: dict[str, Any]) -> str:
 
     def peaks(mode: str) -> str:
         # Measured by the --flat-refits runs; without them there is no figure.
-        values = [m["refit_peak_extra_bytes_max"] if mode == "refit" else (m["session"] or {}).get(
-            "peak_extra_bytes_max") for m in s["memory"]]
+        values = [
+            m["refit_peak_extra_bytes_max"] if mode == "refit" else (m["session"] or {}).get("peak_extra_bytes_max")
+            for m in s["memory"]
+        ]
         producer, consumers = values[0], [v for v in values[1:] if v is not None]
-        return (f"{'-' if producer is None else format_size(producer)} / "
-                f"{format_size(max(consumers)) if consumers else '-'}")
+        return (
+            f"{'-' if producer is None else format_size(producer)} / "
+            f"{format_size(max(consumers)) if consumers else '-'}"
+        )
 
     return (
         f"| {case['preset']} | {_size_label(s)} | {s['num_tensors']} | {s['num_chunks']} "
@@ -180,7 +184,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 def plot_files(summaries: list[dict[str, Any]]) -> list[str]:
     """The plots a run with these results writes, in ``--out``."""
     return ([PLOT_PNG] if any(s["modes"] for s in summaries) else []) + (
-        [DELTA_PNG] if any("delta" in s for s in summaries) else [])
+        [DELTA_PNG] if any("delta" in s for s in summaries) else []
+    )
 
 
 def _modes_table(summaries: list[dict[str, Any]]) -> str:

@@ -38,8 +38,14 @@ def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]
     world_size = cases[0].consumers + 1
     # A failed rank breaks the others' collectives at once: no point waiting for them. run_ranks has the fork
     # server import this module (never __main__), and with it everything a rank imports, once for every rank.
-    outcomes = run_ranks(_rank_main, world_size, (world_size, free_port(), cases), timeout_s=timeout_s,
-                         grace_s=_CHILD_EXIT_S, name="bench-rank")
+    outcomes = run_ranks(
+        _rank_main,
+        world_size,
+        (world_size, free_port(), cases),
+        timeout_s=timeout_s,
+        grace_s=_CHILD_EXIT_S,
+        name="bench-rank",
+    )
     failed = next((o for o in outcomes if not o.ok), None)
     if failed is not None:
         if failed.exc_type == "Timeout":

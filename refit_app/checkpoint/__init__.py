@@ -16,13 +16,26 @@ from typing import Any
 
 _EXPORTS = {
     **dict.fromkeys(
-        ("SINGLE_FILE_NAME", "INDEX_FILE_NAME", "CONFIG_FILE_NAME", "COMPANION_FILE_NAMES", "MAX_COMPANION_FILE_BYTES",
-         "MAX_COMPANION_BYTES"),
+        (
+            "SINGLE_FILE_NAME",
+            "INDEX_FILE_NAME",
+            "CONFIG_FILE_NAME",
+            "COMPANION_FILE_NAMES",
+            "MAX_COMPANION_FILE_BYTES",
+            "MAX_COMPANION_BYTES",
+        ),
         "refit_app.checkpoint.layout",
     ),
     **dict.fromkeys(
-        ("METADATA_KEY", "MAX_HEADER_BYTES", "INT64_MAX", "HeaderProblem", "load_json", "read_header",
-         "regular_file_problem"),
+        (
+            "METADATA_KEY",
+            "MAX_HEADER_BYTES",
+            "INT64_MAX",
+            "HeaderProblem",
+            "load_json",
+            "read_header",
+            "regular_file_problem",
+        ),
         "refit_app.checkpoint.header",
     ),
     **dict.fromkeys(("DTYPE_CODES", "DTYPE_TO_CODE"), "refit_app.checkpoint.dtypes"),

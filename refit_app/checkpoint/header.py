@@ -81,8 +81,13 @@ def load_json(text: str, *, floats: bool = True) -> object:
     # run of digits long enough to be refused appears somewhere (perhaps only in a string).
     long_digits = _LONG_DIGITS.search(text)
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_bounded_int if long_digits else None,
-                          parse_float=_bounded_float if floats else _no_float, parse_constant=_no_constant)
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_keys,
+            parse_int=_bounded_int if long_digits else None,
+            parse_float=_bounded_float if floats else _no_float,
+            parse_constant=_no_constant,
+        )
     except RecursionError:
         raise HeaderProblem("it nests objects or arrays thousands deep, far deeper than any real file") from None
 
@@ -122,10 +127,16 @@ def _tensor_problem(name: str, spec: object) -> str | None:
     for d in shape:
         extent *= max(d, 1)
         if extent > INT64_MAX:  # at once: a hostile list of a million sizes never builds a huge int
-            return (f"tensor {name[:80]!r} has shape {str(shape)[:80]}, whose sizes multiply past int64 (zero "
-                    "elements or not)")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
+            return (
+                f"tensor {name[:80]!r} has shape {str(shape)[:80]}, whose sizes multiply past int64 (zero "
+                "elements or not)"
+            )
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         return f"tensor {name[:80]!r} has data_offsets that are not [begin, end] int64 offsets"
     return None
 
@@ -138,8 +149,13 @@ def _json_kind(value: object) -> str:
 
 
 def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"
@@ -184,18 +200,21 @@ def read_header(path: Path) -> dict[str, object]:
             raise SourceError(f"{path} is {_file_kind(st.st_mode)}, not a regular file; give a .safetensors file")
         if st.st_size < 8:
             raise SourceError(
-                f"{path} is not a safetensors file: it has {st.st_size} bytes, fewer than the 8-byte header length")
+                f"{path} is not a safetensors file: it has {st.st_size} bytes, fewer than the 8-byte header length"
+            )
         (header_len,) = struct.unpack("<Q", _read_exactly(fd, 8))
         if header_len > INT64_MAX:
             raise SourceError(f"{path} is not a safetensors file: its first 8 bytes give a negative header length")
         if header_len > MAX_HEADER_BYTES:
             raise SourceError(
                 f"{path} is not a safetensors file: its first 8 bytes give a header of {header_len} bytes, above the "
-                f"format's limit of {MAX_HEADER_BYTES}")
+                f"format's limit of {MAX_HEADER_BYTES}"
+            )
         if header_len > st.st_size - 8:
             raise SourceError(
                 f"{path} is truncated: header length is {header_len} bytes, file has {st.st_size - 8} after "
-                "the length field; re-download or re-save it")
+                "the length field; re-download or re-save it"
+            )
         raw = _read_exactly(fd, header_len)
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
@@ -205,15 +224,16 @@ def read_header(path: Path) -> dict[str, object]:
         with no_gc():
             header = load_json(raw.decode("utf-8"), floats=False)
     except HeaderProblem as e:
-        raise SourceError(f"{path} has a corrupt header: {e}; it was not written by a safetensors writer, "
-                          "re-download or re-save it") from None
+        raise SourceError(
+            f"{path} has a corrupt header: {e}; it was not written by a safetensors writer, re-download or re-save it"
+        ) from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise SourceError(f"{path} has a corrupt header: invalid JSON in header: {e}; re-download or "
-                          "re-save it") from None
+        raise SourceError(
+            f"{path} has a corrupt header: invalid JSON in header: {e}; re-download or re-save it"
+        ) from None
     if not isinstance(header, dict):
         kind = "sequence" if isinstance(header, list) else "single value"
-        raise SourceError(f"{path} has a corrupt header: it is a JSON {kind}, not an object; re-download or "
-                          "re-save it")
+        raise SourceError(f"{path} has a corrupt header: it is a JSON {kind}, not an object; re-download or re-save it")
     with no_gc():
         problems = _header_problems(header)
     if problems:
@@ -227,8 +247,11 @@ def _header_problems(header: dict[str, object]) -> list[str]:
     if not isinstance(metadata, dict):
         problems.append(f"{METADATA_KEY} is {_json_kind(metadata)}, not an object of strings")
     else:
-        problems += [f"{METADATA_KEY} value {k[:80]!r} is {_json_kind(v)}, not a string"
-                     for k, v in metadata.items() if not isinstance(v, str)]
+        problems += [
+            f"{METADATA_KEY} value {k[:80]!r} is {_json_kind(v)}, not a string"
+            for k, v in metadata.items()
+            if not isinstance(v, str)
+        ]
     for name, spec in header.items():
         if name != METADATA_KEY:
             problem = _tensor_problem(name, spec)

@@ -65,8 +65,7 @@ def switch_dirs(staging: Path, target: Path) -> None:
         return
     if exchange_dirs(staging, target):
         return
-    logger.warning("this system cannot exchange two directories in one step; replacing %s with two renames",
-                   target)
+    logger.warning("this system cannot exchange two directories in one step; replacing %s with two renames", target)
     aside = staging.with_name(f".{target.name}{_STAGING_INFIX}{secrets.token_hex(6)}")
     os.rename(target, aside)
     os.rename(staging, target)
@@ -154,14 +153,18 @@ def claim_staging(target: Path) -> tuple[Path, int]:
         try:
             staging.mkdir()
         except OSError as e:
-            raise SinkError(f"cannot create a directory in {target.parent}: {e.strerror or e} (a checkpoint is "
-                            "written beside its directory and swapped in whole, so the parent must be "
-                            "writable)") from e
+            raise SinkError(
+                f"cannot create a directory in {target.parent}: {e.strerror or e} (a checkpoint is "
+                "written beside its directory and swapped in whole, so the parent must be "
+                "writable)"
+            ) from e
         fd = _locked_dir(staging)
         if fd is not None and _is_at(fd, staging):
             return staging, fd
         if fd is not None:
             os.close(fd)
         logger.info("%s was removed by another save before this one locked it; trying another", staging)
-    raise SinkError(f"could not keep a staging directory beside {target} in {_STAGING_TRIES} tries: other "
-                    "processes removed each one; is another save running into the same place?")
+    raise SinkError(
+        f"could not keep a staging directory beside {target} in {_STAGING_TRIES} tries: other "
+        "processes removed each one; is another save running into the same place?"
+    )

@@ -66,7 +66,8 @@ def _explain(path: Path, error: Exception, header: dict[str, object] | None = No
     if text.startswith("header too small"):
         size = path.stat().st_size
         return SourceError(
-            f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length")
+            f"{path} is not a safetensors file: it has {size} bytes, fewer than the 8-byte header length"
+        )
     if text.startswith("header too large"):
         return SourceError(
             f"{path} is not a safetensors file: its first 8 bytes give a header length above the format's limit"
@@ -165,8 +166,13 @@ def read_companion_files(directory: str | os.PathLike) -> dict[str, str | bytes]
         if size > MAX_COMPANION_FILE_BYTES or total + size > MAX_COMPANION_BYTES:
             cap = "per file" if size > MAX_COMPANION_FILE_BYTES else "for all companion files"
             limit = MAX_COMPANION_FILE_BYTES if size > MAX_COMPANION_FILE_BYTES else MAX_COMPANION_BYTES
-            logger.warning("not sending %s (%s): over the %s limit %s; copy it beside the saved checkpoint yourself",
-                           path, format_size(size), format_size(limit), cap)
+            logger.warning(
+                "not sending %s (%s): over the %s limit %s; copy it beside the saved checkpoint yourself",
+                path,
+                format_size(size),
+                format_size(limit),
+                cap,
+            )
             continue
         try:
             data = path.read_bytes()
@@ -193,12 +199,15 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         names = os.listdir(path)
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
-    odd = sorted(n for n in names
-                 if (n.endswith(".safetensors") or n == INDEX_FILE_NAME) and regular_file_problem(path / n))
+    odd = sorted(
+        n for n in names if (n.endswith(".safetensors") or n == INDEX_FILE_NAME) and regular_file_problem(path / n)
+    )
     if odd:
         # Skipping them would load another file than the user meant; opening a FIFO would block forever.
-        raise SourceError(f"{path} holds checkpoint file(s) that are not regular files (a FIFO, a device, a "
-                          f"directory or a broken link): {summarize(odd)}; remove them or point at a file")
+        raise SourceError(
+            f"{path} holds checkpoint file(s) that are not regular files (a FIFO, a device, a "
+            f"directory or a broken link): {summarize(odd)}; remove them or point at a file"
+        )
     if (path / SINGLE_FILE_NAME).is_file():
         # Transformers prefers the single file over an index, so a directory holding both loads the same here.
         return [path / SINGLE_FILE_NAME], None
@@ -230,20 +239,18 @@ def _read_index(index_path: Path) -> tuple[list[Path], dict[str, str]]:
     except (UnicodeDecodeError, ValueError) as e:
         raise SourceError(f"{index_path} is not valid JSON ({e})") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not (
-        isinstance(weight_map, dict)
-        and weight_map
-        and all(isinstance(v, str) for v in weight_map.values())
-    ):
-        raise SourceError(f"{index_path} has no \"weight_map\" object of tensor name -> shard file")
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise SourceError(f'{index_path} has no "weight_map" object of tensor name -> shard file')
     shard_names = sorted(set(weight_map.values()))
     bad = [s for s in shard_names if Path(s).name != s]
     if bad:
         raise SourceError(f"{index_path} names shards outside its directory: {summarize(bad)}")
     odd = [s for s in shard_names if (index_path.parent / s).exists() and not (index_path.parent / s).is_file()]
     if odd:
-        raise SourceError(f"{index_path} names shard(s) that are not regular files (a FIFO or a device would block "
-                          f"the read): {summarize(odd)}")
+        raise SourceError(
+            f"{index_path} names shard(s) that are not regular files (a FIFO or a device would block "
+            f"the read): {summarize(odd)}"
+        )
     missing = [s for s in shard_names if not (index_path.parent / s).is_file()]
     if missing:
         raise SourceError(f"{index_path} names {len(missing)} missing shard file(s): {summarize(missing)}")

@@ -80,8 +80,10 @@ class SafetensorsWriter:
             elif meta.name == METADATA_KEY:
                 problems.append(f"{meta.name!r} is reserved for metadata")
             elif code in PACKED_PER_ELEMENT and not meta.shape:
-                problems.append(f"{meta.name!r} is a 0-dim {meta.dtype}, which safetensors cannot describe (its shape "
-                                "counts packed values)")
+                problems.append(
+                    f"{meta.name!r} is a 0-dim {meta.dtype}, which safetensors cannot describe (its shape "
+                    "counts packed values)"
+                )
             else:
                 coded.append((code, meta))
             seen.add(meta.name)
@@ -264,8 +266,10 @@ class CheckpointWriter:
         if not target.is_dir():
             raise SinkError(f"{self.directory} exists and is not a directory")
         if os.path.ismount(target):
-            raise SinkError(f"{self.directory} is a mount point, which a save cannot replace as a whole; save into "
-                            f"a directory inside it (for example {self.directory / 'model'})")
+            raise SinkError(
+                f"{self.directory} is a mount point, which a save cannot replace as a whole; save into "
+                f"a directory inside it (for example {self.directory / 'model'})"
+            )
         remove_leftovers(target)
         self.staging, self._lock = claim_staging(target)
         staging = self.staging

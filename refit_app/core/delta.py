@@ -175,8 +175,9 @@ def diff(
                 size = max(2 * pos_out.size, count + room)
                 pos_out = np.resize(pos_out, size)  # np.resize copies into a new array of that size
                 val_out = np.resize(val_out, size * itemsize)
-            found = kernel.diff(nb, ob, itemsize, pos_out[count:], val_out[count * itemsize :], start // itemsize,
-                                update)
+            found = kernel.diff(
+                nb, ob, itemsize, pos_out[count:], val_out[count * itemsize :], start // itemsize, update
+            )
             if hasher is not None:
                 hasher.update(nb)
             count += found
@@ -268,8 +269,9 @@ class Encoded:
     for DENSE."""
 
     def header(self, index: int, values_nbytes: int) -> bytes:
-        return RECORD.pack(index, self.encoding, self.flags, 0, self.count, self.escapes, len(self.positions),
-                           values_nbytes)
+        return RECORD.pack(
+            index, self.encoding, self.flags, 0, self.count, self.escapes, len(self.positions), values_nbytes
+        )
 
     def nbytes(self, values_nbytes: int) -> int:
         """The record's size in the stream."""
@@ -317,9 +319,7 @@ def _compresses(compressor: Any, raw: np.ndarray) -> bool:
     return len(compressor.compress(sample)) <= (1 - ZSTD_MIN_SAVING) * len(sample)
 
 
-def _positions_section(
-    encoding: int, positions: np.ndarray, gaps: np.ndarray, numel: int, escapes: int
-) -> np.ndarray:
+def _positions_section(encoding: int, positions: np.ndarray, gaps: np.ndarray, numel: int, escapes: int) -> np.ndarray:
     """The raw positions section as uint8."""
     if encoding == BITMASK:
         mask = np.zeros(numel, dtype=bool)

@@ -96,6 +96,7 @@ class Arch:
 
     def total_bytes(self, itemsize: int) -> int:
         """Bytes at ``itemsize`` per element (fp32 scales at 4)."""
+
         def nbytes(specs: list[tuple[str, tuple[int, ...], bool]]) -> int:
             return sum(math.prod(shape) * (4 if scale else itemsize) for _, shape, scale in specs)
 
@@ -107,17 +108,27 @@ PRESETS: dict[str, Arch] = {
     "tiny": Arch(vocab=2048, hidden=256, q_dim=256, kv_dim=128, intermediate=704, layers=4, kv_scales=True),
     # Llama-3.2-1B (tied embeddings).
     "llama-1b": Arch(
-        vocab=128256, hidden=2048, q_dim=2048, kv_dim=512, intermediate=8192, layers=16,
-        tie_embeddings=True, kv_scales=True,
+        vocab=128256,
+        hidden=2048,
+        q_dim=2048,
+        kv_dim=512,
+        intermediate=8192,
+        layers=16,
+        tie_embeddings=True,
+        kv_scales=True,
     ),
     # Llama-3-8B.
-    "llama-8b": Arch(
-        vocab=128256, hidden=4096, q_dim=4096, kv_dim=1024, intermediate=14336, layers=32, kv_scales=True
-    ),
+    "llama-8b": Arch(vocab=128256, hidden=4096, q_dim=4096, kv_dim=1024, intermediate=14336, layers=32, kv_scales=True),
     # Qwen2-0.5B: tied embeddings and biases on q/k/v.
     "qwen-0.5b": Arch(
-        vocab=151936, hidden=896, q_dim=896, kv_dim=128, intermediate=4864, layers=24,
-        tie_embeddings=True, qkv_bias=True,
+        vocab=151936,
+        hidden=896,
+        q_dim=896,
+        kv_dim=128,
+        intermediate=4864,
+        layers=24,
+        tie_embeddings=True,
+        qkv_bias=True,
     ),
     # A rank-16 LoRA adapter on all seven projections of a deep, narrow model: 2240 matrices of 8-88 KiB.
     "lora": Arch(vocab=0, hidden=1024, q_dim=1024, kv_dim=256, intermediate=2816, layers=160, lora_rank=LORA_RANK),

@@ -50,8 +50,6 @@ LOGIT_TOLERANCE: dict[torch.dtype, float] = {
 _PROBE_HEADER = struct.Struct("<Q")
 
 
-
-
 def forward_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """``[len(token_ids), vocab]`` float32 logits on CPU, in eval mode without autograd."""
     device = next(model.parameters()).device
@@ -105,8 +103,9 @@ def decode_probe(data: bytes) -> dict:
     return header
 
 
-def decisive_token_mismatch(mine: list[int], expected: list[int], margins: list[float], min_margin: float,
-                            who: str) -> str | None:
+def decisive_token_mismatch(
+    mine: list[int], expected: list[int], margins: list[float], min_margin: float, who: str
+) -> str | None:
     """Where ``mine`` (the consumer's greedy tokens) differs from the producer's at a position the producer decided
     by more than ``min_margin`` (top-1 minus top-2 logit): a near-tie may round either way, a clear win may not.
     Returns the problem as a phrase naming ``who``, or None."""

@@ -164,13 +164,18 @@ class ConsumerSession(Session):
                 raise HandshakeError("the producer sent no manifest in the first round")
             if flags & DELTA and base != self._delta.held_round:
                 held = self._delta.held_round
-                raise HandshakeError(f"the producer sends round {k} as changes to round {base}, but this consumer "
-                                     f"holds {f'round {held}' if held else 'no round'}")
+                raise HandshakeError(
+                    f"the producer sends round {k} as changes to round {base}, but this consumer "
+                    f"holds {f'round {held}' if held else 'no round'}"
+                )
             manifest = self.manifest
             assert manifest is not None
             targets = given() if callable(given) else given
-            store = self._delta.targets_for(manifest.tensors, targets) if (
-                self._delta.mirror or targets is not None) else None
+            store = (
+                self._delta.targets_for(manifest.tensors, targets)
+                if (self._delta.mirror or targets is not None)
+                else None
+            )
         except BaseException as e:
             self._fail(k, e)
         started = time.perf_counter()
@@ -236,8 +241,9 @@ class ConsumerSession(Session):
             if post_unpack_func is not None and batch:
                 post_unpack_func(batch)
             if verifier is not None:
-                verifier.consume(final if final is not None else
-                                 [(n, t) for n, t in batch if not isinstance(t, TensorDelta)])
+                verifier.consume(
+                    final if final is not None else [(n, t) for n, t in batch if not isinstance(t, TensorDelta)]
+                )
             return batch
 
         result.bytes = manifest.total_bytes
@@ -246,11 +252,20 @@ class ConsumerSession(Session):
             # The verifier sees every tensor once it is final (changed or not); the callback only what changed.
             stats = DeltaStats()
             for final, _, deltas in self._delta.receive_delta(
-                metas, self.group.group, PRODUCER_RANK, stats, device=self.device, targets=store,
-                on_chunk=self._stream_counter(result), hand_out=hand_out,
+                metas,
+                self.group.group,
+                PRODUCER_RANK,
+                stats,
+                device=self.device,
+                targets=store,
+                on_chunk=self._stream_counter(result),
+                hand_out=hand_out,
             ):
-                views = [(metas[i].name, self._delta.view(metas, i, targets)) for i in final] if (
-                    store is not None and (not hand_out or verifier is not None)) else None
+                views = (
+                    [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
+                    if (store is not None and (not hand_out or verifier is not None))
+                    else None
+                )
                 if hand_out:
                     yield deliver([(d.name, d) for d in deltas], final=views)
                 else:
@@ -262,8 +277,9 @@ class ConsumerSession(Session):
         if self._delta.mirror:
             assert self._delta.image is not None
             num_buffers = self.num_buffers or get_num_buffers()
-            for chunk in self._delta.receive_dense(self._chunks, self.group.group, PRODUCER_RANK,
-                                                   num_buffers=num_buffers, device=self.device):
+            for chunk in self._delta.receive_dense(
+                self._chunks, self.group.group, PRODUCER_RANK, num_buffers=num_buffers, device=self.device
+            ):
                 result.num_chunks += 1
                 if self.on_chunk is not None:
                     self.on_chunk(chunk.nbytes, chunk.count)
@@ -272,9 +288,13 @@ class ConsumerSession(Session):
         # Targets: receive into rotating buffers, copy each tensor into its target.
         assert targets is not None
         for batch in _packed_broadcast_consumer_batches(
-            ((t.name, (t.shape, t.dtype)) for t in metas), self.group.group, PRODUCER_RANK,
-            num_buffers=self.num_buffers, buffer_size_bytes=manifest.buffer_size_bytes,
-            use_legacy_packing=manifest.use_legacy_packing, on_chunk=ChunkCounter(result, self.on_chunk),
+            ((t.name, (t.shape, t.dtype)) for t in metas),
+            self.group.group,
+            PRODUCER_RANK,
+            num_buffers=self.num_buffers,
+            buffer_size_bytes=manifest.buffer_size_bytes,
+            use_legacy_packing=manifest.use_legacy_packing,
+            on_chunk=ChunkCounter(result, self.on_chunk),
             plan=self._plan,
         ):
             out: Batch = []
@@ -317,8 +337,12 @@ class ConsumerSession(Session):
                 checksum_function(manifest.checksum_algorithm)  # refuses, naming it, when this host lacks it
             if previous is not None:
                 changes = tensor_list_changes(previous.tensors, manifest.tensors)
-                logger.info("rank %d: round %d brings a fresh manifest (%s)", self.group.rank, self.rounds + 1,
-                            "; ".join(changes) or "settings or files changed")
+                logger.info(
+                    "rank %d: round %d brings a fresh manifest (%s)",
+                    self.group.rank,
+                    self.rounds + 1,
+                    "; ".join(changes) or "settings or files changed",
+                )
             if on_manifest is not None:
                 try:
                     on_manifest(manifest)
@@ -403,4 +427,3 @@ class ConsumerSession(Session):
 def _flatten(batches: Iterator[Batch]) -> Iterator[tuple[str, Any]]:
     for batch in batches:
         yield from batch
-

@@ -115,8 +115,11 @@ class ProducerDelta:
         if not self.enabled or image is None or image.round == 0:
             return 0
         if any(h != image.round for h in held):
-            behind = [f"rank {r + 1} holds {'nothing' if h == 0 else f'round {h}'}"
-                      for r, h in enumerate(held) if h != image.round]
+            behind = [
+                f"rank {r + 1} holds {'nothing' if h == 0 else f'round {h}'}"
+                for r, h in enumerate(held)
+                if h != image.round
+            ]
             logger.info("a dense round: the snapshot holds round %d but %s", image.round, ", ".join(behind))
             return 0
         if self.mode == "auto" and not self._auto_delta():
@@ -129,8 +132,9 @@ class ProducerDelta:
         self._seconds[delta] = seconds
         dense = self._seconds[False]
         if delta and dense is not None and seconds > dense:
-            logger.info("auto: a delta round took %.3f s, the last dense one %.3f s: dense rounds from here", seconds,
-                        dense)
+            logger.info(
+                "auto: a delta round took %.3f s, the last dense one %.3f s: dense rounds from here", seconds, dense
+            )
             self._lost_at = self.share if self.share is not None else 0.0
             self._since_loss = 0
 
@@ -192,8 +196,17 @@ class ProducerDelta:
                     sums.append(checksum(image.tensor_bytes(index)))
 
         image.round = 0
-        send_image(image, tensors, chunks, group, src, num_buffers=num_buffers, device=device,
-                   on_tensor=on_tensor, on_chunk_sent=on_chunk_sent)
+        send_image(
+            image,
+            tensors,
+            chunks,
+            group,
+            src,
+            num_buffers=num_buffers,
+            device=device,
+            on_tensor=on_tensor,
+            on_chunk_sent=on_chunk_sent,
+        )
         image.round = round_index
         self.sampled_fraction = None
         if sampling and self._sample[1]:
@@ -222,8 +235,15 @@ class ProducerDelta:
         assert image is not None
         stats = DeltaStats()
         sums: list[int] | None = [] if checksum_algorithm else None
-        stream = ChunkStream(group, src, chunk_bytes=chunk_bytes, num_buffers=num_buffers, device=device,
-                             buffers=self.buffers, on_chunk=on_chunk)
+        stream = ChunkStream(
+            group,
+            src,
+            chunk_bytes=chunk_bytes,
+            num_buffers=num_buffers,
+            device=device,
+            buffers=self.buffers,
+            on_chunk=on_chunk,
+        )
         image.round = 0
         count = 0
         try:
@@ -239,8 +259,13 @@ class ProducerDelta:
                 stats.total_elements += meta.numel
                 whole = isinstance(changes, codec.Whole)
                 if whole or changes.count:
-                    encoded = codec.Encoded(codec.DENSE, 0, meta.numel, 0, b"") if whole else codec.encode(
-                        changes.positions, meta.numel, meta.dtype.itemsize, compressor=self._compressor)
+                    encoded = (
+                        codec.Encoded(codec.DENSE, 0, meta.numel, 0, b"")
+                        if whole
+                        else codec.encode(
+                            changes.positions, meta.numel, meta.dtype.itemsize, compressor=self._compressor
+                        )
+                    )
                     stats.seconds += time.perf_counter() - started
                     _write_record(stream, index, encoded, new if encoded.encoding == codec.DENSE else changes.values)
                     stats.changed_elements += changes.count  # a whole tensor: its estimated share
@@ -289,8 +314,9 @@ def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec
         # Both halves' snapshots are up to date: each half copied or patched its own.
         return codec.Whole(first.count + rest.count)
     offset = half // itemsize
-    return codec.Changes(np.concatenate([first.positions, rest.positions + offset]),
-                         np.concatenate([first.values, rest.values]))
+    return codec.Changes(
+        np.concatenate([first.positions, rest.positions + offset]), np.concatenate([first.values, rest.values])
+    )
 
 
 def _write_record(stream: ChunkStream, index: int, encoded: codec.Encoded, values: np.ndarray) -> None:
@@ -334,8 +360,9 @@ class TensorDelta:
     def apply_to(self, t: torch.Tensor) -> None:
         """Write the changes into ``t`` (this tensor's previous round, on any device), bit for bit."""
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            raise ValueError(f"{self.name}: changes for {list(self.shape)} {self.dtype} cannot apply to "
-                             f"{list(t.shape)} {t.dtype}")
+            raise ValueError(
+                f"{self.name}: changes for {list(self.shape)} {self.dtype} cannot apply to {list(t.shape)} {t.dtype}"
+            )
         if self.positions is None:
             tensor_bytes(t).copy_(tensor_bytes(self.values.to(t.device)))
             return

@@ -31,8 +31,11 @@ class Target:
 
     def __init__(self, tensor: torch.Tensor | None = None, array: np.ndarray | None = None) -> None:
         self.tensor = tensor
-        self.array = array if array is not None else (
-            tensor_bytes(tensor).numpy() if tensor is not None and tensor.device.type == "cpu" else None)
+        self.array = (
+            array
+            if array is not None
+            else (tensor_bytes(tensor).numpy() if tensor is not None and tensor.device.type == "cpu" else None)
+        )
 
     def write_dense(self, data: np.ndarray) -> None:
         if self.array is not None:
@@ -44,8 +47,11 @@ class Target:
         if self.array is not None:
             codec.apply(self.array, positions, values, itemsize)
         else:
-            apply_positions(self.tensor, torch.from_numpy(positions).to(self.tensor.device),
-                            torch.from_numpy(values).to(self.tensor.device))
+            apply_positions(
+                self.tensor,
+                torch.from_numpy(positions).to(self.tensor.device),
+                torch.from_numpy(values).to(self.tensor.device),
+            )
 
 
 class ConsumerDelta:
@@ -75,8 +81,10 @@ class ConsumerDelta:
     def held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
         """The round this consumer's tensors hold, or 0 where it cannot vouch for them."""
         if self.held_round and self._fingerprint != self._take_fingerprint(targets):
-            logger.info("the tensors changed since round %d (written to, or others given): asking for a dense round",
-                        self.held_round)
+            logger.info(
+                "the tensors changed since round %d (written to, or others given): asking for a dense round",
+                self.held_round,
+            )
             self.held_round = 0
         return self.held_round
 
@@ -109,8 +117,10 @@ class ConsumerDelta:
             if t is None:
                 problems.append(f"{m.name!r} has no target")
             elif tuple(t.shape) != m.shape or t.dtype != m.dtype or not t.is_contiguous():
-                problems.append(f"{m.name!r} is {list(t.shape)} {t.dtype}{'' if t.is_contiguous() else ' strided'}, "
-                                f"the manifest says {list(m.shape)} {m.dtype}")
+                problems.append(
+                    f"{m.name!r} is {list(t.shape)} {t.dtype}{'' if t.is_contiguous() else ' strided'}, "
+                    f"the manifest says {list(m.shape)} {m.dtype}"
+                )
             out.append(Target(tensor=t) if t is not None else None)
         if problems:
             raise HandshakeError("the targets do not match the manifest: " + "; ".join(problems[:5]))
@@ -147,8 +157,13 @@ class ConsumerDelta:
         the last record applied), ``changed`` those of them that a record changed, ``deltas`` the changes handed
         over where there are no targets, or with ``hand_out`` (applied to the targets first)."""
         stats.total_elements = sum(m.numel for m in metas)
-        reader = _RecordReader(metas, targets, stats, hand_out=hand_out or targets is None,
-                               mirror=self.views if targets is not None else None)
+        reader = _RecordReader(
+            metas,
+            targets,
+            stats,
+            hand_out=hand_out or targets is None,
+            mirror=self.views if targets is not None else None,
+        )
 
         def counted(nbytes: int) -> None:
             stats.wire_bytes += HEADER_BYTES + nbytes
@@ -186,8 +201,15 @@ class MirrorViews(Mapping[str, torch.Tensor]):
 class _RecordReader:
     """Parses a round's records from its chunks, whatever their boundaries, and applies each once complete."""
 
-    def __init__(self, metas: list[TensorMeta], targets: list[Target] | None, stats: DeltaStats, *,
-                 hand_out: bool, mirror: MirrorViews | None) -> None:
+    def __init__(
+        self,
+        metas: list[TensorMeta],
+        targets: list[Target] | None,
+        stats: DeltaStats,
+        *,
+        hand_out: bool,
+        mirror: MirrorViews | None,
+    ) -> None:
         self._metas = metas
         self._targets = targets
         self._stats = stats
@@ -249,14 +271,18 @@ class _RecordReader:
                     yield
                     raise HandshakeError("the producer's delta stream goes on after its end record")
             if not last < index < len(metas) or encoding not in codec.ENCODING_NAMES:
-                raise HandshakeError(f"a delta record for tensor {index} (after {last}) with encoding {encoding}: the "
-                                     "producer's stream is not in step with this consumer's manifest")
+                raise HandshakeError(
+                    f"a delta record for tensor {index} (after {last}) with encoding {encoding}: the "
+                    "producer's stream is not in step with this consumer's manifest"
+                )
             meta = metas[index]
             itemsize, numel = meta.dtype.itemsize, meta.numel
             want_values = numel * itemsize if encoding == codec.DENSE else count * itemsize
             if values_nbytes != want_values or count > numel:
-                raise HandshakeError(f"the delta record of {meta.name!r} carries {values_nbytes} value bytes for "
-                                     f"{count} of {numel} elements")
+                raise HandshakeError(
+                    f"the delta record of {meta.name!r} carries {values_nbytes} value bytes for "
+                    f"{count} of {numel} elements"
+                )
             self._final_upto = index  # every tensor before this one has no record this round: final
             target = self._targets[index] if self._targets is not None else None
             positions = None
@@ -284,12 +310,16 @@ class _RecordReader:
                 raw = torch.from_numpy(values)
                 if raw.data_ptr() % itemsize:
                     raw = raw.clone()
-                self._deltas.append(TensorDelta(
-                    meta.name, meta.shape, meta.dtype,
-                    None if positions is None else torch.from_numpy(positions),
-                    raw.view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
-                    mirror=self._mirror,
-                ))
+                self._deltas.append(
+                    TensorDelta(
+                        meta.name,
+                        meta.shape,
+                        meta.dtype,
+                        None if positions is None else torch.from_numpy(positions),
+                        raw.view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
+                        mirror=self._mirror,
+                    )
+                )
             self._stats.seconds += time.perf_counter() - started
             self._stats.changed_elements += count
             self._stats.changed_tensors += 1
@@ -310,4 +340,3 @@ class _RecordReader:
         if len(data) != raw_nbytes:
             raise HandshakeError(f"a delta record's positions decompress to {len(data)} bytes, not {raw_nbytes}")
         return np.frombuffer(data, dtype=np.uint8)
-

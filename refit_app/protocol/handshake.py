@@ -94,9 +94,7 @@ def recv_manifest(rg: RefitGroup) -> Manifest:
         raise
 
 
-def check_settings(
-    manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None
-) -> None:
+def check_settings(manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None) -> None:
     """Refuse explicit consumer settings that disagree with the producer's; ``None`` adopts the producer's.
 
     Both sides must cut the stream into the same chunks, so a mismatch would corrupt or hang the transfer;
@@ -116,9 +114,7 @@ def check_settings(
         )
     if differences:
         pronoun = "it" if len(differences) == 1 else "them"
-        raise HandshakeError(
-            "; ".join(differences) + f"; leave {pronoun} unset on consumers to adopt the producer's"
-        )
+        raise HandshakeError("; ".join(differences) + f"; leave {pronoun} unset on consumers to adopt the producer's")
 
 
 def ack(rg: RefitGroup, error: str | None) -> None:

@@ -65,7 +65,8 @@ class Manifest:
             doc = json.loads(data.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise HandshakeError(
-                f"the producer's manifest is not valid JSON ({e}); is the peer a refit_app producer?") from e
+                f"the producer's manifest is not valid JSON ({e}); is the peer a refit_app producer?"
+            ) from e
         if doc.get("version") != MANIFEST_VERSION:
             raise HandshakeError(
                 f"manifest version {doc.get('version')!r} from the producer, this consumer speaks {MANIFEST_VERSION}; "

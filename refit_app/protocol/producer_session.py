@@ -137,13 +137,15 @@ class ProducerSession(Session):
                 self._delta.reset(manifest.tensors)
             base = self._delta.base_for(held) if self._delta_on and not fresh else 0
             flags = (MANIFEST if fresh else 0) | (DELTA if base else 0)
-            self._broadcast_header(torch.tensor([ROUND_MAGIC, k, flags, len(extra), base], dtype=torch.int64,
-                                                device=self.device))
+            self._broadcast_header(
+                torch.tensor([ROUND_MAGIC, k, flags, len(extra), base], dtype=torch.int64, device=self.device)
+            )
             if fresh:
                 if self.manifest is not None:
                     changes = tensor_list_changes(self.manifest.tensors, manifest.tensors) or ["settings or files"]
-                    logger.info("round %d: the tensor list changed (%s); sending a fresh manifest", k,
-                                "; ".join(changes))
+                    logger.info(
+                        "round %d: the tensor list changed (%s); sending a fresh manifest", k, "; ".join(changes)
+                    )
                 started = time.perf_counter()
                 send_manifest(self.group, manifest)
                 result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
@@ -180,15 +182,28 @@ class ProducerSession(Session):
             result.num_tensors = len(manifest.tensors)
             if base:
                 stats, sums = self._delta.send_delta(
-                    tensors, self.group.group, PRODUCER_RANK,
+                    tensors,
+                    self.group.group,
+                    PRODUCER_RANK,
                     chunk_bytes=min(manifest.buffer_size_bytes, DELTA_CHUNK_BYTES),
-                    num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm, round_index=k,
-                    on_chunk=self._stream_counter(result))
+                    num_buffers=num_buffers,
+                    device=self.device,
+                    checksum_algorithm=algorithm,
+                    round_index=k,
+                    on_chunk=self._stream_counter(result),
+                )
                 record_delta(result, base, stats)
                 return sums
-            sums = self._delta.send_dense(tensors, self._chunks, self.group.group, PRODUCER_RANK,
-                                          num_buffers=num_buffers, device=self.device, checksum_algorithm=algorithm,
-                                          round_index=k)
+            sums = self._delta.send_dense(
+                tensors,
+                self._chunks,
+                self.group.group,
+                PRODUCER_RANK,
+                num_buffers=num_buffers,
+                device=self.device,
+                checksum_algorithm=algorithm,
+                round_index=k,
+            )
             self._count_dense(result)
             if self._delta.sampled_fraction is not None:
                 result.total_elements = sum(m.numel for m in manifest.tensors)
@@ -246,8 +261,9 @@ class ProducerSession(Session):
         if notify:
             if self._delta_on:
                 self._exchange_held(0)
-            self._broadcast_header(torch.tensor([ROUND_MAGIC, self.rounds, END, 0, 0], dtype=torch.int64,
-                                                device=self.device))
+            self._broadcast_header(
+                torch.tensor([ROUND_MAGIC, self.rounds, END, 0, 0], dtype=torch.int64, device=self.device)
+            )
 
 
 def record_delta(result: Round, base: int, stats: Any) -> None:
@@ -308,5 +324,3 @@ def _checked(named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[Tens
         yield name, t
     if count != len(metas):
         raise SourceError(f"{count} tensors were sent, but the tensor list has {len(metas)}")
-
-

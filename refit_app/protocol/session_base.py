@@ -67,8 +67,9 @@ class Session:
         any_verify, longest_probe = False, 0
         for rank in range(1, self.group.world_size):
             mine = self.group.rank == rank
-            need = torch.tensor([int(verify and mine), probe_tokens if mine else 0], dtype=torch.int64,
-                                device=self.device)
+            need = torch.tensor(
+                [int(verify and mine), probe_tokens if mine else 0], dtype=torch.int64, device=self.device
+            )
             self.group.group.broadcast(need, rank)
             any_verify |= bool(need[0].item())
             longest_probe = max(longest_probe, int(need[1].item()))
@@ -105,5 +106,3 @@ class Session:
 
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
-
-

@@ -15,6 +15,7 @@ from refit_app.protocol.checksum import checksum_function
 
 logger = logging.getLogger(__name__)
 
+
 def _names(names: list[str]) -> str:
     return some_of([repr(n) for n in names])
 

@@ -70,8 +70,9 @@ class RunAuth:
     def derive(cls, token: str | None, run_id: str, nonce: str, rank: int) -> RunAuth:
         key = None
         if token is not None:
-            key = hmac.new(token.encode(), b"\0".join((b"refit-app/1/key", run_id.encode(), nonce.encode())),
-                           hashlib.sha256).digest()
+            key = hmac.new(
+                token.encode(), b"\0".join((b"refit-app/1/key", run_id.encode(), nonce.encode())), hashlib.sha256
+            ).digest()
         return cls(run_id, nonce, key, rank)
 
     @property
@@ -129,8 +130,9 @@ class RunAuth:
         if what in self._distrusted:
             return
         self._distrusted.add(what)
-        logger.warning("rank %d: ignored %s at %s: it %s; only this run's ranks are believed", self.rank, what,
-                       where, reason)
+        logger.warning(
+            "rank %d: ignored %s at %s: it %s; only this run's ranks are believed", self.rank, what, where, reason
+        )
 
 
 def load_record(raw: bytes | str) -> dict[str, Any]:
@@ -187,8 +189,18 @@ def check_exposure(host: str, port: int | None, rank: int, token: str | None, al
         return
     _warned_open = True
     if loopback is False:
-        logger.warning("rank %d: group.allow_unauthenticated=true: any host that reaches %s:%s can join the refit "
-                       "or abort it", rank, host, port)
+        logger.warning(
+            "rank %d: group.allow_unauthenticated=true: any host that reaches %s:%s can join the refit or abort it",
+            rank,
+            host,
+            port,
+        )
     else:
-        logger.warning("rank %d: group.token is not set: any process on this host can join the refit at %s:%s or "
-                       "abort it; set %s on every rank to prevent that", rank, host, port, TOKEN_ENV)
+        logger.warning(
+            "rank %d: group.token is not set: any process on this host can join the refit at %s:%s or "
+            "abort it; set %s on every rank to prevent that",
+            rank,
+            host,
+            port,
+            TOKEN_ENV,
+        )

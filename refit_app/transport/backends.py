@@ -187,9 +187,7 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     topologies = {r: info.get("topology", DEFAULT_TOPOLOGY) for r, info in sorted(infos.items())}
     if len(set(topologies.values())) > 1:
         listed = ", ".join(f"rank {r} {t!r}" for r, t in topologies.items())
-        raise ConfigError(
-            f"group.topology differs between ranks ({listed}); set the same group.topology on every rank"
-        )
+        raise ConfigError(f"group.topology differs between ranks ({listed}); set the same group.topology on every rank")
     explicit = {r: info["backend"] for r, info in sorted(infos.items()) if info["backend"] != "auto"}
     if len(set(explicit.values())) > 1:
         listed = ", ".join(f"rank {r} {b!r}" for r, b in explicit.items())
@@ -216,17 +214,12 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     return backend
 
 
-
-
-
 def _make_pynccl_group(store: dist.Store, spec: GroupSpec, control: Control) -> PyNcclBroadcastGroup:
     try:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
     except ImportError as e:
-        raise ConfigError(
-            f"group.backend=pynccl needs vLLM: pip install 'refit_app[vllm]' (import failed: {e})"
-        ) from e
+        raise ConfigError(f"group.backend=pynccl needs vLLM: pip install 'refit_app[vllm]' (import failed: {e})") from e
     device = torch.device("cuda", torch.cuda.current_device())
     # Built on our store rather than StatelessProcessGroup.create, so it needs no second port and the
     # control channel and check-in already cover it.

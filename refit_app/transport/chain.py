@@ -97,8 +97,9 @@ class ChainWork:
     buffer. A failure names the neighbour it lost.
     """
 
-    def __init__(self, group: ChainBroadcastGroup, works: list[Any], peer: int | None, verb: str,
-                 hops: list[_Hop]) -> None:
+    def __init__(
+        self, group: ChainBroadcastGroup, works: list[Any], peer: int | None, verb: str, hops: list[_Hop]
+    ) -> None:
         self._group = group
         self._works = works
         self._hops = hops
@@ -135,7 +136,12 @@ class ChainBroadcastGroup:
     """
 
     def __init__(
-        self, backend: Any, rank: int, world_size: int, control: Control, *,
+        self,
+        backend: Any,
+        rank: int,
+        world_size: int,
+        control: Control,
+        *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     ) -> None:
         if segment_bytes < 1:
@@ -152,8 +158,12 @@ class ChainBroadcastGroup:
         self._relay: threading.Thread | None = None
         self._closed = False
         before, after = self.neighbours(0)
-        logger.info("rank %d: chain topology: receives from %s, forwards to %s", rank,
-                    "nobody" if before is None else f"rank {before}", "nobody" if after is None else f"rank {after}")
+        logger.info(
+            "rank %d: chain topology: receives from %s, forwards to %s",
+            rank,
+            "nobody" if before is None else f"rank {before}",
+            "nobody" if after is None else f"rank {after}",
+        )
 
     def neighbours(self, src: int) -> tuple[int | None, int | None]:
         """The ranks this one receives from and forwards to in a broadcast from ``src`` (None: none)."""
@@ -217,9 +227,7 @@ class ChainBroadcastGroup:
 
     def _start_relay(self) -> None:
         if self._relay is None:
-            self._relay = threading.Thread(
-                target=self._relay_loop, name=f"refit-chain-relay-{self.rank}", daemon=True
-            )
+            self._relay = threading.Thread(target=self._relay_loop, name=f"refit-chain-relay-{self.rank}", daemon=True)
             self._relay.start()
 
     def _relay_loop(self) -> None:

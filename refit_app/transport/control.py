@@ -239,9 +239,7 @@ class Control:
                 ) from e
             logger.debug("rank %d: could not report its failure in %s: %s", self.rank, phase, one_line(e))
 
-    def gather(
-        self, phase: str, *, timeout_s: float | None = None, error_type: type[RefitError] = PeerError
-    ) -> None:
+    def gather(self, phase: str, *, timeout_s: float | None = None, error_type: type[RefitError] = PeerError) -> None:
         """Wait until every rank reported its latest ``phase``; raise if any rank failed or missed the deadline.
 
         Returns as soon as all reports are in. Raises at the first published error, without waiting for
@@ -269,8 +267,7 @@ class Control:
                     missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
                     self.failed = True
                     raise PeerError(
-                        f"{ranks_text(missing)} did not report {phase} within {limit:g}s; "
-                        "it may have died or stalled"
+                        f"{ranks_text(missing)} did not report {phase} within {limit:g}s; it may have died or stalled"
                     )
                 poller.sleep(deadline)
         except dist.DistError as e:
@@ -307,8 +304,7 @@ class Control:
         except dist.DistError:
             if self.rank != PRODUCER_RANK:
                 return (
-                    f"lost the producer (rank {PRODUCER_RANK}) at {self._address}; it may have died or stalled "
-                    f"({text})"
+                    f"lost the producer (rank {PRODUCER_RANK}) at {self._address}; it may have died or stalled ({text})"
                 )
         lower = text.lower()
         # With two ranks the peer is known; with more, a broadcast does not say which of them stopped.

@@ -68,13 +68,22 @@ def from_process_group(
         raise ValueError(f"a refit needs a producer and at least one consumer; this group has {world_size} rank(s)")
     backend = str(dist.get_backend(pg)).lower()
     if topology == "chain" and backend != "gloo":
-        raise ValueError(f"topology='chain' relays over gloo, and this process group's backend is {backend} (NCCL "
-                         "pipelines its own broadcast); use topology='tree'")
+        raise ValueError(
+            f"topology='chain' relays over gloo, and this process group's backend is {backend} (NCCL "
+            "pipelines its own broadcast); use topology='tree'"
+        )
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     shared = dist.PrefixStore(f"refit/pg/{next(_WRAPS)}", store if store is not None else _default_store())
-    spec = GroupSpec(backend="auto", host="process-group", port=None, world_size=world_size, rank=rank,
-                     timeout_s=timeout_s, topology=topology)
+    spec = GroupSpec(
+        backend="auto",
+        host="process-group",
+        port=None,
+        world_size=world_size,
+        rank=rank,
+        timeout_s=timeout_s,
+        topology=topology,
+    )
     shared.set_timeout(timedelta(seconds=timeout_s))
     control_store = shared if rank == PRODUCER_RANK else DeadlineStore(shared, timeout_s)
     control = Control(control_store, rank, world_size, timeout_s, address=f"the {backend} process group's store")
@@ -95,9 +104,12 @@ def _agree_on_topology(store: Any, rank: int, world_size: int, topology: str, ti
         try:
             seen[r] = store.get(f"topology/{r}").decode()
         except dist.DistError as e:
-            raise PeerError(f"rank {r} did not wrap the process group within {timeout_s:g}s (from_process_group "
-                            "runs on every rank of the group)") from e
+            raise PeerError(
+                f"rank {r} did not wrap the process group within {timeout_s:g}s (from_process_group "
+                "runs on every rank of the group)"
+            ) from e
     if len(set(seen.values())) > 1:
         listed = ", ".join(f"rank {r} {t!r}" for r, t in sorted(seen.items()))
-        raise ConfigError(f"from_process_group's topology differs between ranks ({listed}); pass the same on every "
-                          "rank")
+        raise ConfigError(
+            f"from_process_group's topology differs between ranks ({listed}); pass the same on every rank"
+        )

@@ -221,8 +221,13 @@ def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
             if now >= deadline:
                 raise unreachable from None
             if now >= next_notice:
-                logger.info("rank %d: waiting for the producer at %s (%.0fs left of group.timeout_s=%g)",
-                            spec.rank, spec.address, deadline - now, spec.timeout_s)
+                logger.info(
+                    "rank %d: waiting for the producer at %s (%.0fs left of group.timeout_s=%g)",
+                    spec.rank,
+                    spec.address,
+                    deadline - now,
+                    spec.timeout_s,
+                )
                 next_notice = now + WAITING_NOTICE_INTERVAL_S
             poller.sleep(deadline)
     try:
@@ -263,8 +268,9 @@ def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any
     return doc
 
 
-def producer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth,
-                     deadline: float) -> tuple[str, str]:
+def producer_checkin(
+    store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, deadline: float
+) -> tuple[str, str]:
     """Wait for every consumer's check-in; returns the backend and this producer's address as the consumers reached
     it (where its gloo connections must listen). ``store``: the producer's store; ``rstore``: the run's prefix."""
     infos = {PRODUCER_RANK: capabilities(spec)}
@@ -275,7 +281,11 @@ def producer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, aut
     logger.info(
         "rank 0: waiting up to %gs for %d consumer(s) at port %d, run %s (group.host of the consumers: this host's "
         "address; group.run_id=%s makes sure they join this run)",
-        spec.timeout_s, len(pending), spec.port, auth.run_id, auth.run_id,
+        spec.timeout_s,
+        len(pending),
+        spec.port,
+        auth.run_id,
+        auth.run_id,
     )
     poller = Poller()
     while pending:
@@ -299,9 +309,15 @@ def producer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, aut
             rank = doc["rank"]
             if rank in records:
                 if records[rank] != doc:  # the same record again is a replay, and harmless
-                    raise fail_rendezvous(rstore, auth, ConfigError(
-                        f"group.rank={rank} is claimed by two consumers; give each consumer its own group.rank "
-                        f"in 1..{spec.world_size - 1}"), spec.address)
+                    raise fail_rendezvous(
+                        rstore,
+                        auth,
+                        ConfigError(
+                            f"group.rank={rank} is claimed by two consumers; give each consumer its own group.rank "
+                            f"in 1..{spec.world_size - 1}"
+                        ),
+                        spec.address,
+                    )
                 continue
             records[rank] = doc
             infos[rank] = {**doc["caps"], "producer_address": doc["producer_address"]}
@@ -316,8 +332,10 @@ def producer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, aut
         if time.monotonic() >= deadline:
             why = ""
             if refused:
-                why = (f"; {refused} check-in(s) were ignored: a consumer with another group.token, or a client "
-                       "that is not a refit_app consumer")
+                why = (
+                    f"; {refused} check-in(s) were ignored: a consumer with another group.token, or a client "
+                    "that is not a refit_app consumer"
+                )
             raise fail_rendezvous(
                 rstore,
                 auth,
@@ -415,8 +433,15 @@ def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Rou
     store.set(_k_slot(n), auth.seal("checkin", record))
 
 
-def consumer_checkin(store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, producer_size: int,
-                     deadline: float, route: Route) -> tuple[str, str]:
+def consumer_checkin(
+    store: dist.Store,
+    rstore: dist.Store,
+    spec: GroupSpec,
+    auth: RunAuth,
+    producer_size: int,
+    deadline: float,
+    route: Route,
+) -> tuple[str, str]:
     """Check in with the producer; returns the backend and this consumer's address on its route to the producer.
     ``store``: the producer's store; ``rstore``: the run's prefix of it."""
     if producer_size != spec.world_size:

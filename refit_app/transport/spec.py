@@ -77,28 +77,43 @@ class GroupSpec:
         if self.port is not None and not (is_int(self.port) and 1 <= self.port <= 65535):
             p.fail("group.port", self.port, "must be a port number in 1..65535")
         if not (is_int(self.world_size) and self.world_size >= 2):
-            p.fail("group.world_size", self.world_size,
-                   "must be an integer >= 2 (the producer and at least one consumer)")
+            p.fail(
+                "group.world_size", self.world_size, "must be an integer >= 2 (the producer and at least one consumer)"
+            )
         elif not (is_int(self.rank) and 0 <= self.rank < self.world_size):
             p.fail("group.rank", self.rank, f"must be in 0..{self.world_size - 1} (0 is the producer)")
         if self.local_rank is not None and not (is_int(self.local_rank) and self.local_rank >= 0):
-            p.fail("group.local_rank", self.local_rank,
-                   "must be an integer >= 0 (the rank's index on its host), or null")
+            p.fail(
+                "group.local_rank", self.local_rank, "must be an integer >= 0 (the rank's index on its host), or null"
+            )
         if self.interface is not None and not (isinstance(self.interface, str) and self.interface.strip()):
             p.fail("group.interface", self.interface, "must be a network interface name such as eth0, or null")
         if self.topology not in TOPOLOGIES:
             p.fail("group.topology", self.topology, "choose one of " + ", ".join(TOPOLOGIES))
         elif self.topology == "chain" and self.backend not in RELAY_BACKENDS:
-            p.fail("group.topology", self.topology,
-                   f"chain relays over gloo only, and group.backend={self.backend} already pipelines its broadcast "
-                   "on GPUs; use group.topology=tree or group.backend=gloo")
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S):
-            p.fail("group.timeout_s", self.timeout_s,
-                   f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (a week)")
+            p.fail(
+                "group.topology",
+                self.topology,
+                f"chain relays over gloo only, and group.backend={self.backend} already pipelines its broadcast "
+                "on GPUs; use group.topology=tree or group.backend=gloo",
+            )
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S
+        ):
+            p.fail(
+                "group.timeout_s",
+                self.timeout_s,
+                f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (a week)",
+            )
         if self.token is not None and not (isinstance(self.token, str) and self.token.strip()):
-            p.fail("group.token", "<hidden>", "must be a non-empty string (the same on every rank), or null; "
-                   "an empty REFIT_APP_TOKEN counts as given: unset it for no token")
+            p.fail(
+                "group.token",
+                "<hidden>",
+                "must be a non-empty string (the same on every rank), or null; "
+                "an empty REFIT_APP_TOKEN counts as given: unset it for no token",
+            )
         if self.run_id is not None and not (isinstance(self.run_id, str) and _RUN_ID.fullmatch(self.run_id)):
             p.fail("group.run_id", self.run_id, "must be 1-64 letters, digits, '.', '_' or '-', or null")
         if not isinstance(self.allow_unauthenticated, bool):

@@ -180,13 +180,17 @@ def serve(llm: Any, conn: Any, *, deadline: float, collective_rpc_rounds: set[in
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         elif kind == "check":
             _, expected, loss, weights, logprobs = message
-            rounds.append({
-                "round": round_no, "expected": expected, "loss": loss,
-                "vllm": None if expected is None else vllm_greedy(llm),
-                "logprob_diff": None if logprobs is None else vllm_logprob_diff(llm, logprobs),
-                "load": llm.collective_rpc(_last_load)[0],
-                "differ": llm.collective_rpc(_weights_differing, args=(weights,))[0] if weights else [],
-            })
+            rounds.append(
+                {
+                    "round": round_no,
+                    "expected": expected,
+                    "loss": loss,
+                    "vllm": None if expected is None else vllm_greedy(llm),
+                    "logprob_diff": None if logprobs is None else vllm_logprob_diff(llm, logprobs),
+                    "load": llm.collective_rpc(_last_load)[0],
+                    "differ": llm.collective_rpc(_weights_differing, args=(weights,))[0] if weights else [],
+                }
+            )
             conn.send(("ok", None))
         elif kind == "done":
             return rounds
@@ -222,8 +226,13 @@ def trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int) -> None
         conn.send(("error", traceback.format_exc()))
 
 
-def _check(conn: Any, expected: list[list[int]] | None, loss: float | None,
-           weights: dict[str, torch.Tensor] | None = None, logprobs: list[torch.Tensor] | None = None) -> None:
+def _check(
+    conn: Any,
+    expected: list[list[int]] | None,
+    loss: float | None,
+    weights: dict[str, torch.Tensor] | None = None,
+    logprobs: list[torch.Tensor] | None = None,
+) -> None:
     conn.send(("check", expected, loss, weights, logprobs))
     if not conn.poll(RPC_TIMEOUT_S):
         raise TimeoutError("the engine process did not confirm the check")
@@ -234,8 +243,12 @@ INT_NORM = "model.layers.1.post_attention_layernorm.weight"
 """Sent as int64 (kept integral and out of training): a tensor vLLM loads (cast into its float parameter) whose
 changes the checkpoint-patch loader cannot take (no NaN to mark "unchanged")."""
 NAN_NORM = "model.layers.0.input_layernorm.weight"
-NORMS = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
-         "model.layers.1.input_layernorm.weight", "model.norm.weight"]
+NORMS = [
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.1.input_layernorm.weight",
+    "model.norm.weight",
+]
 """The float norms: vLLM computes from their parameters, so their sparse changes are patched in place."""
 DELTA_PLAN = ["first", "train", "sparse", "nan", "denan+int", "train"]
 """The rounds of :func:`delta_trainer_main`: an optimizer step changes every element; ``sparse`` a few elements of
@@ -256,8 +269,10 @@ def delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
             """The model's parameters, :data:`INT_NORM` as int64."""
 
             def metadata(self) -> list:
-                return [ParamMeta(m.name, torch.int64 if m.name == INT_NORM else m.dtype, m.shape)
-                        for m in super().metadata()]
+                return [
+                    ParamMeta(m.name, torch.int64 if m.name == INT_NORM else m.dtype, m.shape)
+                    for m in super().metadata()
+                ]
 
             def __iter__(self):
                 for name, t in super().__iter__():
@@ -270,7 +285,8 @@ def delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
         params[INT_NORM].requires_grad_(False)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=TRAIN_LR)
         engine = WeightTransferTrainerFactory.trainer_init(
-            vllm_backend.RefitTrainerInitInfo(**settings, delta="on", rank=0), client=PipeClient(conn),
+            vllm_backend.RefitTrainerInitInfo(**settings, delta="on", rank=0),
+            client=PipeClient(conn),
             source=Source(model),
         )
         g = torch.Generator().manual_seed(SEED + 2)

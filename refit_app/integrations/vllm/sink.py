@@ -83,8 +83,9 @@ def _rpc_finish(worker: Any) -> tuple[list[str], dict]:
     """Complete the round; the vLLM parameters a dense round left without weights, and how the round went in."""
     worker.finish_weight_update()
     report = worker.weight_transfer_engine.last_load
-    missing = [] if report.delta else [
-        name for name, _ in worker.get_model().named_parameters() if name not in report.loaded]
+    missing = (
+        [] if report.delta else [name for name, _ in worker.get_model().named_parameters() if name not in report.loaded]
+    )
     return missing, report.facts()
 
 
@@ -318,8 +319,7 @@ class VllmSink:
             raise SinkError(f"vLLM could not start an engine for the producer's model: {e}") from e
         self._dtype = dtype
         self.builds += 1
-        logger.info("vLLM engine started for the producer's model (%s, max_model_len %d)", dtype_to_str(dtype),
-                    max_len)
+        logger.info("vLLM engine started for the producer's model (%s, max_model_len %d)", dtype_to_str(dtype), max_len)
 
     def _shutdown(self) -> None:
         llm, self.llm = self.llm, None

@@ -45,7 +45,8 @@ def model_spec(manifest: Manifest, config_json: str | None, *, hint: str) -> tup
         config_json = manifest.files.get(CONFIG_FILE_NAME)
         if config_json is None:
             raise SinkError(
-                f"the producer sent no {CONFIG_FILE_NAME} to build the model from ({manifest.source}); {hint}")
+                f"the producer sent no {CONFIG_FILE_NAME} to build the model from ({manifest.source}); {hint}"
+            )
     try:
         config = json.loads(config_json)
     except json.JSONDecodeError as e:
