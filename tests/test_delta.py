@@ -188,26 +188,84 @@ def test_tensor_delta_applies_on_raw_bits(dtype):
     assert torch.equal(tensor_bytes(t2), tensor_bytes(new))
 
 
-def test_auto_goes_dense_after_a_slow_delta_round_and_tries_again_when_changes_thin_out():
-    from refit_app.core.meta import TensorMeta
+def test_auto_goes_plain_after_a_slow_delta_round_and_tries_again_when_changes_thin_out():
     from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS
-    from refit_app.protocol.delta import ProducerDelta
+    from refit_app.protocol.delta_auto import DELTA, KEEP, PLAIN, AutoPolicy
 
-    d = ProducerDelta("auto")
-    d.reset([TensorMeta("w", (8,), torch.float32)])
-    d.image.round = 1
-    d.observe(False, 1.0)
-    d.share = 0.02
-    assert d.base_for([1]) == 1  # no delta round measured yet: try one
-    d.observe(True, 1.3)  # slower than dense
-    assert [d.base_for([1]) for _ in range(AUTO_RETRY_ROUNDS - 1)] == [0] * (AUTO_RETRY_ROUNDS - 1)
-    assert d.base_for([1]) == 1  # retried after AUTO_RETRY_ROUNDS
-    d.observe(True, 1.3)
-    assert d.base_for([1]) == 0
-    d.share = 0.009  # the changes got clearly sparser: try again now
-    assert d.base_for([1]) == 1
-    d.observe(True, 0.2)  # faster: stays on deltas
-    assert d.base_for([1]) == 1
-    d.share = 0.6  # more than half the dense bytes: dense
-    assert d.base_for([1]) == 0
-    assert d.base_for([0]) == 0  # a consumer holds nothing: dense whatever the mode
+    p = AutoPolicy()
+    assert p.choose(False) == KEEP  # the first round fills the snapshot
+    p.observe(KEEP, 9.0, cold=True)  # no reference: the session's first transfers
+    p.changed, p.share = 0.02, 0.03
+    assert p.choose(True) == DELTA
+    p.observe(DELTA, 0.6)
+    assert p.choose(True) == KEEP  # only a cold round to compare with: time a warm dense round
+    p.observe(KEEP, 0.7)
+    assert p.choose(True) == DELTA
+    p.observe(DELTA, 0.6)  # faster than that, but not clearly: measure a plain round
+    assert p.choose(True) == PLAIN
+    p.observe(PLAIN, 0.5)  # the delta round was slower than a plain one: plain rounds from here
+    assert p.plain
+    assert [p.choose(False) for _ in range(AUTO_RETRY_ROUNDS - 1)] == [PLAIN] * (AUTO_RETRY_ROUNDS - 1)
+    assert p.choose(False) == KEEP  # tried again after AUTO_RETRY_ROUNDS: fill the snapshot, then a delta round
+    p.observe(KEEP, 0.7)
+    assert p.choose(True) == DELTA
+    p.observe(DELTA, 0.55)  # still slower than the last plain round
+    assert p.choose(False) == PLAIN
+    p.changed, p.share = 0.009, 0.014  # the changes got clearly sparser: try again now
+    assert p.choose(False) == KEEP
+    assert p.choose(True) == DELTA
+    p.observe(DELTA, 0.45)  # faster than plain: stays on deltas
+    assert [p.choose(True) for _ in range(AUTO_RETRY_ROUNDS)] == [DELTA] * AUTO_RETRY_ROUNDS
+    for _ in range(AUTO_RETRY_ROUNDS - 1):
+        p.observe(DELTA, 0.45)
+    assert p.choose(True) == PLAIN  # not clearly faster, and the plain figure is old: measure it again
+    assert p.choose(False) == KEEP  # a consumer holds nothing (or the plain round left the snapshot behind)
+    p.share = 0.6  # more than half the dense bytes: plain, whatever the times
+    assert p.choose(True) == PLAIN
+    assert [p.choose(False) for _ in range(2 * AUTO_RETRY_ROUNDS)] == [PLAIN] * (2 * AUTO_RETRY_ROUNDS)
+
+
+def test_auto_keeps_deltas_that_are_clearly_faster_than_a_dense_round():
+    from refit_app.protocol.delta_auto import DELTA, KEEP, AutoPolicy
+
+    p = AutoPolicy()
+    p.observe(KEEP, 4.5, cold=True)  # over a link: the dense round is the transfer
+    p.changed, p.share = 0.01, 0.015
+    assert p.choose(True) == DELTA
+    p.observe(DELTA, 0.3)
+    assert p.choose(True) == KEEP  # one warm dense round timed, once
+    p.observe(KEEP, 4.2)
+    assert p.choose(True) == DELTA
+    for _ in range(100):
+        p.observe(DELTA, 0.3)
+        assert p.choose(True) == DELTA
+
+
+def test_the_sample_estimates_the_changed_share_without_a_snapshot():
+    from refit_app.protocol.delta_auto import SAMPLE_BLOCK, SAMPLE_EVERY, Sampler
+
+    rng = np.random.default_rng(0)
+    n = 4 * SAMPLE_BLOCK * SAMPLE_EVERY  # four sampled blocks of bf16
+    old = rng.integers(0, 1 << 16, n // 2, dtype=np.uint16)
+    new = old.copy()
+    changed = rng.random(new.size) < 0.03
+    new[changed] ^= 1
+    s = Sampler()
+    s.begin(1)
+    s.add(old.view(np.uint8), None, 2)
+    assert s.end(1) is None  # nothing to compare with yet
+    s.begin(2)
+    s.add(new.view(np.uint8), None, 2)
+    changed, share = s.end(2)
+    assert changed == pytest.approx(0.03, rel=0.2)
+    assert share == pytest.approx(0.03 * 1.5, rel=0.2)  # a bf16 value and about a byte of position per change
+    more = new.copy()
+    more[rng.random(new.size) < 0.1] ^= 1
+    s.begin(3)
+    s.add(more.view(np.uint8), new.view(np.uint8), 2)  # compared with the last round's bytes where held
+    changed, share = s.end(3)
+    assert changed == pytest.approx(0.1, rel=0.2)
+    assert share == 1.0  # over DENSE_ABOVE changed, the tensor would go whole
+    s.begin(5)  # a round was missed: the sample is not the last round's
+    s.add(new.view(np.uint8), None, 2)
+    assert s.end(5) is None

@@ -226,3 +226,47 @@ def test_a_consumer_whose_base_differs_never_applies_a_delta():
     assert isinstance(failure, RankFailure)
     assert "round 3 as changes to round 2, but this consumer holds round 1" in failure.message
     assert isinstance(results[0], RankFailure) and "round 3" in results[0].message
+
+
+def _auto_rounds(rank: int, world_size: int, port: int, shares: list[float]) -> list:
+    """``auto`` over rounds whose changes thin out: the producer's round kinds; each consumer's tensors (rank 1:
+    its mirror, taken from the batches, which a plain round hands out from the receive buffers; rank 2: targets)."""
+    with connect(_spec(rank, world_size, port)) as rg:
+        if rank == 0:
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta="auto") as session:
+                return [session.send(_model(k, shares)) for k in range(1, len(shares) + 1)]
+        targets = {n: torch.zeros_like(t) for n, t in _model(1, shares)} if rank == 2 else None
+        session = ConsumerSession(rg, verify=True, mirror=rank == 1)
+        out = []
+        while True:
+            seen: dict[str, tuple] = {}
+
+            def take(batch, seen=seen):
+                seen.update((name, _plain(t)) for name, t in batch)
+
+            r = session.receive(take, targets=targets)
+            if r is None:
+                return out
+            state = {n: _plain(t) for n, t in targets.items()} if targets is not None else seen
+            out.append((r.round, r.base_round, r.plain, r.verified, state, session._held(targets)))
+
+
+def test_auto_sends_plain_rounds_while_changes_are_many_and_deltas_once_they_thin_out():
+    # Round 2: a delta round (nothing measured yet) whose changes take over half the dense bytes; rounds 3-5 plain
+    # (the sample still sees 60% changed, then round 5's 0.1% is half as many as when deltas stopped paying);
+    # round 6 dense into the snapshot and the mirror; round 7 a delta round again.
+    shares = [0, 0.6, 0.6, 0.6, 0.001, 0.001, 0.001]
+    producer, *consumers = run_ranks(_auto_rounds, 3, shares, timeout=240)
+    kinds = ["delta" if r.base_round else "plain" if r.plain else "keep" for r in producer]
+    assert kinds == ["keep", "delta", "plain", "plain", "plain", "keep", "delta"]
+    assert producer[6].base_round == 6
+    assert [r.changed_elements is not None for r in producer[2:]] == [True] * 5  # estimated from the sample
+    for consumer in consumers:
+        for (k, base, plain, verified, state, _held), r in zip(consumer, producer):
+            assert (base, plain) == (r.base_round, r.plain), f"round {k}"
+            assert verified is True
+            assert state == {n: _plain(t) for n, t in _model(k, shares)}, f"round {k}"
+    mirror, targets = consumers
+    # After a plain round the mirror holds no round the producer could send changes against; targets do.
+    assert [h for *_, h in mirror[2:5]] == [0, 0, 0]
+    assert [h for *_, h in targets[2:5]] == [3, 4, 5]

@@ -70,11 +70,17 @@ class RoundMetrics:
     )
     delta: bool = field(default=False, metadata=_doc("whether this round sent only the changed elements"))
     base_round: int | None = field(default=None, metadata=_doc("the round a delta round was based on"))
+    plain: bool = field(
+        default=False,
+        metadata=_doc(
+            "a dense round of refit.delta=auto sent as without deltas, the snapshot left alone (deltas did not pay)"
+        ),
+    )
     changed_elements: int | None = field(
         default=None,
         metadata=_doc(
             "elements whose bytes changed since the last round: counted in a delta round, "
-            "estimated from 1/32 of the words in a dense round of refit.delta=auto"
+            "estimated from a 1/32 sample in a dense round of refit.delta=auto"
         ),
     )
     changed_fraction: float | None = field(

@@ -77,6 +77,7 @@ def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics
         wire_bytes=r.wire_bytes,
         delta=r.delta,
         base_round=r.base_round or None,
+        plain=r.plain,
         changed_elements=r.changed_elements,
         changed_fraction=r.changed_fraction,
         encodings=r.encodings or None,

@@ -69,6 +69,7 @@ def _mode_summary(mode: str, ranks: list[dict[str, Any]], reps: int) -> dict[str
         "per_rank_seconds": [r["seconds"][mode] for r in ranks],
         "wire_bytes_per_round": statistics.median(r["wire_bytes"] for r in rounds),
         "delta_rounds": len(deltas),
+        "plain_rounds": sum(bool(r.get("plain")) for r in rounds),
         "changed_fraction": statistics.median(r["changed_elements"] / r["total_elements"] for r in deltas)
         if deltas
         else None,
@@ -119,6 +120,12 @@ def _seconds(mode: dict[str, Any]) -> str:
     return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
 
 
+def _kinds(mode: dict[str, Any], reps: int) -> str:
+    """A mode's timed rounds by kind: delta, plain dense (auto, deltas not paying) and dense filling the snapshot."""
+    delta, plain = mode["delta_rounds"], mode.get("plain_rounds", 0)
+    return f"{delta} / {plain} / {reps - delta - plain}"
+
+
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.3g}%"
 
@@ -127,7 +134,7 @@ def format_delta_table(summaries: list[dict[str, Any]]) -> str:
     """One row per case and share: each mode's round time, its wire bytes per round, and the speed-ups."""
     head = (
         "| model | size | consumers | share | changed | dense s | delta on s | auto s | dense/on | auto/dense "
-        "| wire per round, dense / on / auto | auto's delta rounds |\n"
+        "| wire per round, dense / on / auto | auto's rounds: delta / plain / keep |\n"
     )
     rows = []
     for s in summaries:
@@ -141,7 +148,7 @@ def format_delta_table(summaries: list[dict[str, Any]]) -> str:
                 f"| {case['preset']} | {format_decimal(s['bytes'])} | {case['consumers']} | {_share(entry['share'])} "
                 f"| {_share(entry['changed_fraction'])} | {_seconds(modes['off'])} | {_seconds(modes['on'])} "
                 f"| {_seconds(modes['auto'])} | {entry['speedup_on']:.2f}x | {entry['auto_over_dense']:.2f} "
-                f"| {wire} | {modes['auto']['delta_rounds']}/{case['reps']} |"
+                f"| {wire} | {_kinds(modes['auto'], case['reps'])} |"
             )
     return head + "|" + "---|" * 12 + "\n" + "\n".join(rows) + "\n"
 

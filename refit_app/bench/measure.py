@@ -138,6 +138,7 @@ def _round_figures(r: Round) -> dict[str, Any]:
     return {
         "wire_bytes": r.wire_bytes,
         "base_round": r.base_round,
+        "plain": r.plain,
         "changed_elements": r.changed_elements,
         "total_elements": r.total_elements,
         "encodings": r.encodings,

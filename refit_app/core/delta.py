@@ -239,19 +239,6 @@ def _gather(block: np.ndarray, elements: np.ndarray, itemsize: int) -> np.ndarra
     return block.reshape(-1, itemsize)[elements].reshape(-1)
 
 
-def estimate_changed(new: np.ndarray, old: np.ndarray, *, every: int = 32, block: int = 64 * 1024) -> tuple[int, int]:
-    """(changed words, words compared) over every ``every``-th block of ``block`` bytes: a round's change share,
-    estimated at about ``1 / every`` of a full comparison's cost."""
-    words = new.size // 8 * 8
-    changed = compared = 0
-    for start in range(0, words, block * every):
-        stop = min(start + block, words)
-        nw, ow = new[start:stop].view(np.uint64), old[start:stop].view(np.uint64)
-        changed += int(np.count_nonzero(nw != ow))
-        compared += nw.size
-    return changed, compared
-
-
 # -------------------------------------------------------------------------------------------------------------
 # Encoding and decoding the positions.
 

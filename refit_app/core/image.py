@@ -3,9 +3,10 @@
 An image is one host buffer holding every tensor's bytes back to back, in manifest order: exactly the dense wire
 format, so a chunk of the plan is a slice of it. A producer that sends deltas keeps the image of what it sent
 last (its snapshot); a consumer that applies deltas into no tensors of its own keeps the image of what it
-received (its mirror). A dense round then costs no more than without one: the producer packs each tensor into
-its image slice and broadcasts the slice (the copy it would make into a rotating buffer anyway), and the consumer
-receives each chunk in place. Only ``num_buffers`` broadcasts are in flight at a time, as with rotating buffers.
+received (its mirror). A dense round then makes no more copies than without one: the producer packs each
+tensor into its image slice and broadcasts the slice (the copy it would make into a rotating buffer anyway), and
+the consumer receives each chunk in place; but the image is not in cache, so such a round costs more than one
+through rotating buffers (``delta="auto"`` sends those where deltas do not pay). Only ``num_buffers`` broadcasts are in flight at a time, as with rotating buffers.
 
 The cost is one host copy of the model on each side that keeps one (the producer's even when its tensors live on a
 GPU: the comparison runs on the host).
@@ -25,6 +26,8 @@ from refit_app.core.group import BroadcastGroup, Work
 from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import is_dense_host, memmove, tensor_bytes
 
+_PAGE = 4096
+
 
 class Image:
     """Every tensor of one manifest, back to back in one host buffer, with each tensor's byte range."""
@@ -37,6 +40,9 @@ class Image:
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
         self.bytes = self.buffer.numpy()
         """The same memory as a numpy array (the delta comparison's view)."""
+        # Touch every page now, while the manifest is agreed, so that the first round pays no page faults: its time
+        # is then one that later rounds can be compared with (``delta="auto"``).
+        self.bytes[::_PAGE] = 0
         self.round = 0
         """The round whose bytes the image holds; 0: none (new, or a round failed half-way)."""
 

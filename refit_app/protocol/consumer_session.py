@@ -32,6 +32,7 @@ from refit_app.protocol.rounds import (
     END,
     HEADER_WORDS,
     MANIFEST,
+    PLAIN,
     ROUND_MAGIC,
     ChunkCounter,
     Round,
@@ -101,6 +102,8 @@ class ConsumerSession(Session):
         self._delta_on, _, _ = self._exchange_needs(False, verify, probe_tokens)
         # The copy is kept only where the producer may send deltas: dense rounds need none.
         self._delta = ConsumerDelta(mirror=mirror and self._delta_on)
+        self._plain = False
+        """This round is plain (:data:`~refit_app.protocol.rounds.PLAIN`)."""
 
     @property
     def mirror(self) -> bool:
@@ -179,7 +182,9 @@ class ConsumerSession(Session):
         except BaseException as e:
             self._fail(k, e)
         started = time.perf_counter()
-        if flags & DELTA or self._delta.mirror or targets is not None:
+        # A plain round leaves the copy behind: it is received as without deltas (into targets where given).
+        self._plain = result.plain = bool(flags & PLAIN)
+        if flags & DELTA or (self._delta.mirror and not self._plain) or targets is not None:
             result.base_round = base if flags & DELTA else 0
             batches = self._stored_batches(result, store, targets, post_unpack_func)
             if return_iterator:
@@ -274,7 +279,7 @@ class ConsumerSession(Session):
             return
         result.num_broadcasts = self._broadcasts
         result.wire_bytes = manifest.total_bytes
-        if self._delta.mirror:
+        if self._delta.mirror and not self._plain:
             assert self._delta.image is not None
             num_buffers = self.num_buffers or get_num_buffers()
             for chunk in self._delta.receive_dense(
@@ -407,7 +412,7 @@ class ConsumerSession(Session):
             self._fail(k, e)
         finish(self.group, None)
         self.rounds += 1
-        self._delta.completed(k, targets)
+        self._delta.completed(k, targets, kept=not (self._plain and self._delta.mirror))
         self.last_round = result
         return result
 

@@ -15,9 +15,8 @@ that applies changes through its own loader, hands the change itself (:class:`Te
 verification on, it then hashes every tensor in full, changed or not, and compares with the producer's checksums
 of the full tensors: what is verified is the reconstructed model, not the payload.
 
-``auto`` sends a round as a delta only where the changes are expected to take less than :data:`AUTO_SHARE` of the
-dense bytes: measured in each delta round, and estimated from a sample (1/32 of the words) while packing each
-dense round, for the next round.
+``auto`` chooses each round's kind from what the rounds before it measured: a delta round, a dense round that
+fills the snapshot, or a plain dense round that leaves it alone (:mod:`refit_app.protocol.delta_auto`).
 """
 
 from __future__ import annotations
@@ -41,11 +40,10 @@ from refit_app.core.meta import TensorMeta
 from refit_app.core.stream import Buffers, ChunkStream
 from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function
-from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS, AUTO_SHARE, DELTA_MODES
+from refit_app.protocol.defaults import DELTA_MODES
+from refit_app.protocol.delta_auto import DELTA, KEEP, AutoPolicy, Sampler
 
 logger = logging.getLogger(__name__)
-
-_SAMPLE_EVERY = 32
 
 
 def host_bytes_array(t: torch.Tensor) -> np.ndarray:
@@ -85,18 +83,11 @@ class ProducerDelta:
             raise ValueError(f"delta={mode!r}: choose one of {', '.join(DELTA_MODES)}")
         self.mode = mode
         self.image: Image | None = None
-        self.share: float | None = None
-        """The last round's share of the dense bytes that its changes took (measured, or estimated from a
-        sample); None before any."""
         self._compressor = _zstd_compressor() if compress and mode != "off" else None
-        self._seconds: dict[bool, float | None] = {True: None, False: None}
-        """The last delta round's and the last dense round's time (``auto``)."""
-        self._lost_at: float | None = None
-        """The share at which a delta round was last slower than a dense one (``auto``), until it is tried again."""
-        self._since_loss = 0
-        self._sample: list[float] = [0, 0]
+        self.auto = AutoPolicy() if mode == "auto" else None
+        self.sampler = Sampler()
         self.sampled_fraction: float | None = None
-        """``auto``'s estimate of the last dense round's share of changed elements (from 1/32 of the words)."""
+        """``auto``'s estimate of the last dense round's share of changed elements (from its sample)."""
         self.buffers = Buffers()
 
     @property
@@ -107,51 +98,35 @@ class ProducerDelta:
         """A fresh manifest: a snapshot for its tensors (filled by the next, dense, round)."""
         self.image = None  # the old one goes first
         self.image = Image(metas)
-        self.share = None
+        self.sampler.drop()
+        if self.auto is not None:
+            self.auto.share = self.auto.changed = None
 
-    def base_for(self, held: list[int]) -> int:
-        """The round a delta round would be based on, where every consumer holds it; else 0 (a dense round)."""
+    def choose(self, held: list[int]) -> str:
+        """This round's kind (:mod:`refit_app.protocol.delta_auto`): a delta round only where every consumer holds
+        the round the snapshot holds (:attr:`base`)."""
         image = self.image
-        if not self.enabled or image is None or image.round == 0:
-            return 0
-        if any(h != image.round for h in held):
+        can = bool(self.enabled and image is not None and image.round and all(h == image.round for h in held))
+        if not can and image is not None and image.round:
             behind = [
                 f"rank {r + 1} holds {'nothing' if h == 0 else f'round {h}'}"
                 for r, h in enumerate(held)
                 if h != image.round
             ]
             logger.info("a dense round: the snapshot holds round %d but %s", image.round, ", ".join(behind))
-            return 0
-        if self.mode == "auto" and not self._auto_delta():
-            return 0
-        return image.round
+        if self.auto is None:
+            return DELTA if can else KEEP
+        return self.auto.choose(can)
 
-    def observe(self, delta: bool, seconds: float) -> None:
-        """A round ended: how long it took, for ``auto``'s choice (a delta round slower than the last dense one
-        means the changes cost more to find and apply than their bytes save, here)."""
-        self._seconds[delta] = seconds
-        dense = self._seconds[False]
-        if delta and dense is not None and seconds > dense:
-            logger.info(
-                "auto: a delta round took %.3f s, the last dense one %.3f s: dense rounds from here", seconds, dense
-            )
-            self._lost_at = self.share if self.share is not None else 0.0
-            self._since_loss = 0
+    @property
+    def base(self) -> int:
+        """The round the snapshot holds: a delta round's base."""
+        return self.image.round if self.image is not None else 0
 
-    def _auto_delta(self) -> bool:
-        """``auto``: a delta round where the changes are expected to take under :data:`AUTO_SHARE` of the dense bytes
-        and no delta round at a share as large has been slower than a dense round. After a loss, a delta round is
-        tried again once the changes got clearly sparser or :data:`AUTO_RETRY_ROUNDS` rounds have passed."""
-        if self.share is not None and self.share >= AUTO_SHARE:
-            return False
-        if self._lost_at is None:
-            return True
-        self._since_loss += 1
-        sparser = self.share is not None and self.share < 0.5 * self._lost_at
-        if sparser or self._since_loss >= AUTO_RETRY_ROUNDS:
-            self._lost_at = None
-            return True
-        return False
+    def observe(self, kind: str, seconds: float, *, cold: bool = False) -> None:
+        """A round ended: how long it took, for ``auto``'s choice."""
+        if self.auto is not None:
+            self.auto.observe(kind, seconds, cold=cold)
 
     def invalidate(self) -> None:
         """A round failed half-way: the snapshot may hold parts of two rounds, so the next round is dense."""
@@ -177,18 +152,13 @@ class ProducerDelta:
         assert image is not None
         checksum = checksum_function(checksum_algorithm) if checksum_algorithm else None
         sums: list[int] = []
-        sampling = self.mode == "auto" and image.round != 0
-        self._sample = [0, 0]
+        sampler = self._begin_sample(round_index)
+        holds_last = image.round != 0 and image.round == round_index - 1
 
         def on_tensor(index: int, t: torch.Tensor) -> None:
-            if sampling and t.numel():
-                old = image.tensor_bytes(index)
-                changed, compared = codec.estimate_changed(host_bytes_array(t), old, every=_SAMPLE_EVERY)
-                lanes = max(1, 8 // t.element_size())
-                # Words that changed -> elements that changed, were the changes spread evenly.
-                share = 1 - (1 - changed / compared) ** (1 / lanes) if compared else 0.0
-                self._sample[0] += share * t.numel()
-                self._sample[1] += t.numel()
+            if sampler is not None:
+                old = image.tensor_bytes(index) if holds_last else None
+                sampler.add(host_bytes_array(t), old, t.element_size())
 
         def on_chunk_sent(chunk: Chunk) -> None:
             if checksum is not None:
@@ -208,10 +178,7 @@ class ProducerDelta:
             on_chunk_sent=on_chunk_sent,
         )
         image.round = round_index
-        self.sampled_fraction = None
-        if sampling and self._sample[1]:
-            self.sampled_fraction = self._sample[0] / self._sample[1]
-            self.share = min(1.0, self.sampled_fraction * 1.5)  # values and about a byte of position, per bf16
+        self._end_sample(round_index)
         return sums if checksum is not None else None
 
     # -- delta rounds -----------------------------------------------------------------------------------------
@@ -282,8 +249,50 @@ class ProducerDelta:
             raise
         image.round = round_index
         stats.wire_bytes = stream.wire_bytes
-        self.share = stats.wire_bytes / image.nbytes if image.nbytes else 0.0
+        if self.auto is not None:
+            self.auto.share = stats.wire_bytes / image.nbytes if image.nbytes else 0.0
+            self.auto.changed = stats.changed_fraction
         return stats, sums
+
+    # -- plain rounds (``auto``) ------------------------------------------------------------------------------
+
+    def plain_round(self, round_index: int) -> Callable[[torch.Tensor], None] | None:
+        """A plain dense round begins (sent as without deltas): the snapshot no longer holds the last round sent.
+        Returns what to call with each tensor as it is packed, for ``auto``'s estimate (None where not sampling);
+        :meth:`end_plain_round` once sent."""
+        image = self.image
+        holds_last = image is not None and image.round != 0 and image.round == round_index - 1
+        if image is not None:
+            image.round = 0
+        sampler = self._begin_sample(round_index)
+        if sampler is None:
+            return None
+        count = 0
+
+        def sample(t: torch.Tensor) -> None:
+            nonlocal count
+            old = image.tensor_bytes(count) if holds_last and image is not None else None
+            sampler.add(host_bytes_array(t), old, t.element_size())
+            count += 1
+
+        return sample
+
+    def end_plain_round(self, round_index: int) -> None:
+        self._end_sample(round_index)
+
+    def _begin_sample(self, round_index: int) -> Sampler | None:
+        if self.auto is None:
+            return None
+        self.sampler.begin(round_index)
+        return self.sampler
+
+    def _end_sample(self, round_index: int) -> None:
+        if self.auto is None:
+            return
+        estimate = self.sampler.end(round_index)
+        self.sampled_fraction = None if estimate is None else estimate[0]
+        if estimate is not None:
+            self.auto.changed, self.auto.share = estimate
 
 
 DELTA_CHUNK_BYTES = 2 << 20

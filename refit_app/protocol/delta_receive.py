@@ -88,9 +88,9 @@ class ConsumerDelta:
             self.held_round = 0
         return self.held_round
 
-    def completed(self, round_index: int, targets: Mapping[str, torch.Tensor] | None) -> None:
-        """The round ended everywhere: the tensors now hold it."""
-        self.held_round = round_index
+    def completed(self, round_index: int, targets: Mapping[str, torch.Tensor] | None, *, kept: bool = True) -> None:
+        """The round ended everywhere: the tensors now hold it (``kept=False``: a plain round passed the copy by)."""
+        self.held_round = round_index if kept else 0
         self._fingerprint = self._take_fingerprint(targets)
 
     def failed(self) -> None:

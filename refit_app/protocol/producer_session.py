@@ -22,6 +22,9 @@ from refit_app.packed_tensor import (
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta import DELTA_CHUNK_BYTES, ProducerDelta
+from refit_app.protocol.delta_auto import DELTA as DELTA_ROUND
+from refit_app.protocol.delta_auto import KEEP
+from refit_app.protocol.delta_auto import PLAIN as PLAIN_ROUND
 from refit_app.protocol.handshake import (
     finish,
     send_checksums,
@@ -32,6 +35,7 @@ from refit_app.protocol.rounds import (
     DELTA,
     END,
     MANIFEST,
+    PLAIN,
     ROUND_MAGIC,
     ChunkCounter,
     Round,
@@ -116,7 +120,7 @@ class ProducerSession(Session):
         k = self.rounds + 1
         result = Round(round=k)
         round_started = time.perf_counter()
-        base = 0
+        kind = KEEP
         try:
             held = self._exchange_held(0) if self._delta_on else []
             if metas is None:
@@ -134,9 +138,13 @@ class ProducerSession(Session):
             )
             fresh = self.manifest != manifest  # field by field: no re-encoding of the model every round
             if fresh and self._delta.enabled:
+                reset_started = time.perf_counter()
                 self._delta.reset(manifest.tensors)
-            base = self._delta.base_for(held) if self._delta_on and not fresh else 0
-            flags = (MANIFEST if fresh else 0) | (DELTA if base else 0)
+                round_started += time.perf_counter() - reset_started  # allocating the snapshot is no round's cost
+            kind = self._delta.choose(held) if self._delta_on and not fresh else KEEP
+            base = self._delta.base if kind == DELTA_ROUND else 0
+            result.plain = kind == PLAIN_ROUND
+            flags = (MANIFEST if fresh else 0) | (DELTA if base else 0) | (PLAIN if result.plain else 0)
             self._broadcast_header(
                 torch.tensor([ROUND_MAGIC, k, flags, len(extra), base], dtype=torch.int64, device=self.device)
             )
@@ -154,7 +162,7 @@ class ProducerSession(Session):
             started = time.perf_counter()
             # Parameters require grad; packing only reads their values, which must not join an autograd graph.
             with torch.no_grad():
-                checksums = self._send_data(named_tensors, manifest, result, base, k)
+                checksums = self._send_data(named_tensors, manifest, result, kind, k)
             if checksums is not None:
                 send_checksums(self.group, checksums)
                 result.checksums = checksums
@@ -167,16 +175,18 @@ class ProducerSession(Session):
         finish(self.group, None)
         self.rounds += 1
         # The whole round but the manifest's handshake: until every consumer has applied and checked it.
-        self._delta.observe(bool(base), time.perf_counter() - round_started - result.handshake_seconds)
+        self._delta.observe(kind, time.perf_counter() - round_started - result.handshake_seconds, cold=fresh)
         return result
 
     def _send_data(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, result: Round, base: int, k: int
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, result: Round, kind: str, k: int
     ) -> list[int] | None:
-        """The round's data, dense or delta; returns the checksums where consumers verify."""
+        """The round's data, by ``kind`` (:mod:`refit_app.protocol.delta_auto`); returns the checksums where
+        consumers verify."""
         algorithm = self.checksum_algorithm if manifest.checksums else None
         num_buffers = self.num_buffers or get_num_buffers()
-        if self._delta.enabled:
+        base = self._delta.base if kind == DELTA_ROUND else 0
+        if self._delta.enabled and kind != PLAIN_ROUND:
             tensors = (t for _, t in _checked(named_tensors, manifest.tensors))
             result.bytes = manifest.total_bytes
             result.num_tensors = len(manifest.tensors)
@@ -205,12 +215,13 @@ class ProducerSession(Session):
                 round_index=k,
             )
             self._count_dense(result)
-            if self._delta.sampled_fraction is not None:
-                result.total_elements = sum(m.numel for m in manifest.tensors)
-                result.changed_elements = round(self._delta.sampled_fraction * result.total_elements)
+            self._record_sample(result, manifest)
             return sums
         hasher = _SendHasher(self._checksum) if manifest.checksums else None
         post = hasher.post if hasher is not None else _tensor_of
+        sample = self._delta.plain_round(k) if self._delta.enabled else None
+        if sample is not None:
+            post = _sampled(post, sample)
         result.num_broadcasts = self._broadcasts
         # Once the plan is recorded it checks every tensor against it itself; the first round checks here.
         tensors = named_tensors if self._plan.ready else _checked(named_tensors, manifest.tensors)
@@ -227,7 +238,16 @@ class ProducerSession(Session):
             plan=self._plan,
         )
         result.wire_bytes = result.bytes
+        if self._delta.enabled:
+            self._delta.end_plain_round(k)
+            self._record_sample(result, manifest)
         return hasher.checksums() if hasher is not None else None
+
+    def _record_sample(self, result: Round, manifest: Manifest) -> None:
+        """A dense round of ``auto``: its changes as estimated from the sample."""
+        if self._delta.sampled_fraction is not None:
+            result.total_elements = sum(m.numel for m in manifest.tensors)
+            result.changed_elements = round(self._delta.sampled_fraction * result.total_elements)
 
     def _count_dense(self, result: Round) -> None:
         """A dense round's figures, from the plan (the image path sends every planned chunk)."""
@@ -277,6 +297,17 @@ def record_delta(result: Round, base: int, stats: Any) -> None:
 
 def _tensor_of(item: tuple[str, torch.Tensor]) -> torch.Tensor:
     return item[1]
+
+
+def _sampled(
+    post: Callable[[tuple[str, torch.Tensor]], torch.Tensor], sample: Callable[[torch.Tensor], None]
+) -> Callable[[tuple[str, torch.Tensor]], torch.Tensor]:
+    def both(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        t = post(item)
+        sample(t)
+        return t
+
+    return both
 
 
 class _SendHasher:

@@ -18,6 +18,9 @@ END = 2
 """Header flag: the session is over."""
 DELTA = 4
 """Header flag: the round is a delta round, based on the round in the header's last word."""
+PLAIN = 8
+"""Header flag: a dense round the producer keeps no snapshot of (``delta="auto"`` while deltas do not pay): consumers
+receive it as without deltas, and a session's copy of the model no longer holds a round."""
 HEADER_WORDS = 5
 """magic, round, flags, extra payload bytes, base round (0: dense)."""
 
@@ -53,6 +56,8 @@ class Round:
     headers (round header, manifest, checksums and probe not counted)."""
     base_round: int = 0
     """The round a delta round was based on; 0 for a dense round."""
+    plain: bool = False
+    """A dense round sent as without deltas, the snapshot left alone (``delta="auto"`` while deltas do not pay)."""
     changed_elements: int | None = None
     """Elements whose bytes changed since the base round (delta rounds)."""
     total_elements: int | None = None
