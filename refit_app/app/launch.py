@@ -247,18 +247,10 @@ def _child(
             ready, go = start
             ready.put(rank)
             go.wait()
-        value = fn(rank, *args)
-        pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
-        outcome = RankOutcome(rank, True, value)
     except BaseException as e:
-        try:
-            exc: BaseException | None = pickle.loads(pickle.dumps(e))
-        except Exception:
-            exc = None
-        message = str(e) if isinstance(e, RefitError) else one_line(e, with_type=True)
-        outcome = RankOutcome(
-            rank, False, error=message, exc_type=type(e).__name__, traceback=traceback.format_exc(), exc=exc
-        )
+        outcome = _failed(rank, e)
+    else:
+        outcome = outcome_of(fn, rank, *args)
     results.put(outcome)
     results.close()
     results.join_thread()
@@ -268,7 +260,27 @@ def _child(
     os._exit(0)
 
 
-class _DeferredSignals:
+def outcome_of(fn: Callable[..., Any], rank: int, *args: Any) -> RankOutcome:
+    """Run ``fn(rank, *args)`` as a rank and say how it ended: its value (checked to pickle, so that a value that
+    cannot travel fails here, with a traceback), or its failure as one line with its traceback."""
+    try:
+        value = fn(rank, *args)
+        pickle.dumps(value)
+    except BaseException as e:
+        return _failed(rank, e)
+    return RankOutcome(rank, True, value)
+
+
+def _failed(rank: int, e: BaseException) -> RankOutcome:
+    try:
+        exc: BaseException | None = pickle.loads(pickle.dumps(e))
+    except Exception:
+        exc = None
+    message = str(e) if isinstance(e, RefitError) else one_line(e, with_type=True)
+    return RankOutcome(rank, False, error=message, exc_type=type(e).__name__, traceback=traceback.format_exc(), exc=exc)
+
+
+class DeferredSignals:
     """SIGINT and SIGTERM while the supervisor runs: noted by the handler and raised as
     :class:`~refit_app.common.errors.Interrupted` at the supervisor loop's next :meth:`check` (within 0.1 s), never from
     inside a queue's, a lock's or a join's code, where an exception raised by a signal can leave a lock taken and the
@@ -340,7 +352,7 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    signals = _DeferredSignals()
+    signals = DeferredSignals()
     outcomes: dict[int, RankOutcome] = {}
     first_failure: tuple[float, int] | None = None
     cause = ""
@@ -401,7 +413,7 @@ def run_ranks(
 
 
 def _start_together(
-    procs: list[Any], start: tuple[Any, Any], startup_s: float, signals: _DeferredSignals
+    procs: list[Any], start: tuple[Any, Any], startup_s: float, signals: DeferredSignals
 ) -> dict[int, RankOutcome]:
     """Wait until every rank has started up, then let all run; if one dies or hangs starting, nothing runs and
     every rank gets a failure saying why."""

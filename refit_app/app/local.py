@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from refit_app.app.config import RunSettings
-from refit_app.app.launch import ActivityHandler, prestart, root_cause, run_ranks
+from refit_app.app.launch import ActivityHandler, RankOutcome, prestart, root_cause, run_ranks
 from refit_app.common.errors import PeerError, RefitError
 from refit_app.transport.auth import new_run_id, new_secret
 
@@ -32,7 +32,7 @@ peers waiting out their whole ``group.timeout_s`` for a root cause that is alrea
 
 
 class LocalRunError(RefitError):
-    """A rank of ``role=local`` failed; carries the metrics gathered from every rank."""
+    """A rank of ``role=local`` (or ``role=ray``) failed; carries the metrics gathered from every rank."""
 
     def __init__(self, message: str, metrics: dict[str, Any]) -> None:
         super().__init__(message)
@@ -48,30 +48,55 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
     """One spawned rank: the producer (rank 0) or a consumer, with this run's settings."""
     from refit_app.app.roles import run_consumer, run_producer
 
-    label = "producer" if rank == 0 else f"consumer {rank}"
+    rank_logging(rank, log_files, ActivityHandler())  # its last line says what it was doing, should it be stopped
+    # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
+    ranked = rank_settings(s, rank, local_rank=rank)
+    # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
+    return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
+
+
+def rank_label(rank: int) -> str:
+    return "producer" if rank == 0 else f"consumer {rank}"
+
+
+def rank_logging(rank: int, log_files: list[str], *extra: logging.Handler) -> None:
+    """A rank's log: its lines on stdout and in the launching job's log files, each labelled with the rank."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     # The parent's log files (Hydra's job log) get the ranks' lines too; appends of whole lines interleave cleanly.
     handlers += [logging.FileHandler(path, mode="a") for path in log_files]
-    handlers.append(ActivityHandler())  # its last line says what it was doing, should it be stopped
-    logging.basicConfig(level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{label}] %(message)s")
-    # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
-    group = replace(s.group, rank=rank, local_rank=rank)
-    ranked = replace(s, role="producer" if rank == 0 else "consumer", group=group)
-    # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
-    return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
+    handlers += extra
+    logging.basicConfig(
+        level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{rank_label(rank)}] %(message)s", force=True
+    )
+
+
+def rank_settings(s: RunSettings, rank: int, *, local_rank: int | None) -> RunSettings:
+    """The settings of one rank of a run that starts every rank itself (role=local, role=ray)."""
+    group = replace(s.group, rank=rank, local_rank=local_rank)
+    return replace(s, role="producer" if rank == 0 else "consumer", group=group)
+
+
+def with_run_secret(s: RunSettings) -> RunSettings:
+    """Its own secret and id per run: no other process can join these ranks, and no rank joins another run's.
+    They reach the ranks as arguments, never through the environment or a file."""
+    group = replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id())
+    return replace(s, group=group)
+
+
+def check_source_early(s: RunSettings) -> None:
+    """Reading a checkpoint's headers is cheap: a bad checkpoint fails here in a second, not after the ranks'
+    start-up."""
+    if s.source is not None and s.source.target.endswith("SafetensorsSource"):
+        from refit_app.models.sources import make_source
+
+        make_source(s.source.target, s.source.params)
 
 
 def run_local(s: RunSettings) -> dict[str, Any]:
     """Run the producer and every consumer as processes here; the producer's figures at the top level."""
     prestart(RANK_MODULES)  # torch loads in the fork server while this process checks the source
-    if s.source is not None and s.source.target.endswith("SafetensorsSource"):
-        # Reading the headers is cheap: a bad checkpoint fails here in a second, not after the ranks' start-up.
-        from refit_app.models.sources import make_source
-
-        make_source(s.source.target, s.source.params)
-    # Its own secret and id per run: no other process can join these ranks, and no rank joins another run's.
-    # They reach the ranks as arguments, never through the environment or a file.
-    s = replace(s, group=replace(s.group, token=s.group.token or new_secret(), run_id=s.group.run_id or new_run_id()))
+    check_source_early(s)
+    s = with_run_secret(s)
     log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     # Started together: the rendezvous deadline (group.timeout_s) never includes a rank's start-up.
     outcomes = run_ranks(
@@ -83,19 +108,25 @@ def run_local(s: RunSettings) -> dict[str, Any]:
         preload=RANK_MODULES,
         startup_s=STARTUP_LIMIT_S,
     )
+    return combine_outcomes(outcomes, s, "local")
+
+
+def combine_outcomes(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
+    """One run's metrics from its ranks' outcomes: the producer's figures at the top level, each consumer's under
+    ``consumers``; raises :class:`LocalRunError` with them, naming the root cause, if any rank failed."""
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     metrics = [
         o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}
         for o in outcomes
     ]
-    combined = {**metrics[0], "role": "local", "consumers": metrics[1:]}
+    combined = {**metrics[0], "role": role, "consumers": metrics[1:]}
     failures = [o for o in outcomes if not o.ok]
     if failures:
         # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
         # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
         error = root_cause(
             outcomes,
-            ["producer"] + [f"consumer {r}" for r in range(1, len(outcomes))],
+            [rank_label(r) for r in range(len(outcomes))],
             secondary=(PeerError.__name__,),
             stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
         )

@@ -53,10 +53,12 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     # from the fork server (refit_app.app.launch), so it never pays for it itself.
     if settings.role == "local":
         from refit_app.app.local import run_local as run_role
+    elif settings.role == "ray":
+        from refit_app.app.ray_role import run_ray as run_role
     else:
         from refit_app.app.roles import run_role
 
-    if settings.group.port is None:
+    if settings.group.port is None and settings.role == "local":
         # role=local's free port, picked here rather than by its launcher so that the saved config names it.
         from refit_app.app.launch import free_port
 

@@ -16,6 +16,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from refit_app.app.launchers import launcher_setting
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
+from refit_app.integrations.ray.defaults import (
+    DEFAULT_CPUS_PER_RANK,
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_STRATEGY,
+    PLACEMENT_STRATEGIES,
+)
 from refit_app.integrations.vllm.defaults import DEFAULT_ENGINE_SEED, DEFAULT_KV_CACHE_GIB, DEFAULT_MAX_MODEL_LEN
 from refit_app.models.defaults import (
     DEFAULT_BATCH_TOKENS,
@@ -71,7 +77,7 @@ class Role:
     """Which part of a refit this process plays (the ``role`` config group)."""
 
     name: str = MISSING
-    """local, producer, consumer or auto; set by the chosen ``role=`` option."""
+    """local, producer, consumer, auto or ray; set by the chosen ``role=`` option."""
     output_name: str = MISSING
     """Suffix of this process's Hydra output directories: the role and rank, so that a producer and a consumer
     started in the same second never share one."""
@@ -110,6 +116,15 @@ class AutoRole(Role):
 
     name: str = "auto"
     output_name: str = f"auto${{{RANK_LABEL_RESOLVER}:}}"
+
+
+@dataclass
+class RayRole(Role):
+    """The producer and group.world_size - 1 consumers as Ray actors, one placement-group bundle per rank (ray.*);
+    the port is picked on the producer's node. Needs the ray extra."""
+
+    name: str = "ray"
+    output_name: str = "ray"
 
 
 @dataclass
@@ -152,9 +167,9 @@ class Group:
     port: Optional[int] = None
     """Rendezvous port. null: a free port for role=local, {DEFAULT_PORT} for a producer and its consumers."""
     world_size: Optional[int] = None
-    """Number of ranks: the producer plus the consumers. null: 1 + role.num_consumers (role=local)."""
+    """Number of ranks: the producer plus the consumers. null: 1 + role.num_consumers (role=local), 2 (role=ray)."""
     rank: Optional[int] = None
-    """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local."""
+    """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local and role=ray."""
     local_rank: Optional[int] = None
     """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
     current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
@@ -175,6 +190,24 @@ class Group:
     next rank while receiving the next one, so every link carries each byte once (faster with 2+ consumers). chain
     is for gloo (CPU hosts, CI, debugging): NCCL pipelines its own broadcast, so nccl is refused and auto picks gloo.
     Same on every rank."""
+
+
+@dataclass
+class RayCluster:
+    """Where role=ray runs its ranks: the Ray cluster and each rank's placement-group bundle."""
+
+    address: Optional[str] = None
+    """The cluster to join (host:port of its head, or auto: the one RAY_ADDRESS or this host runs); null: start a
+    local cluster for this run and stop it at the end."""
+    strategy: str = field(default=DEFAULT_STRATEGY, metadata={CHOICES: PLACEMENT_STRATEGIES})
+    """How the ranks' bundles are placed: SPREAD across nodes where possible, STRICT_SPREAD one node per rank, PACK
+    on as few nodes as possible."""
+    cpus_per_rank: float = DEFAULT_CPUS_PER_RANK
+    """CPUs in each rank's bundle (a local cluster gets at least world_size x this many)."""
+    gpus_per_rank: Optional[float] = None
+    """GPUs in each rank's bundle; null: 1 where the cluster has a GPU for every rank, else 0."""
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    """Deadline in seconds for joining the cluster, placing the bundles and starting every rank's actor."""
 
 
 @dataclass
@@ -328,6 +361,7 @@ class Config:
     role: Role = MISSING
     refit: Refit = field(default_factory=Refit)
     group: Group = field(default_factory=Group)
+    ray: RayCluster = field(default_factory=RayCluster)
     source: Any = MISSING
     """A built-in source schema, or a user's node with ``_target_``."""
     sink: Any = MISSING
@@ -335,7 +369,13 @@ class Config:
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "role": {"local": LocalRole, "producer": ProducerRole, "consumer": ConsumerRole, "auto": AutoRole},
+    "role": {
+        "local": LocalRole,
+        "producer": ProducerRole,
+        "consumer": ConsumerRole,
+        "auto": AutoRole,
+        "ray": RayRole,
+    },
     "source": {"synthetic": SyntheticSource, "safetensors": SafetensorsSource, "model": ModelSource},
     "sink": {"verify": VerifySink, "save": SaveSink, "discard": DiscardSink, "model": ModelSink, "vllm": VllmSink},
 }

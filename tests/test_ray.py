@@ -1,0 +1,195 @@
+"""Ray: the library's actors-as-a-group (``examples/ray_refit.py``) and ``role=ray``, on real local Ray clusters.
+
+One cluster per module (started here with ``ray.init``, joined by the runs through ``ray.address`` / ``RAY_ADDRESS``)
+pays Ray's start-up once; one test starts and stops a local cluster of its own, as ``role=ray`` does by default,
+in a temp directory of its own, so that it can check that no process of that cluster is left. Every run has a
+deadline; every test checks that the cluster got back every CPU (no actor or placement group left behind).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_utils import CLI_TIMEOUT_S, assert_ok, assert_one_line_error, load_metrics, run_dir
+from conditions import needs_ray
+from config_utils import compose_config
+
+from refit_app import run
+from refit_app.app.config import validate
+from refit_app.common.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "ray_refit.py"
+CLUSTER_CPUS = 4
+"""Logical CPUs of the module's cluster: three ranks of one CPU each, and room for the example's three actors."""
+RAY_RUN_S = 240.0
+"""Hard limit on one run in these tests (Ray's start-up on a loaded 2-core machine included); only a hang nears it."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray cluster for the module; its address."""
+    ray = importlib.import_module("ray")
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def _all_cpus_back() -> None:
+    """Every CPU of the module's cluster is free again: no actor or placement group of a run is left."""
+    ray = importlib.import_module("ray")
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < CLUSTER_CPUS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == CLUSTER_CPUS, ray.available_resources()
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.ray
+@needs_ray
+def test_the_example_refits_two_engine_actors(cluster, cli):
+    result = cli.start_command([str(EXAMPLE)], env={"RAY_ADDRESS": cluster}).wait(RAY_RUN_S)
+    assert_ok(result)
+    assert result.stdout.count("engine 1 verified: True, engine 2 verified: True") == 3, result.describe()
+    assert "both engines serve the trainer's last weights: True" in result.stdout, result.describe()
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
+def test_role_ray_on_a_cluster_verifies_every_round_and_leaves_nothing(cluster, cli, tmp_path):
+    result = cli(f"ray.address={cluster}", "role=ray", "group.world_size=3", "refit.rounds=3", timeout_s=RAY_RUN_S)
+    assert_ok(result)
+    metrics = load_metrics(run_dir(tmp_path, "ray"))
+    assert (metrics["role"], metrics["status"], metrics["verified"], metrics["rounds_done"]) == ("ray", "ok", True, 3)
+    consumers = metrics["consumers"]
+    assert [c["rank"] for c in consumers] == [1, 2]
+    assert all(r["verified"] for c in consumers for r in c["rounds"]) and all(len(c["rounds"]) == 3 for c in consumers)
+    assert metrics["world_size"] == 3 and metrics["bytes"] > 0
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
+def test_a_rank_that_fails_fails_the_run_in_one_line_and_leaves_nothing(cluster, cli, tmp_path):
+    result = cli(f"ray.address={cluster}", "role=ray", "refit.debug.corrupt_chunk=0", timeout_s=RAY_RUN_S)
+    assert_one_line_error(result, "round 1: verification failed")
+    metrics = load_metrics(run_dir(tmp_path, "ray"))
+    assert metrics["status"] == "failed" and metrics["consumers"][0]["status"] == "failed"
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
+def test_bundles_the_cluster_cannot_place_are_one_line_within_the_deadline(cluster, cli):
+    result = cli(
+        f"ray.address={cluster}",
+        "role=ray",
+        "ray.strategy=STRICT_SPREAD",
+        "ray.start_timeout_s=2",
+        timeout_s=RAY_RUN_S,
+    )
+    assert_one_line_error(result, "within ray.start_timeout_s=2s", "STRICT_SPREAD needs a node per rank, 2")
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
+def test_ctrl_c_stops_the_run_and_leaves_nothing(cluster, cli, tmp_path):
+    proc = cli.start(f"ray.address={cluster}", "role=ray", "refit.rounds=100000", "sink=discard")
+    log = None
+    deadline = time.monotonic() + RAY_RUN_S
+    while time.monotonic() < deadline:  # wait for a signal of readiness: a round has ended
+        logs = list((tmp_path / "outputs").glob("*/*_ray/*.log"))
+        if logs and "round 2/" in logs[0].read_text():
+            log = logs[0]
+            break
+        time.sleep(0.5)
+    assert log is not None, "no round ended in time"
+    os.killpg(proc._proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole foreground group
+    result = proc.wait(60)
+    assert result.returncode == 130, result.describe()
+    assert_one_line_error(result, "interrupted by SIGINT")
+    assert load_metrics(log.parent)["status"] == "failed"
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
+def test_role_ray_starts_a_local_cluster_and_stops_it(cli, tmp_path):
+    temp = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # the run's cluster's files: its processes name this path
+    started = time.monotonic()
+    result = cli("role=ray", "group.world_size=3", "refit.rounds=5", env={"RAY_TMPDIR": temp}, timeout_s=RAY_RUN_S)
+    assert_ok(result)
+    metrics = load_metrics(run_dir(tmp_path, "ray"))
+    assert metrics["verified"] is True and metrics["rounds_done"] == 5
+    assert all(c["verified"] and c["rounds_done"] == 5 for c in metrics["consumers"])
+    assert len(metrics["consumers"]) == 2
+    left = [pid for pid in _pids() if temp in _cmdline(pid)]
+    assert not left, f"processes of the run's Ray cluster left: {[_cmdline(p) for p in left]}"
+    print(f"role=ray with a local cluster: {time.monotonic() - started:.1f}s", file=sys.stderr)
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.ray
+@needs_ray
+def test_an_address_where_nothing_listens_is_one_line_in_seconds(cli):
+    result = cli("role=ray", "ray.address=127.0.0.1:1", timeout_s=RAY_RUN_S)
+    assert_one_line_error(result, "ray.address=127.0.0.1:1: nothing answers there", "ray start --head")
+    assert result.wall_s < 60, result.describe()
+
+
+# -- without Ray -------------------------------------------------------------------------------------------------
+
+
+def test_without_ray_role_ray_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    with pytest.raises(ConfigError, match=r"role=ray needs the ray extra: pip install 'refit_app\[ray\]'"):
+        run(compose_config(["role=ray"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("ray.strategy=FOO", "ray.strategy='FOO' is invalid: choose one of SPREAD, STRICT_SPREAD, PACK"),
+        ("ray.cpus_per_rank=0", "ray.cpus_per_rank=0.0 is invalid: must be a number > 0"),
+        ("group.port=29500", "role=ray picks a free port on the producer's node"),
+        ("group.rank=1", "role=ray assigns ranks itself"),
+    ],
+)
+def test_role_ray_refuses_bad_settings_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate(compose_config(["role=ray", override]))
+
+
+def test_role_ray_defaults_to_one_consumer_and_other_roles_never_import_ray(cli):
+    s = validate(compose_config(["role=ray"]))
+    assert (s.role, s.group.world_size, s.group.port, s.ray.strategy, s.ray.address) == ("ray", 2, None, "SPREAD", None)
+    assert validate(compose_config([])).ray is None
+    check = (
+        "import sys, refit_app.__main__, refit_app.app.local, refit_app.app.roles, refit_app.app.ray_role; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    result = cli.start_command(["-c", check]).wait(CLI_TIMEOUT_S)
+    assert result.returncode == 0, result.describe()
