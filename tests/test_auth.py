@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from cli_utils import COVER_STARTUP, load_metrics, run_dir
 from conditions import needs_outward_ipv4, outward_ipv4_addresses
 from failure_utils import Launcher, RefitProcess
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, gloo_spec, run_ranks
@@ -23,7 +24,7 @@ from refit_app.common.errors import ConfigError, PeerError
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
 from refit_app.transport.groups import connect
-from refit_app.transport.rendezvous import start_store
+from refit_app.transport.rendezvous import announce, start_store
 from refit_app.transport.signed_store import SignedStore
 
 TIMEOUT_S = 20.0
@@ -352,3 +353,109 @@ def test_cli_consumer_of_another_run_refuses_the_producer_and_saves_nothing(tmp_
         )
         _one_line_error(procs["producer"], deadline_budget(SHORT_S), "rank 1 did not join")
     assert not sink.exists()
+
+
+def _squat(port: int, values: dict[str, bytes]) -> None:
+    """As a stranger: wait for the producer's public greeting, read the run's key prefix from it and pre-set
+    ``values`` (keys relative to that prefix, or absolute where they start with ``refit/rdzv/``)."""
+    store = _open_client(port)
+    store.wait(["refit/rdzv/hello"])
+    hello = json.loads(store.get("refit/rdzv/hello"))
+    doc = json.loads(hello["body"]) if "body" in hello else hello
+    ns = f"refit/run/{doc['run_id']}/{doc['nonce']}/"
+    for key, value in values.items():
+        store.set(key if key.startswith("refit/rdzv/") else ns + key, value)
+
+
+_SQUATTED = {
+    # Every key a rank writes or adds to, pre-set with what breaks it: a non-number kills an add's connection, a
+    # 1 pre-claims rank 1, garbage sits where an outcome, an error or a check-in is looked for.
+    TOKEN: {
+        "refit/left": b"garbage",
+        "rdzv/claim/1": b"1",
+        "rdzv/outcome": b"garbage",
+        "refit/ctl/error": b"garbage",
+        "refit/rdzv/checkins": b"garbage",
+        **{f"refit/rdzv/checkin/{n}": b"garbage" for n in range(1, 4)},
+    },
+    # Without a token a stranger can join or abort (docs/security.md), but not turn an agreed end into a failure.
+    None: {"refit/left": b"garbage"},
+}
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no_token"])
+def test_keys_a_stranger_presets_cannot_fail_the_run_or_its_agreed_end(token, tmp_path):
+    """A stranger reads the run's key prefix from the public greeting and pre-sets the keys the ranks count, claim
+    and report with; with a token none of them is a key the ranks use, and without one the producer still ends a
+    run whose rounds every rank agreed on with exit 0 and its rounds in metrics.json."""
+    port = free_port()
+    common = [f"group.port={port}", "group.world_size=2"]
+    env = {TOKEN_ENV: token} if token is not None else {}
+    with Launcher(tmp_path) as launcher:
+        # The producer waits out the consumer's start-up; the consumer starts after the squat, its deadline at the
+        # gate (the producer is up by then).
+        producer = launcher.start("producer", "role=producer", "refit.rounds=3", COVER_STARTUP, *common, env=env)
+        _squat(port, _SQUATTED[token])
+        consumer_args = ["role=consumer", "sink=verify", f"group.timeout_s={TIMEOUT_S:g}", *common]
+        consumer = launcher.start_together({"consumer": consumer_args}, STARTUP_LIMIT_S, {"consumer": env})["consumer"]
+        outcomes = [proc.wait(deadline_budget(TIMEOUT_S)) for proc in (consumer, producer)]
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.describe()
+    metrics = load_metrics(run_dir(tmp_path, "producer"))
+    assert metrics["status"] == "ok" and len(metrics["rounds"]) == 3, metrics
+    assert load_metrics(run_dir(tmp_path, "consumer1"))["verified"] is True
+
+
+def _greeting_overwritten_by_a_stranger(port: int, forge) -> str:
+    """A producer with the token greets; a stranger replaces its greeting with ``forge(doc)``; returns the line a
+    consumer with the token refuses it with."""
+    store = start_store(gloo_spec(0, 2, port, timeout_s=TIMEOUT_S, token=TOKEN))
+    try:
+        announce(store, gloo_spec(0, 2, port, timeout_s=TIMEOUT_S, token=TOKEN))
+        doc = json.loads(json.loads(store.get("refit/rdzv/hello"))["body"])
+        _open_client(port).set("refit/rdzv/hello", forge(doc))
+        with pytest.raises(ConfigError) as info:
+            connect(gloo_spec(1, 2, port, timeout_s=SHORT_S, token=TOKEN))
+        return str(info.value)
+    finally:
+        del store
+
+
+@pytest.mark.parametrize(
+    "forge, fragment",
+    [
+        (json.dumps, "is not signed"),
+        (lambda doc: json.dumps({"body": json.dumps(doc), "mac": "00" * 32}), "does not check"),
+    ],
+    ids=["unsigned", "foreign"],
+)
+def test_a_greeting_a_stranger_wrote_is_refused_for_what_it_is(forge, fragment):
+    """The greeting's key is public: a consumer that cannot believe it says so without blaming the producer's
+    settings (an unsigned greeting is not proof that the producer runs without a token)."""
+    message = _greeting_overwritten_by_a_stranger(free_port(), forge)
+    assert fragment in message and "or a client that is not the producer wrote it" in message, message
+    assert "runs without group.token, and this consumer has one" not in message, message
+    assert "\n" not in message
+
+
+def test_without_a_token_a_rank_claimed_in_advance_is_not_blamed_on_two_consumers():
+    """Without a token anyone can claim a rank before its consumer does; the line says that it may not have been a
+    consumer, on the consumer and on the producer alike."""
+    port = free_port()
+    errors: list[BaseException] = []
+
+    def producer() -> None:
+        try:
+            connect(gloo_spec(0, 2, port, timeout_s=TIMEOUT_S))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    _squat(port, {"rdzv/claim/1": b"1"})
+    with pytest.raises(ConfigError) as info:
+        connect(gloo_spec(1, 2, port, timeout_s=TIMEOUT_S))
+    thread.join(HANG_S)
+    assert not thread.is_alive()
+    for message in (str(info.value), str(errors[0])):
+        assert "or by one and a client that is not: without group.token anyone can claim a rank" in message, message

@@ -102,6 +102,13 @@ class RunAuth:
             return ""
         return "/" + self.mac("tag", "\0".join(map(str, parts)).encode()).hex()[:_TAG_HEX]
 
+    def hide(self, key: str) -> str:
+        """``key`` made one that only a key holder can name (``key`` itself without a token): every key a rank writes,
+        adds to or waits for after the greeting. Anyone can list the store and read the run's prefix from the
+        greeting, so a public name could be pre-set: a rank claimed, a counter made a non-number (an ``add`` on it
+        closes the caller's store connection), an outcome or an error put where the ranks look."""
+        return key + self.tag(key)
+
     def seal(self, kind: str, doc: dict[str, Any]) -> str:
         """``doc`` as a store value, signed as a ``kind`` record."""
         body = json.dumps(doc, sort_keys=True, separators=(",", ":"))

@@ -151,6 +151,8 @@ class Control:
         self.timeout_s = timeout_s
         self._address = address
         self._reported: dict[str, int] = {}
+        self._k_error = self.auth.hide(_K_ERROR)
+        self._k_left = self.auth.hide(_K_LEFT)
         self.failed = False
         """Set once this rank published, reported or observed an error; ``RefitGroup.close`` then lingers."""
         self._explained = False
@@ -177,21 +179,21 @@ class Control:
         payload = self.auth.seal("error", {"rank": rank, "message": message, "phase": phase})
         try:
             with self._short_timeout():
-                current = self._store.compare_set(_K_ERROR, "", payload)
+                current = self._store.compare_set(self._k_error, "", payload)
                 # A value that is not this run's ranks' (a malformed or forged one) must not hide the real reason.
                 for _ in range(_REPLACE_TRIES):
                     if current == payload.encode() or self._open_error(current) is not None:
                         break
-                    current = self._store.compare_set(_K_ERROR, current, payload)
+                    current = self._store.compare_set(self._k_error, current, payload)
         except dist.DistError as e:
             # The producer's store is gone; peers will see the broken collective instead of the reason.
             logger.warning("rank %d: could not publish its error to %s: %s", self.rank, self._address, one_line(e))
 
     def _read_error(self) -> tuple[str, str | None] | None:
         """The first published failure as ``("rank N failed: ...", phase)``, or None."""
-        if not self._store.check([_K_ERROR]):
+        if not self._store.check([self._k_error]):
             return None
-        doc = self._open_error(self._store.get(_K_ERROR))
+        doc = self._open_error(self._store.get(self._k_error))
         if doc is None:
             return None
         self.failed = True
@@ -322,15 +324,27 @@ class Control:
         """A consumer is done with the store, so the producer may close it without breaking a late read."""
         try:
             with self._short_timeout():
-                self._store.add(_K_LEFT, 1)
+                self._store.add(self._k_left, 1)
         except dist.DistError as e:
             logger.debug("rank %d: producer store already gone at leave: %s", self.rank, one_line(e))
 
     def wait_for_consumers_to_leave(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every consumer's :meth:`leave`. Never raises: every rank has agreed on how the
+        refit ended by now, and nothing a stranger writes to the store may turn that into a failure here."""
         deadline = time.monotonic() + seconds
         poller = Poller()
-        while self._store.add(_K_LEFT, 0) < self.world_size - 1 and time.monotonic() < deadline:
-            poller.sleep(deadline)
+        try:
+            while self._store.add(self._k_left, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                poller.sleep(deadline)
+        except dist.DistError as e:
+            # Without a token the count's key is public: a non-number written there closes this connection.
+            logger.warning(
+                "rank %d: could not count the consumers that left (%s): a client that is not one of this run's "
+                "ranks may have written to the store at %s; closing without waiting for them",
+                self.rank,
+                one_line(e),
+                self._address,
+            )
 
     def release(self) -> None:
         """Drop this rank's store connection; on the producer, with the group gone, this stops the store server

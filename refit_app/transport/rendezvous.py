@@ -11,12 +11,14 @@ Anything that reaches the port can read and write the store, so the check-in is 
     producer                                        consumer
     greeting: run id, fresh nonce, world size  ---> same run id? same token (the greeting's signature checks)?
     (signed with the run's key)                     claim its rank, then a check-in signed over the nonce
-    check-in slots: ignore what does not check <--- (written even when the greeting did not check, so that
-                                                     the producer can say why rank N did not join)
+    check-in slots: ignore what does not check <--- (written, in the public area, even when the greeting did
+                                                     not check, so that the producer can say why rank N did not join)
     outcome: the backend, or the first failure ---> (signed; a forged or malformed one is ignored)
 
 Everything after the check-in lives under the run's own key prefix (:attr:`RunAuth.namespace`), one per producer
-start, so a consumer of an earlier run on the same port never reads this run's keys.
+start, so a consumer of an earlier run on the same port never reads this run's keys. That prefix is in the public
+greeting, so with a token every key a rank writes, adds to or waits for (claims, check-ins, the outcome) also has a
+name only a key holder can form (:meth:`RunAuth.hide`): a stranger cannot pre-claim a rank or break a counter.
 """
 
 from __future__ import annotations
@@ -59,19 +61,31 @@ _MAX_SLOTS_PER_RANK = 8
 _OUTCOME_TRIES = 5
 """How often the producer replaces an outcome that is not its ranks' before it gives up on a flooded store."""
 
-# Public keys: a consumer must find them before it knows the run's prefix.
+# The one public key: a consumer must find it before it knows the run's prefix or key.
 _K_HELLO = "refit/rdzv/hello"
-_K_SLOTS = "refit/rdzv/checkins"
-# Keys in the run's namespace.
+_PUBLIC_AREA = "refit/rdzv"
+"""Where a consumer whose greeting did not check leaves its check-in, so that the producer can say why it never
+joined; anyone can write here, so what lies here only ever counts as ignored."""
+# Keys in the run's namespace, each hidden (RunAuth.hide) where the run has a token.
 _K_OUTCOME = "rdzv/outcome"
-
-
-def _k_slot(n: int) -> str:
-    return f"refit/rdzv/checkin/{n}"
 
 
 def _k_claim(rank: int) -> str:
     return f"rdzv/claim/{rank}"
+
+
+def _checkin_area(auth: RunAuth, trusted: bool) -> str:
+    """Where a consumer's check-in goes: under a name only the run's ranks can form if it verified the greeting
+    (the public area itself without a token), in the public area if it did not."""
+    return auth.hide(_PUBLIC_AREA) if trusted else _PUBLIC_AREA
+
+
+def _k_count(area: str) -> str:
+    return f"{area}/checkins"
+
+
+def _k_slot(area: str, n: int) -> str:
+    return f"{area}/checkin/{n}"
 
 
 _ERROR_TYPES: dict[str, type[RefitError]] = {"ConfigError": ConfigError, "PeerError": PeerError}
@@ -104,14 +118,15 @@ def _read_outcome(auth: RunAuth, raw: bytes, where: str) -> dict[str, Any] | Non
 def _settle(store: dist.Store, auth: RunAuth, payload: str, where: str) -> dict[str, Any] | None:
     """Make ``payload`` the outcome unless one of this run's ranks set one first; returns that earlier outcome,
     or None if ``payload`` stands. A value that is not this run's is overwritten."""
-    current = store.compare_set(_K_OUTCOME, "", payload)
+    key = auth.hide(_K_OUTCOME)
+    current = store.compare_set(key, "", payload)
     for _ in range(_OUTCOME_TRIES):
         if current == payload.encode():
             return None
         doc = _read_outcome(auth, current, where)
         if doc is not None:
             return doc
-        current = store.compare_set(_K_OUTCOME, current, payload)
+        current = store.compare_set(key, current, payload)
     raise PeerError(
         f"the rendezvous at {where} keeps being overwritten by a client that is not one of this run's ranks; "
         "set group.token, or keep the port off untrusted networks"
@@ -268,6 +283,61 @@ def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any
     return doc
 
 
+class _Slots:
+    """One check-in area as the producer reads it: the slots its counter has counted, each read once it is written.
+
+    The counter is read, never added to: a non-number a stranger wrote there must not close the producer's store
+    connection (an ``add`` on it does)."""
+
+    def __init__(self, area: str, limit: int) -> None:
+        self._area = area
+        self._limit = limit
+        self._counted = 0
+        self._unread: list[int] = []
+
+    def new_records(self, store: dist.Store) -> list[bytes]:
+        total = min(_read_count(store, _k_count(self._area)), self._limit)
+        self._unread += range(self._counted + 1, total + 1)
+        self._counted = max(self._counted, total)
+        records = []
+        for n in list(self._unread):
+            if store.check([_k_slot(self._area, n)]):  # else: the consumer counted its slot and is about to write it
+                self._unread.remove(n)
+                records.append(store.get(_k_slot(self._area, n)))
+        return records
+
+
+def _read_count(store: dist.Store, key: str) -> int:
+    if not store.check([key]):
+        return 0
+    try:
+        return max(int(store.get(key)), 0)
+    except ValueError:
+        return 0
+
+
+def _claimed_twice(rank: int, world_size: int, auth: RunAuth) -> ConfigError:
+    # With a token only this run's ranks can claim a rank or sign a check-in; without one, anyone can.
+    who = "" if auth.signed else " (or by one and a client that is not: without group.token anyone can claim a rank)"
+    return ConfigError(
+        f"group.rank={rank} is claimed by two consumers{who}; give each consumer its own group.rank in "
+        f"1..{world_size - 1}"
+    )
+
+
+def _why_not_joined(pending: list[int], refused: int, spec: GroupSpec) -> PeerError:
+    why = ""
+    if refused:
+        why = (
+            f"; {refused} check-in(s) were ignored: a consumer with another group.token, or a client "
+            "that is not a refit_app consumer"
+        )
+    return PeerError(
+        f"{ranks_text(pending)} did not join the producer at {spec.address} within {spec.timeout_s:g}s; start every "
+        f"consumer with this group.host/group.port and group.world_size={spec.world_size}{why}"
+    )
+
+
 def producer_checkin(
     store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, deadline: float
 ) -> tuple[str, str]:
@@ -276,8 +346,10 @@ def producer_checkin(
     infos = {PRODUCER_RANK: capabilities(spec)}
     records: dict[int, dict[str, Any]] = {}
     pending = list(range(1, spec.world_size))
-    slots_read, unread, refused = 0, [], 0
-    max_slots = _MAX_SLOTS_PER_RANK * spec.world_size
+    limit = _MAX_SLOTS_PER_RANK * spec.world_size
+    areas = {_checkin_area(auth, trusted) for trusted in (True, False)}  # one area without a token
+    slots = [_Slots(area, limit) for area in sorted(areas)]
+    refused = 0
     logger.info(
         "rank 0: waiting up to %gs for %d consumer(s) at port %d, run %s (group.host of the consumers: this host's "
         "address; group.run_id=%s makes sure they join this run)",
@@ -289,19 +361,10 @@ def producer_checkin(
     )
     poller = Poller()
     while pending:
-        if rstore.check([_K_OUTCOME]):
-            doc = _read_outcome(auth, rstore.get(_K_OUTCOME), spec.address)
-            if doc is not None and not doc["ok"]:
-                raise _outcome_error(doc)
-        total = min(store.add(_K_SLOTS, 0), max_slots)
-        unread += range(slots_read + 1, total + 1)
-        slots_read = max(slots_read, total)
-        for n in list(unread):
-            if not store.check([_k_slot(n)]):
-                continue  # the consumer counted its slot and is about to write it
-            unread.remove(n)
+        _raise_if_settled(rstore, auth, spec)
+        for raw in [raw for area in slots for raw in area.new_records(store)]:
             try:
-                doc = _checkin_record(auth, store.get(_k_slot(n)), spec.world_size)
+                doc = _checkin_record(auth, raw, spec.world_size)
             except RecordError as e:
                 refused += 1
                 auth.distrust("a check-in", spec.address, e)
@@ -309,15 +372,7 @@ def producer_checkin(
             rank = doc["rank"]
             if rank in records:
                 if records[rank] != doc:  # the same record again is a replay, and harmless
-                    raise fail_rendezvous(
-                        rstore,
-                        auth,
-                        ConfigError(
-                            f"group.rank={rank} is claimed by two consumers; give each consumer its own group.rank "
-                            f"in 1..{spec.world_size - 1}"
-                        ),
-                        spec.address,
-                    )
+                    raise fail_rendezvous(rstore, auth, _claimed_twice(rank, spec.world_size, auth), spec.address)
                 continue
             records[rank] = doc
             infos[rank] = {**doc["caps"], "producer_address": doc["producer_address"]}
@@ -330,22 +385,7 @@ def producer_checkin(
         if not pending:
             break
         if time.monotonic() >= deadline:
-            why = ""
-            if refused:
-                why = (
-                    f"; {refused} check-in(s) were ignored: a consumer with another group.token, or a client "
-                    "that is not a refit_app consumer"
-                )
-            raise fail_rendezvous(
-                rstore,
-                auth,
-                PeerError(
-                    f"{ranks_text(pending)} did not join the producer at {spec.address} within "
-                    f"{spec.timeout_s:g}s; start every consumer with this group.host/group.port and "
-                    f"group.world_size={spec.world_size}{why}"
-                ),
-                spec.address,
-            )
+            raise fail_rendezvous(rstore, auth, _why_not_joined(pending, refused, spec), spec.address)
         poller.sleep(deadline)
     try:
         backend = resolve_backend(infos)
@@ -356,6 +396,15 @@ def producer_checkin(
         raise _outcome_error(earlier) if not earlier["ok"] else PeerError("the rendezvous succeeded twice")
     # Where consumers reached this producer; with several routes, the first consumer's (gloo listens on one).
     return backend, str(infos[PRODUCER_RANK + 1].get("producer_address") or spec.host)
+
+
+def _raise_if_settled(rstore: dist.Store, auth: RunAuth, spec: GroupSpec) -> None:
+    """Raise the failure a consumer made the rendezvous outcome (a world size that differs, say)."""
+    key = auth.hide(_K_OUTCOME)
+    if rstore.check([key]):
+        doc = _read_outcome(auth, rstore.get(key), spec.address)
+        if doc is not None and not doc["ok"]:
+            raise _outcome_error(doc)
 
 
 def _wait_key(store: dist.Store, key: str, deadline: float, late: RefitError, spec: GroupSpec) -> None:
@@ -408,29 +457,48 @@ def await_producer(store: dist.Store, spec: GroupSpec, deadline: float) -> tuple
             "refusing another run's producer: give this consumer its own run's group.host/group.port"
         )
     auth = RunAuth.derive(spec.token, run_id, hello["nonce"], spec.rank)
-    problem = None
-    if signed and not auth.signed:
-        problem = "requires group.token, and this consumer has none"
-    elif auth.signed and not signed:
-        problem = "runs without group.token, and this consumer has one"
-    elif signed:
-        try:
-            auth.open("hello", raw)
-        except RecordError:
-            problem = "holds another group.token (its greeting's signature does not check)"
+    problem = _greeting_problem(auth, raw, signed, spec.address)
     if problem is not None:
         # Left where the producer looks, so that it can say why this rank never joined.
-        _write_checkin(store, auth, spec, Route("", ""))
-        raise ConfigError(
-            f"the producer at {spec.address} {problem}; set the same group.token (or {TOKEN_ENV}) on every rank"
-        )
+        _leave_untrusted_checkin(store, auth, spec)
+        raise ConfigError(f"{problem}; set the same group.token (or {TOKEN_ENV}) on every rank")
     return auth, hello["world_size"]
 
 
-def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route) -> None:
-    n = store.add(_K_SLOTS, 1)
+def _greeting_problem(auth: RunAuth, raw: bytes, signed: bool, where: str) -> str | None:
+    """Why this consumer cannot believe the greeting, or None. Anyone can write the greeting's key, so a greeting
+    that does not check may be a stranger's as well as another producer's: the text names both."""
+    if signed and not auth.signed:
+        return f"the producer at {where} requires group.token, and this consumer has none"
+    if auth.signed and not signed:
+        return (
+            f"the greeting at {where} is not signed: the producer there runs without group.token, or a client that "
+            "is not the producer wrote it"
+        )
+    if signed:
+        try:
+            auth.open("hello", raw)
+        except RecordError:
+            return (
+                f"the greeting at {where} does not check with this consumer's group.token: the producer there holds "
+                "another group.token, or a client that is not the producer wrote it"
+            )
+    return None
+
+
+def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route, *, trusted: bool = True) -> None:
+    area = _checkin_area(auth, trusted)
+    n = store.add(_k_count(area), 1)
     record = {"rank": spec.rank, "run_id": auth.run_id, "caps": capabilities(spec), "producer_address": route.producer}
-    store.set(_k_slot(n), auth.seal("checkin", record))
+    store.set(_k_slot(area, n), auth.seal("checkin", record))
+
+
+def _leave_untrusted_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec) -> None:
+    """Best effort: the public area's counter is anyone's to break, and the caller is about to raise its reason."""
+    try:
+        _write_checkin(store, auth, spec, Route("", ""), trusted=False)
+    except dist.DistError as e:
+        logger.debug("rank %d: could not leave a check-in at %s: %s", spec.rank, spec.address, one_line(e))
 
 
 def consumer_checkin(
@@ -454,16 +522,8 @@ def consumer_checkin(
             ),
             spec.address,
         )
-    if rstore.add(_k_claim(spec.rank), 1) > 1:
-        raise fail_rendezvous(
-            rstore,
-            auth,
-            ConfigError(
-                f"group.rank={spec.rank} is claimed by two consumers; give each consumer its own group.rank "
-                f"in 1..{producer_size - 1}"
-            ),
-            spec.address,
-        )
+    if rstore.add(auth.hide(_k_claim(spec.rank)), 1) > 1:
+        raise fail_rendezvous(rstore, auth, _claimed_twice(spec.rank, producer_size, auth), spec.address)
     _write_checkin(store, auth, spec, route)
     late = PeerError(
         f"the producer at {spec.address} did not complete the rendezvous within {spec.timeout_s:g}s; "
@@ -471,8 +531,8 @@ def consumer_checkin(
     )
     poller = Poller()
     while True:
-        _wait_key(rstore, _K_OUTCOME, deadline, late, spec)
-        outcome = _read_outcome(auth, rstore.get(_K_OUTCOME), spec.address)
+        _wait_key(rstore, auth.hide(_K_OUTCOME), deadline, late, spec)
+        outcome = _read_outcome(auth, rstore.get(auth.hide(_K_OUTCOME)), spec.address)
         if outcome is not None:
             break
         if time.monotonic() >= deadline:
