@@ -261,3 +261,26 @@ def test_bad_value_refused_with_one_line(cli, tmp_path, overrides, fragments):
     # The choices of a group are the user's options, never the schemas registered behind them.
     assert "base_" not in line
     assert not list(tmp_path.glob("outputs/*/*/metrics.json")), "a refused config must not look like a run"
+
+
+def test_a_consumers_rounds_that_differ_from_the_producers_stop_both(cli, tmp_path):
+    """An explicit refit.rounds on a consumer is checked against the producer's at the handshake, as the buffer size
+    is: a difference is refused in one line on every rank."""
+    port = free_port()
+    producer = cli.start("role=producer", f"group.port={port}", "refit.rounds=1", COVER_STARTUP)
+    consumer = cli.start("role=consumer", f"group.port={port}", "refit.rounds=3", COVER_STARTUP)
+    expected = "refit.rounds differs: producer 1, this consumer 3; leave it unset on consumers to adopt the producer's"
+    assert_one_line_error(consumer.wait(), expected)
+    assert_one_line_error(producer.wait(), "rank 1 failed", expected)
+
+
+def test_a_consumer_that_sets_no_rounds_adopts_the_producers(cli, tmp_path):
+    port = free_port()
+    producer = cli.start("role=producer", f"group.port={port}", "refit.rounds=2", COVER_STARTUP)
+    consumer = cli.start("role=consumer", f"group.port={port}", COVER_STARTUP)
+    assert_ok(producer.wait())
+    assert_ok(consumer.wait())
+    c_dir = run_dir(tmp_path, "consumer1")
+    assert load_metrics(c_dir)["rounds_done"] == 2
+    # Its saved config holds what it actually ran, as for the buffer size: passing it back repeats the run.
+    assert resolved_config(c_dir).refit.rounds == 2

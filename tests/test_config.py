@@ -47,7 +47,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
         "buffer_size_bytes": None,
         "num_buffers": 2,
         "use_legacy_packing": False,
-        "rounds": 1,
+        "rounds": None,
         "delta": "off",
         "debug": {"corrupt_chunk": None},
     }
@@ -55,7 +55,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
     assert s.role == "local"
     assert s.group == GroupSpec(backend="auto", host="127.0.0.1", port=None, world_size=2, rank=0, timeout_s=60.0)
     assert (s.refit.buffer_size_bytes, s.refit.num_buffers) == (None, 2)
-    assert (s.refit.use_legacy_packing, s.refit.corrupt_chunk) == (False, None)
+    assert (s.refit.use_legacy_packing, s.refit.corrupt_chunk, s.refit.rounds) == (False, None, 1)
     assert type(s.refit.num_buffers) is int and type(s.group.timeout_s) is float
     assert s.source == SourceSpec(
         "refit_app.models.sources.SyntheticSource",
@@ -181,6 +181,12 @@ def test_consumer_defaults_adopt_the_producers_settings() -> None:
 def test_consumer_explicit_settings_are_kept(legacy: str) -> None:
     s = settings("role=consumer", "refit.buffer_size_bytes=64MiB", f"refit.use_legacy_packing={legacy}")
     assert (s.refit.buffer_size_bytes, s.refit.use_legacy_packing) == (64 * 1024**2, legacy == "true")
+
+
+@pytest.mark.parametrize("role", ["local", "producer", "consumer"])
+def test_rounds_default_to_one_on_a_producer_and_to_the_producers_on_a_consumer(role: str) -> None:
+    assert settings(f"role={role}").refit.rounds == (None if role == "consumer" else 1)
+    assert settings(f"role={role}", "refit.rounds=4").refit.rounds == 4
 
 
 def test_producer_packing_default_is_bounded_and_may_be_null() -> None:

@@ -29,7 +29,7 @@ from refit_app.integrations.ray.defaults import (
 )
 from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
-from refit_app.protocol.defaults import DEFAULT_DELTA, DELTA_MODES
+from refit_app.protocol.defaults import DEFAULT_DELTA, DEFAULT_ROUNDS, DELTA_MODES
 from refit_app.transport.spec import DEFAULT_HOST, DEFAULT_PORT, MAX_TIMEOUT_S, GroupSpec
 
 
@@ -43,8 +43,9 @@ class RefitSpec:
     num_buffers: int = DEFAULT_NUM_BUFFERS
     use_legacy_packing: bool | None = False
     """None (a consumer's default): adopt the producer's mode."""
-    rounds: int = 1
-    """Refits one run performs over one group."""
+    rounds: int | None = DEFAULT_ROUNDS
+    """Refits one run performs over one group; None only on a consumer: adopt the producer's (which otherwise
+    insists on its own at the handshake)."""
     delta: str = DEFAULT_DELTA
     """Delta rounds: off, on or auto (:data:`refit_app.protocol.defaults.DELTA_MODES`)."""
     corrupt_chunk: int | None = None
@@ -231,6 +232,8 @@ def validate(cfg: DictConfig) -> RunSettings:
     if role == "auto" and group is not None:
         # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
         role = "producer" if group.is_producer else "consumer"
+    if refit is not None and refit.rounds is None and role != "consumer":
+        refit = dataclasses.replace(refit, rounds=DEFAULT_ROUNDS)
     source = _check_source(c, needed=role in ("local", "ray", "producer"))
     sink, sink_name = _check_sink(c, needed=role in ("local", "ray", "consumer"))
     ray = _check_ray(c) if role == "ray" else None
@@ -249,8 +252,8 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     if legacy not in (None, _ABSENT) and not isinstance(legacy, bool):
         c.fail("refit.use_legacy_packing", legacy, "must be true, false or null (a consumer: adopt the producer's)")
     rounds = c.get("refit.rounds")
-    if rounds is not _ABSENT and not (is_int(rounds) and rounds >= 1):
-        c.fail("refit.rounds", rounds, "must be an integer >= 1")
+    if rounds not in (None, _ABSENT) and not (is_int(rounds) and rounds >= 1):
+        c.fail("refit.rounds", rounds, "must be an integer >= 1, or null (a consumer: adopt the producer's)")
     delta = c.get("refit.delta")
     if delta is not _ABSENT and delta not in DELTA_MODES:
         c.fail("refit.delta", delta, _one_of(DELTA_MODES))

@@ -152,6 +152,7 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             use_legacy_packing=bool(s.refit.use_legacy_packing),
             on_chunk=progress.on_chunk,
             delta=s.refit.delta,
+            rounds=s.refit.rounds,
         )
         progress.session = session
         extra_for = _probe_encoder(probe, session.probe_tokens, source)
@@ -226,6 +227,7 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                 on_chunk=progress.on_chunk,
                 mirror=storage in (MIRROR, MIRRORED_DELTAS),
                 accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
+                rounds=s.refit.rounds,
             )
             progress.session = session
             on_round_end = _round_end(sink, probe_tokens)

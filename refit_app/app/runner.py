@@ -96,14 +96,17 @@ def _write_used_config(
 ) -> None:
     """config_resolved.yaml: the config as this run used it, so that passing it back repeats the run. Interpolations
     are resolved, and keys left null are replaced by what the run resolved them to: the port and world size
-    (before the run), the buffer size and packing mode that the producer chose (after it)."""
+    (before the run), the buffer size, packing mode and number of rounds that the producer chose (after it)."""
     used = OmegaConf.to_container(cfg, resolve=True)
     used["group"].update(port=s.group.port, world_size=s.group.world_size)
     # The secret never goes to disk; left out, a run from this file takes group.token's default (the environment).
     used["group"].pop("token", None)
-    for key in ("buffer_size_bytes", "use_legacy_packing"):
-        if metrics is not None and metrics.get(key) is not None:
-            used["refit"][key] = metrics[key]
+    used["refit"]["rounds"] = s.refit.rounds
+    if metrics is not None:
+        for key in ("buffer_size_bytes", "use_legacy_packing"):
+            if metrics.get(key) is not None:
+                used["refit"][key] = metrics[key]
+        used["refit"]["rounds"] = metrics.get("rounds_done") or s.refit.rounds
     write_atomic(Path(output_dir) / RESOLVED_CONFIG_FILE, OmegaConf.to_yaml(used).encode())
 
 

@@ -146,8 +146,9 @@ class Refit:
     """How many buffers are in flight at once; each side chooses its own."""
     use_legacy_packing: Optional[bool] = False
     """true: vLLM-compatible chunks. null (a consumer's default): adopt the producer's mode."""
-    rounds: int = 1
-    """How many refits one run performs over one group (the RL loop); the source changes between rounds."""
+    rounds: Optional[int] = None
+    """How many refits one run performs over one group (the RL loop); the source changes between rounds. null: 1 on
+    a producer; a consumer adopts the producer's (a value that differs from it stops both at the handshake)."""
     delta: str = field(default=DEFAULT_DELTA, metadata={CHOICES: DELTA_MODES})
     """Rounds after the first send only the elements whose bytes changed: off, on, or auto (a delta where the
     changes take under half the dense bytes). on/auto keep one host copy of the model on the producer and on a

@@ -55,6 +55,8 @@ class ConsumerSession(Session):
         buffer_size_bytes: None adopts the producer's; a value that differs from the producer's stops every rank
             at the handshake, naming both.
         use_legacy_packing: None adopts the producer's; a difference stops every rank, as for the buffer size.
+        rounds: None adopts the producer's number of rounds; a number that differs from the one the producer's
+            session announces (or a producer that announces none) stops every rank, as for the buffer size.
         num_buffers: receive buffers in flight (need not match the producer's).
         verify: ask for per-tensor checksums and check every tensor bit for bit, every round.
         probe_tokens: ask the producer for a model probe of this many positions after every round (0: none); it
@@ -86,12 +88,14 @@ class ConsumerSession(Session):
         on_chunk: ChunkCallback | None = None,
         mirror: bool = False,
         accept_deltas: bool = False,
+        rounds: int | None = None,
     ) -> None:
         super().__init__(group)
         if group.rank == PRODUCER_RANK:
             raise ValueError(f"a ConsumerSession runs on a consumer rank, not on rank {PRODUCER_RANK}")
         self.buffer_size_bytes = buffer_size_bytes
         self.use_legacy_packing = use_legacy_packing
+        self.planned_rounds = rounds
         self.num_buffers = num_buffers
         self.verify = verify
         self.on_chunk = on_chunk
@@ -359,6 +363,7 @@ class ConsumerSession(Session):
             self.group,
             buffer_size_bytes=self.buffer_size_bytes,
             use_legacy_packing=self.use_legacy_packing,
+            rounds=self.planned_rounds,
             prepare=prepare,
         )
         self._verifier = Verifier(self.manifest.tensors, self.manifest.checksum_algorithm) if self.verify else None

@@ -5,6 +5,8 @@ DELTA_MODES = ("off", "on", "auto")
 still goes dense where its changes would take more bytes). ``auto``: as ``on`` while the changes take less than
 :data:`AUTO_SHARE` of the dense bytes and delta rounds are faster than dense ones, measured; dense otherwise."""
 DEFAULT_DELTA = "off"
+DEFAULT_ROUNDS = 1
+"""``refit.rounds`` of a producer that sets none (a consumer that sets none adopts the producer's)."""
 AUTO_SHARE = 0.5
 """``auto``'s threshold: the share of the dense round's bytes under which a round goes as a delta."""
 AUTO_RETRY_ROUNDS = 32

@@ -94,11 +94,14 @@ def recv_manifest(rg: RefitGroup) -> Manifest:
         raise
 
 
-def check_settings(manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None) -> None:
+def check_settings(
+    manifest: Manifest, *, buffer_size_bytes: int | None, use_legacy_packing: bool | None, rounds: int | None = None
+) -> None:
     """Refuse explicit consumer settings that disagree with the producer's; ``None`` adopts the producer's.
 
-    Both sides must cut the stream into the same chunks, so a mismatch would corrupt or hang the transfer;
-    all disagreeing settings are listed at once.
+    Both sides must cut the stream into the same chunks, so a mismatch would corrupt or hang the transfer; a
+    consumer that expects another number of rounds than the producer sends would be silently overruled. All
+    disagreeing settings are listed at once.
     """
     differences = []
     if buffer_size_bytes is not None and buffer_size_bytes != manifest.buffer_size_bytes:
@@ -112,6 +115,9 @@ def check_settings(manifest: Manifest, *, buffer_size_bytes: int | None, use_leg
             "refit.use_legacy_packing differs: producer "
             f"{str(manifest.use_legacy_packing).lower()}, this consumer {str(use_legacy_packing).lower()}"
         )
+    if rounds is not None and rounds != manifest.rounds:
+        sent = "open-ended (its session sets no number of rounds)" if manifest.rounds is None else manifest.rounds
+        differences.append(f"refit.rounds differs: producer {sent}, this consumer {rounds}")
     if differences:
         pronoun = "it" if len(differences) == 1 else "them"
         raise HandshakeError("; ".join(differences) + f"; leave {pronoun} unset on consumers to adopt the producer's")
@@ -133,6 +139,7 @@ def accept_manifest(
     *,
     buffer_size_bytes: int | None = None,
     use_legacy_packing: bool | None = None,
+    rounds: int | None = None,
     prepare: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
     """Consumer: receive, check and acknowledge the manifest in one call.
@@ -142,7 +149,9 @@ def accept_manifest(
     """
     manifest = recv_manifest(rg)
     try:
-        check_settings(manifest, buffer_size_bytes=buffer_size_bytes, use_legacy_packing=use_legacy_packing)
+        check_settings(
+            manifest, buffer_size_bytes=buffer_size_bytes, use_legacy_packing=use_legacy_packing, rounds=rounds
+        )
         if prepare is not None:
             prepare(manifest)
     except RefitError as e:

@@ -12,7 +12,8 @@ from refit_app.protocol.checksum import default_algorithm
 
 MANIFEST_VERSION = 3
 """2: companion ``files`` (a model's config.json) travel with the tensors. 3: ``checksum_algorithm`` names the
-per-tensor checksum; binary companion files (a ``tokenizer.model``) travel base64-encoded."""
+per-tensor checksum; binary companion files (a ``tokenizer.model``) travel base64-encoded; ``rounds`` (optional:
+a version 3 manifest without it is an open-ended session's)."""
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Manifest:
     """Checkpoint-level metadata (safetensors ``__metadata__``) carried to a saving consumer."""
     source: str = ""
     """Human-readable description of where the weights came from."""
+    rounds: int | None = None
+    """How many rounds the producer's session sends; None: open-ended (a library loop that closes when it is done)."""
     files: dict[str, str | bytes] = field(default_factory=dict)
     """Small files that belong with the weights (a model's ``config.json``, its tokenizer), by file name: text as
     ``str``, anything else as ``bytes``."""
@@ -49,6 +52,7 @@ class Manifest:
             "checksum_algorithm": self.checksum_algorithm,
             "metadata": self.metadata,
             "source": self.source,
+            "rounds": self.rounds,
             # JSON carries text only: binary files go base64-encoded, under their own key.
             "files": {name: data for name, data in self.files.items() if isinstance(data, str)},
             "binary_files": {
@@ -80,6 +84,7 @@ class Manifest:
             checksum_algorithm=str(doc["checksum_algorithm"]),
             metadata=dict(doc.get("metadata", {})),
             source=str(doc.get("source", "")),
+            rounds=None if doc.get("rounds") is None else int(doc["rounds"]),
             files={
                 **{str(k): str(v) for k, v in doc.get("files", {}).items()},
                 **{str(k): base64.b64decode(v) for k, v in doc.get("binary_files", {}).items()},

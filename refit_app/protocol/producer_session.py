@@ -68,6 +68,8 @@ class ProducerSession(Session):
         delta: ``"off"`` (every round dense), ``"on"`` or ``"auto"`` (rounds after the first send only the changed
             elements where every consumer holds the last round; see :mod:`refit_app.protocol.delta`). On or auto
             keep one host copy of the sent model here.
+        rounds: how many rounds this session will send, where that is known; it travels in the manifest, and a
+            consumer that names another number stops every rank at the handshake. None: open-ended.
 
     Construct it on every rank at the same point: the consumers' needs are exchanged here.
     """
@@ -82,8 +84,10 @@ class ProducerSession(Session):
         on_chunk: ChunkCallback | None = None,
         checksum_algorithm: str | None = None,
         delta: str = "off",
+        rounds: int | None = None,
     ) -> None:
         super().__init__(group)
+        self.planned_rounds = rounds
         self.checksum_algorithm = checksum_algorithm or default_algorithm()
         self._checksum = checksum_function(self.checksum_algorithm)
         if group.rank != PRODUCER_RANK:
@@ -134,6 +138,7 @@ class ProducerSession(Session):
                 checksum_algorithm=self.checksum_algorithm,
                 metadata=dict(metadata or {}),
                 source=source,
+                rounds=self.planned_rounds,
                 files=dict(files or {}),
             )
             fresh = self.manifest != manifest  # field by field: no re-encoding of the model every round
