@@ -139,3 +139,18 @@ def test_cli_refuses_a_hostile_header(cli, tmp_path):
     lines = [line for line in result.stderr_lines() if line.startswith("refit_app: error:")]
     assert len(lines) == 1 and fragment in lines[0] and str(path) in lines[0], result.describe()
     assert "Traceback" not in result.stderr and "c10::" not in result.stderr, result.describe()
+
+
+def test_cli_refuses_a_directory_with_both_a_single_file_and_an_index(cli, tmp_path):
+    """Exit 1 and one line, before anything connects: a stale file beside the checkpoint is never sent."""
+    write_header(tmp_path / "model.safetensors", '{"a":' + ENTRY + "}", b"\0" * 8)
+    write_header(tmp_path / "s1.safetensors", '{"a":' + ENTRY + "}", b"\0" * 8)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    result = cli("source=safetensors", f"source.path={tmp_path}", "sink=discard")
+    assert result.returncode == 1, result.describe()
+    assert result.stderr_lines() == [
+        f"refit_app: error: {tmp_path} holds both model.safetensors and model.safetensors.index.json, so it is not "
+        "clear which is the checkpoint (one may be stale); remove the other, or point source.path at "
+        f"{tmp_path / 'model.safetensors'} for the single file"
+    ], result.describe()
+    assert "Traceback" not in result.stdout, result.describe()

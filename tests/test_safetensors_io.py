@@ -223,6 +223,25 @@ def test_index_disagrees_with_shards(tmp_path):
     )
 
 
+def test_a_single_file_beside_an_index_is_refused_naming_both(tmp_path):
+    """Which of the two is the checkpoint is not the reader's guess to make: one may be stale."""
+    save_tensors(tmp_path / SINGLE_FILE_NAME, {"a": torch.zeros(2)})
+    save_tensors(tmp_path / "s1.safetensors", {"a": torch.ones(2)})
+    (tmp_path / INDEX_FILE_NAME).write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(excinfo, str(tmp_path), f"both {SINGLE_FILE_NAME} and {INDEX_FILE_NAME}")
+
+
+def test_a_tensor_that_the_index_does_not_list_is_refused(tmp_path):
+    save_tensors(tmp_path / "s1.safetensors", {"a": torch.zeros(2), "stray": torch.zeros(1)})
+    save_tensors(tmp_path / "s2.safetensors", {"b": torch.zeros(1)})
+    (tmp_path / INDEX_FILE_NAME).write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    with pytest.raises(SourceError) as excinfo:
+        Checkpoint(tmp_path)
+    assert_one_line_source_error(excinfo, "'stray' is in s1.safetensors, but the index does not list it")
+
+
 def test_several_files_without_index(tmp_path):
     save_tensors(tmp_path / "a.safetensors", {"a": torch.zeros(1)})
     save_tensors(tmp_path / "b.safetensors", {"b": torch.zeros(1)})

@@ -208,10 +208,16 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
             f"{path} holds checkpoint file(s) that are not regular files (a FIFO, a device, a "
             f"directory or a broken link): {summarize(odd)}; remove them or point at a file"
         )
-    if (path / SINGLE_FILE_NAME).is_file():
-        # Transformers prefers the single file over an index, so a directory holding both loads the same here.
-        return [path / SINGLE_FILE_NAME], None
-    index_path = path / INDEX_FILE_NAME
+    single, index_path = path / SINGLE_FILE_NAME, path / INDEX_FILE_NAME
+    if single.is_file() and index_path.is_file():
+        # Loaders disagree on which wins (transformers takes the single file), and one of them is often a stale
+        # leftover of an earlier save: reading either would send weights the user may not mean.
+        raise SourceError(
+            f"{path} holds both {SINGLE_FILE_NAME} and {INDEX_FILE_NAME}, so it is not clear which is the checkpoint "
+            f"(one may be stale); remove the other, or point source.path at {single} for the single file"
+        )
+    if single.is_file():
+        return [single], None
     if index_path.is_file():
         return _read_index(index_path)
     candidates = sorted(p for p in path.glob("*.safetensors") if p.is_file())
@@ -283,6 +289,12 @@ class Checkpoint:
                 if owner.get(name) != shard:
                     where = f"is in {owner[name]}" if name in owner else "is in no shard"
                     problems.append(f"index puts {name!r} in {shard} but it {where}")
+            # The index is the checkpoint's list of tensors: one it does not list (a leftover) is not sent.
+            problems += [
+                f"{name!r} is in {shard}, but the index does not list it"
+                for name, shard in owner.items()
+                if name not in weight_map
+            ]
         if problems:
             raise SourceError(f"{self.path} is inconsistent: {summarize(problems)}")
 
