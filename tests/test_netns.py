@@ -199,19 +199,23 @@ def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tm
     assert producer.metrics()["status"] == "failed"
 
 
-def test_a_link_that_comes_back_within_the_deadline_does_not_fail_the_run(hosts, tmp_path: Path) -> None:
+def test_a_link_down_for_3s_of_a_10s_deadline_does_not_fail_the_run(hosts, tmp_path: Path) -> None:
+    """An outage survives when TCP's next retransmission after the link is back still falls inside the deadline.
+    Retransmissions back off (about 0.2, 0.6, 1.4, 3, 6.2, 12.6 s after the loss), so with group.timeout_s=10 the
+    last one inside it comes about 6 s in: 3 s is well within that, and docs/failures.md has the measured limit
+    (scripts/netns_outage.py)."""
     names = hosts(2, "1gbit")
     run = ["refit.rounds=20", "source.size=32MiB", "refit.buffer_size_bytes=4MiB"]
     producer = Rank(
-        names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run, *_group(2, STARTUP_LIMIT_S)
+        names[0], tmp_path, "producer", "role=producer", "group.host=0.0.0.0", *run, *_group(2, FAIL_TIMEOUT_S)
     )
     consumer = Rank(
-        names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, STARTUP_LIMIT_S, 1)
+        names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, FAIL_TIMEOUT_S, 1)
     )
     try:
         producer.wait_for(r"round 2/20", STARTUP_LIMIT_S)
         assert _sh("link", names[1], "down").returncode == 0
-        # The outage itself is the event under test: 3 s, far inside the group.timeout_s of STARTUP_LIMIT_S.
+        # The outage itself is the event under test: 3 s of the group.timeout_s of 10 s.
         timer = threading.Timer(3.0, _sh, ("link", names[1], "up"))
         timer.start()
         codes = [r.wait(STARTUP_LIMIT_S) for r in (producer, consumer)]

@@ -175,8 +175,9 @@ class Group:
     """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
     current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Deadline in seconds (0.001 to a week) for the rendezvous and for every collective; a lost peer fails the run
-    after it."""
+    """Deadline in seconds (0.001 to a week) for the rendezvous, every collective and every phase gather; a lost
+    peer fails the run after it. A link outage survives only while TCP's backed-off retransmissions fall within it:
+    about 6 s of 10 (docs/failures.md)."""
     interface: Optional[str] = None
     """Network interface gloo uses (eth0, ...); null: the one on the route to the producer."""
     token: Optional[str] = TOKEN_DEFAULT
