@@ -6,7 +6,8 @@ last (its snapshot); a consumer that applies deltas into no tensors of its own k
 received (its mirror). A dense round then makes no more copies than without one: the producer packs each
 tensor into its image slice and broadcasts the slice (the copy it would make into a rotating buffer anyway), and
 the consumer receives each chunk in place; but the image is not in cache, so such a round costs more than one
-through rotating buffers (``delta="auto"`` sends those where deltas do not pay). Only ``num_buffers`` broadcasts are in flight at a time, as with rotating buffers.
+through rotating buffers (``delta="auto"`` sends those where deltas do not pay). Only ``num_buffers`` broadcasts
+are in flight at a time, as with rotating buffers.
 
 The cost is one host copy of the model on each side that keeps one (the producer's even when its tensors live on a
 GPU: the comparison runs on the host).
