@@ -101,8 +101,10 @@ class RayRefitGroup:
         if not consumers:
             raise ValueError("a refit group needs at least one consumer actor")
         labels = ["producer"] + [f"consumer {k}" for k in range(1, len(consumers) + 1)]
+        # The first call to an actor waits for it to start (its process, its imports: over 60 s on two busy cores),
+        # so it has the calls' deadline, not the group's.
         (address,) = raise_on_failure(
-            wait_calls([producer.__ray_call__.remote(member.node_address)], labels[:1], timeout_s),
+            wait_calls([producer.__ray_call__.remote(member.node_address)], labels[:1], call_timeout_s),
             "asking the producer's actor for its address",
         )
         host, port = address
