@@ -26,14 +26,26 @@ DTYPES = [
 ]
 
 
-@pytest.fixture(params=["kernel", "numpy"])
+SIMD_LEVELS = {"avx512": 2, "avx2": 1, "words": 0}
+"""The kernel's comparisons (``set_simd``): each that this CPU runs is tested against the same inputs."""
+
+
+@pytest.fixture(params=[*SIMD_LEVELS, "numpy"])
 def path(request, monkeypatch):
-    if request.param == "kernel":
-        if codec.kernel is None:
-            pytest.skip("the C kernel was not built here")
-    else:
+    if request.param == "numpy":
         monkeypatch.setattr(codec, "kernel", None)
-    return request.param
+        yield request.param
+        return
+    if codec.kernel is None:
+        pytest.skip("the C kernel was not built here")
+    level = SIMD_LEVELS[request.param]
+    before = codec.kernel.set_simd(level)
+    try:
+        if codec.kernel.set_simd(level) != level:
+            pytest.skip(f"this CPU does not run the {request.param} comparison")
+        yield request.param
+    finally:
+        codec.kernel.set_simd(before)
 
 
 def _tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
@@ -76,6 +88,24 @@ def test_diff_finds_exactly_the_changed_elements_and_applies_back(path, dtype, s
         assert torch.equal(tensor_bytes(target), tensor_bytes(new))
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64], ids=str)
+def test_changes_at_every_vector_boundary_are_found(path, dtype):
+    """The vector loops compare 32 or 64 bytes at a time, skip four unchanged vectors at once and leave the last
+    bytes to the word loop: a change on either side of each of those edges is found, in order."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for nbytes in (64 * 4 * 3 + 64 + 24, 32 * 9 + 8, 256):
+        numel = nbytes // itemsize
+        edges = {0, numel - 1}
+        for width in (32, 64, 128, 256):
+            for edge in range(width, nbytes, width):
+                edges |= {edge // itemsize - 1, edge // itemsize}
+        positions = sorted(p for p in edges if 0 <= p < numel)
+        old = _tensor(dtype, numel, nbytes)
+        new = _change(old, positions)
+        changes = codec.diff(_np(new), _np(old).copy(), itemsize, dense_above=1.0)
+        assert changes.positions.tolist() == positions, nbytes
+
+
 def test_special_values_are_compared_as_bytes(path):
     old = torch.tensor([0.0, 1.0, float("nan"), float("inf"), 2.0], dtype=torch.float32)
     new = old.clone()
@@ -100,9 +130,30 @@ def test_hashing_during_the_comparison_covers_every_byte(path):
 
     old = _tensor(torch.float32, 300_001, 3)
     new = _change(old, [5, 200_000])
-    h = Incremental("xxh3_64")
+    h = Incremental("xxh3_64", _np(new).size)
     codec.diff(_np(new), _np(old).copy(), 4, hasher=h)
     assert h.value() == checksum_function("xxh3_64")(memoryview(_np(new)))
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64_16mib", "xxh3_64", "crc32"])
+def test_a_large_tensor_compared_on_two_threads_hashes_and_patches_it_whole(algorithm):
+    """protocol.delta._diff: the second half on the helper thread, hashed there (pieces) or after it (the others)."""
+    from refit_app.protocol.checksum import Incremental, checksum_function
+    from refit_app.protocol.delta import PARALLEL_MIN_BYTES, _diff
+
+    if codec.kernel is None:
+        pytest.skip("the C kernel was not built here")
+    numel = (40 << 20) // 2
+    assert numel * 2 >= PARALLEL_MIN_BYTES
+    old = _tensor(torch.bfloat16, numel, 9)
+    positions = sorted(np.random.default_rng(9).choice(numel, size=numel // 100, replace=False).tolist())
+    new = _change(old, positions)
+    snapshot = _np(old).copy()
+    hasher = Incremental(algorithm, snapshot.size)
+    changes = _diff(_np(new), snapshot, 2, hasher, algorithm)
+    assert changes.positions.tolist() == positions
+    assert np.array_equal(snapshot, _np(new))
+    assert hasher.value() == checksum_function(algorithm)(_np(new))
 
 
 @pytest.mark.parametrize(
@@ -160,6 +211,45 @@ def test_zstd_only_where_it_pays():
 def test_an_inconsistent_record_is_refused(section, count, escapes, numel):
     with pytest.raises(ValueError):
         codec.decode_positions(codec.GAPS8, section, count, escapes, numel)
+
+
+@pytest.mark.parametrize("encoding", [codec.BITMASK, codec.GAPS8, codec.GAPS16], ids=codec.ENCODING_NAMES.get)
+@pytest.mark.parametrize(
+    "positions, numel",
+    [([], 10), ([0], 1), ([0, 255, 256, 70_000, 70_001, 10**6], 10**6 + 1), (list(range(0, 100_000, 3)), 100_000)],
+)
+def test_a_record_applies_straight_from_its_section(path, encoding, positions, numel):
+    """apply_record (gaps decoded on the way in the kernel) writes what decoding then applying writes."""
+    positions = np.array(positions, dtype=np.int64)
+    gaps = np.diff(positions, prepend=-1) - 1
+    escapes = int(np.count_nonzero(gaps >= codec._GAP_LIMIT[encoding])) if encoding != codec.BITMASK else 0
+    section = np.asarray(codec._positions_section(encoding, positions, gaps, numel, escapes), dtype=np.uint8)
+    for itemsize in (1, 2, 4, 8, 16):
+        target = np.random.default_rng(itemsize).integers(0, 256, numel * itemsize, dtype=np.uint8)
+        values = np.random.default_rng(-itemsize % 7).integers(0, 256, positions.size * itemsize, dtype=np.uint8)
+        want = target.copy()
+        want.reshape(-1, itemsize)[positions] = values.reshape(-1, itemsize)
+        codec.apply_record(target, encoding, section, positions.size, escapes, values, itemsize)
+        assert np.array_equal(target, want), itemsize
+
+
+@pytest.mark.parametrize(
+    "section, count, escapes, numel",
+    [
+        (np.array([3, 5], dtype=np.uint8), 2, 0, 9),  # the second change lies past the end
+        (np.array([255, 1], dtype=np.uint8), 2, 0, 300),  # an escape the record does not count
+        (np.array([2, 1, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0], dtype=np.uint8), 2, 1, 300),  # one never used
+        (np.array([255, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255], dtype=np.uint8), 1, 1, 10),
+        (np.array([1], dtype=np.uint8), 2, 0, 10),  # shorter than its count
+    ],
+    ids=["past-the-end", "escape-uncounted", "escape-unused", "escape-huge", "short"],
+)
+def test_a_corrupt_record_is_refused_before_anything_is_written(path, section, count, escapes, numel):
+    target = np.arange(numel * 2, dtype=np.uint16).astype(np.uint8)
+    before = target.copy()
+    with pytest.raises(ValueError):
+        codec.apply_record(target, codec.GAPS8, section, count, escapes, np.full(count * 2, 0xAB, np.uint8), 2)
+    assert np.array_equal(target, before)
 
 
 def test_scatter_refuses_a_position_outside_the_target():

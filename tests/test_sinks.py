@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -11,6 +12,7 @@ import traceback
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conditions import needs_crc32c, needs_xxhash
@@ -95,6 +97,51 @@ def test_xxh3_64_is_the_xxhash_packages():
     data = b"refit_app"
     assert "xxh3_64" in available_algorithms()
     assert checksum_function("xxh3_64")(data) == xxhash.xxh3_64(data).intdigest()
+
+
+@needs_xxhash
+def test_xxh3_64_16mib_hashes_a_large_tensor_by_its_pieces():
+    """Its definition, computed here independently: xxh3_64 up to one piece; above, the xxh3_64 of the pieces'
+    little-endian digests (the last piece shorter). Also on two threads (5 pieces and more)."""
+    import xxhash
+
+    from refit_app.protocol.checksum import PIECE_BYTES, PIECED
+
+    rng = np.random.default_rng(0)
+    for nbytes in (0, 17, PIECE_BYTES, PIECE_BYTES + 1, 2 * PIECE_BYTES, 5 * PIECE_BYTES - 3):
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        if nbytes <= PIECE_BYTES:
+            want = xxhash.xxh3_64_intdigest(data)
+        else:
+            pieces = [data[at : at + PIECE_BYTES] for at in range(0, nbytes, PIECE_BYTES)]
+            want = xxhash.xxh3_64_intdigest(b"".join(xxhash.xxh3_64_digest(p)[::-1] for p in pieces))
+        assert checksum_function(PIECED)(data) == want, nbytes
+
+
+@pytest.mark.parametrize("algorithm", available_algorithms())
+def test_an_incremental_checksum_fed_in_any_blocks_or_in_two_parts_is_the_whole_ones(algorithm):
+    from refit_app.protocol.checksum import PIECE_BYTES, Incremental, split_point
+
+    rng = np.random.default_rng(1)
+    for nbytes in (100, PIECE_BYTES + 5, 3 * PIECE_BYTES + 1000):
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        whole = checksum_function(algorithm)(data)
+        h = Incremental(algorithm, nbytes)
+        at = 0
+        for size in itertools.cycle((1, 4097, 1 << 20, 7 << 20)):
+            h.update(data[at : at + size])
+            at += size
+            if at >= nbytes:
+                break
+        assert h.value() == whole, (algorithm, nbytes)
+        split = split_point(algorithm, nbytes)
+        if split is None:
+            continue
+        first, second = Incremental(algorithm, nbytes), Incremental(algorithm, nbytes, start=split)
+        second.update(data[split:])  # the helper's part may finish first
+        first.update(data[:split])
+        first.join(second)
+        assert first.value() == whole, (algorithm, nbytes)
 
 
 @needs_crc32c

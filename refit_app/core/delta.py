@@ -352,6 +352,20 @@ def decode_positions(encoding: int, section: np.ndarray, count: int, escapes: in
     return positions
 
 
+def apply_record(
+    target: np.ndarray, encoding: int, section: np.ndarray, count: int, escapes: int, values: np.ndarray, itemsize: int
+) -> None:
+    """Write a record's ``values`` at the positions its ``section`` encodes, into ``target`` (a tensor's uint8
+    bytes, writable); ValueError where the section is inconsistent, before anything is written. Gaps go through the
+    kernel's one pass where it was built (decoding to int64 positions first cost the consumer two thirds as much as
+    applying them)."""
+    numel = target.size // itemsize
+    if encoding in _GAP_LIMIT and kernel is not None and target.flags.c_contiguous and target.flags.writeable:
+        kernel.apply_gaps(target, section, _GAP_DTYPE[encoding].itemsize, count, escapes, values, itemsize)
+        return
+    apply(target, decode_positions(encoding, section, count, escapes, numel), values, itemsize)
+
+
 def apply(target: np.ndarray, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
     """Write ``values`` (uint8, ``itemsize`` bytes per position) at ``positions`` of ``target`` (a tensor's uint8
     bytes, writable)."""

@@ -39,7 +39,7 @@ from refit_app.core.image import Image, send_image
 from refit_app.core.meta import TensorMeta
 from refit_app.core.stream import Buffers, ChunkStream
 from refit_app.core.wire import is_dense_host, tensor_bytes
-from refit_app.protocol.checksum import Incremental, checksum_function
+from refit_app.protocol.checksum import Incremental, checksum_function, split_point
 from refit_app.protocol.defaults import DELTA_MODES
 from refit_app.protocol.delta_auto import DELTA, KEEP, AutoPolicy, Sampler
 
@@ -219,8 +219,8 @@ class ProducerDelta:
                 meta = image.metas[index]
                 new = host_bytes_array(t)
                 started = time.perf_counter()
-                hasher = Incremental(checksum_algorithm) if checksum_algorithm else None
-                changes = _diff(new, image.tensor_bytes(index), meta.dtype.itemsize, hasher)
+                hasher = Incremental(checksum_algorithm, new.size) if checksum_algorithm else None
+                changes = _diff(new, image.tensor_bytes(index), meta.dtype.itemsize, hasher, checksum_algorithm)
                 if sums is not None:
                     sums.append(hasher.value())
                 stats.total_elements += meta.numel
@@ -305,20 +305,29 @@ round's critical path is this comparison while the consumer waits for the change
 _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-diff")
 
 
-def _diff(new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Any) -> codec.Changes | codec.Whole:
-    """:func:`refit_app.core.delta.diff` of one tensor, its second half on a helper thread where it is large."""
+def _diff(
+    new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Incremental | None, algorithm: str | None
+) -> codec.Changes | codec.Whole:
+    """:func:`refit_app.core.delta.diff` of one tensor, its second half on a helper thread where it is large. Where
+    the checksum can be taken in two parts (:func:`~refit_app.protocol.checksum.split_point`), each thread hashes its
+    half as it compares it; else the second half is hashed after the helper's comparison."""
     n = new.size
-    half = n // 2 - (n // 2) % 16
     if n < PARALLEL_MIN_BYTES or codec.kernel is None:
         return codec.diff(new, old, itemsize, hasher=hasher)
-    second = _HELPER.submit(codec.diff, new[half:], old[half:], itemsize)
+    split = split_point(algorithm, n) if hasher is not None and algorithm is not None else None
+    half = split if split is not None else n // 2 - (n // 2) % 16
+    rest_hasher = Incremental(algorithm, n, start=half) if split is not None else None
+    second = _HELPER.submit(codec.diff, new[half:], old[half:], itemsize, hasher=rest_hasher)
     try:
         first = codec.diff(new[:half], old[:half], itemsize, hasher=hasher)
     finally:
         rest = second.result()
-    # After the helper, not beside it: hashing the second half while the helper compares it made a 256 MiB tensor's
-    # diff 70 ms instead of 60 (both threads then wait on memory), and more where a consumer shares the cores.
-    if hasher is not None:
+    if rest_hasher is not None:
+        hasher.join(rest_hasher)
+    elif hasher is not None:
+        # After the helper, not beside it: hashing the second half while the helper compares it made a 256 MiB
+        # tensor's diff 70 ms instead of 60 (both threads then wait on memory), and more where a consumer shares the
+        # cores.
         hasher.update(new[half:])
     if isinstance(first, codec.Whole) or isinstance(rest, codec.Whole):
         # Both halves' snapshots are up to date: each half copied or patched its own.

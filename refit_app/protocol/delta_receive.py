@@ -43,6 +43,13 @@ class Target:
         else:
             tensor_bytes(self.tensor).copy_(torch.from_numpy(data).to(self.tensor.device))
 
+    def apply_record(
+        self, encoding: int, section: np.ndarray, count: int, escapes: int, values: np.ndarray, itemsize: int
+    ) -> None:
+        """A host target's record, its positions decoded on the way (:func:`refit_app.core.delta.apply_record`)."""
+        assert self.array is not None
+        codec.apply_record(self.array, encoding, section, count, escapes, values, itemsize)
+
     def apply(self, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
         if self.array is not None:
             codec.apply(self.array, positions, values, itemsize)
@@ -285,22 +292,31 @@ class _RecordReader:
                 )
             self._final_upto = index  # every tensor before this one has no record this round: final
             target = self._targets[index] if self._targets is not None else None
-            positions = None
+            positions = section = None
+            # A host target takes the record as it is (decoded on the way); a device target or a hand-out needs
+            # the positions as an array.
+            on_host = target is not None and target.array is not None and not self._hand_out
             if encoding != codec.DENSE:
                 section = yield from self._read(codec.padded(pos_nbytes))
                 section = section[:pos_nbytes]
                 if flags & codec.ZSTD:
                     section = self._decompress(section, codec.raw_positions_nbytes(encoding, count, escapes, numel))
-                try:
-                    positions = codec.decode_positions(encoding, section, count, escapes, numel)
-                except ValueError as e:
-                    raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
+                if not on_host:
+                    try:
+                        positions = codec.decode_positions(encoding, section, count, escapes, numel)
+                    except ValueError as e:
+                        raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
             direct = target is not None and target.array is not None and encoding == codec.DENSE
             values = yield from self._read(values_nbytes, into=target.array if direct else None)
             yield from self._read(codec.padded(values_nbytes) - values_nbytes)
             started = time.perf_counter()
             if target is not None and not direct:
-                if positions is None:
+                if section is not None and positions is None:
+                    try:
+                        target.apply_record(encoding, section, count, escapes, values, itemsize)
+                    except ValueError as e:
+                        raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
+                elif positions is None:
                     target.write_dense(values)
                 else:
                     target.apply(positions, values, itemsize)
