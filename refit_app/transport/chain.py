@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from refit_app.common.errors import PeerError, one_line
-from refit_app.transport.control import Control
+from refit_app.transport.control import EXPLAIN_WAIT_S, RELAYED_EXPLAIN_WAIT_S, Control
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,10 @@ class ChainBroadcastGroup:
     def lost(self, exc: BaseException, verb: str, peer: int | None) -> PeerError:
         """The error for a broken hop: the root cause if a failing rank published one, else the neighbour and
         the symptom (a killed rank publishes nothing; its neighbours are the ones who can name it)."""
-        explained = self._control.explain(exc)
+        # With three ranks or more the neighbour may not be the one that died, and it publishes what it lost only
+        # after its own wait: wait long enough for that, or the dead rank goes unnamed.
+        wait_s = RELAYED_EXPLAIN_WAIT_S if self.world_size > 2 else EXPLAIN_WAIT_S
+        explained = self._control.explain(exc, wait_s=wait_s)
         try:
             published = self._control.error()
         except Exception:

@@ -27,8 +27,12 @@ from refit_app.transport.spec import PRODUCER_RANK
 
 logger = logging.getLogger(__name__)
 
-_EXPLAIN_WAIT_S = 1.0
+EXPLAIN_WAIT_S = 1.0
 """How long a rank whose collective broke waits for the failing rank to publish the root cause."""
+RELAYED_EXPLAIN_WAIT_S = 3 * EXPLAIN_WAIT_S
+"""The same wait for a rank that hears of a failure second hand (a chain's producer when a rank further down dies):
+the rank next to the dead one waits ``EXPLAIN_WAIT_S`` itself before it publishes what it lost, and both may have
+given up on the same stalled moment; the rest is for a loaded machine."""
 _SHORT_STORE_TIMEOUT_S = 2.0
 """Store timeout for best-effort calls made while failing; a stalled producer must not stall them."""
 _STORE_CALL_MIN_S = 1.0
@@ -281,17 +285,17 @@ class Control:
         finally:
             self._store.set_timeout(timedelta(seconds=self.timeout_s))
 
-    def explain(self, exc: BaseException) -> str:
+    def explain(self, exc: BaseException, *, wait_s: float = EXPLAIN_WAIT_S) -> str:
         """One line for a failed collective, preferring the root cause a failing rank published.
 
         The rank whose sink or source failed publishes its reason just before its sockets close; the others
-        see only "connection reset", so wait a moment for that reason before falling back to the symptom.
+        see only "connection reset", so wait up to ``wait_s`` for that reason before falling back to the symptom.
         """
         self.failed = True
         text = one_line(exc)
         # Only the first broken collective waits: the others in flight (one per buffer) broke for the same
         # reason, and a wait for each would push this rank's exit further past the deadline.
-        deadline = time.monotonic() + (0.0 if self._explained else _EXPLAIN_WAIT_S)
+        deadline = time.monotonic() + (0.0 if self._explained else wait_s)
         self._explained = True
         poller = Poller()
         try:
