@@ -1,5 +1,8 @@
 """The rendezvous: the producer's store, and the check-in on it through which every rank joins a refit group.
 
+Over 500 lines on purpose: the producer's and the consumer's halves of the check-in are one protocol (each step of
+one answers a step of the other, with the same deadlines and records), and read best side by side.
+
 The producer (rank 0) hosts a ``TCPStore`` on ``group.host``. Before any process group exists, every consumer checks
 in on that store: world size, rank and backend are compared there, so a misconfigured rank gets a one-line error and
 so does the producer, instead of everyone waiting in a collective that can never complete. The outcome (the backend,
