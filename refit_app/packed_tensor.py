@@ -156,7 +156,7 @@ def packed_broadcast_producer(
     unchanged once the broadcasts already started have finished.
     """
     target, count = _resolve_settings(buffer_size_bytes, num_buffers)
-    slots = make_slots(resolve_device(group, device), count)
+    slots = make_slots(resolve_device(group, device), count, group)
     sender = Sender(group, src, slots, target, on_chunk, on_chunk_done)
     if plan is not None:
         plan.check_settings(target, use_legacy_packing, count)
@@ -237,7 +237,7 @@ def _make_receiver(
     plan: PackedPlan | None,
 ) -> Receiver:
     target, count = _resolve_settings(buffer_size_bytes, num_buffers)
-    slots = make_slots(resolve_device(group, device), count)
+    slots = make_slots(resolve_device(group, device), count, group)
     if plan is not None:
         plan.check_settings(target, use_legacy_packing, count)
     if plan is not None and plan.ready:

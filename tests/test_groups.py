@@ -105,7 +105,7 @@ SCENARIO_RANKS = 3
 def test_three_ranks_broadcast_from_any_source_and_gather(played):
     for rank in range(3):
         backend, device, from_producer, from_rank2 = played[rank]["broadcast_three"]
-        assert (backend, device) == ("gloo", "cpu")  # auto resolves to gloo without GPUs
+        assert (backend, device) == ("shm", "cpu")  # auto: every rank on this host, no GPUs
         assert from_producer == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert from_rank2 == [7, 7, 7]
 
@@ -216,8 +216,9 @@ def test_pynccl_without_vllm_is_refused(monkeypatch):
         connect(gloo_spec(0, 2, free_port(), timeout_s=FAIL_TIMEOUT_S, backend="pynccl"))
 
 
-def _info(backend: str, cuda: bool = False, vllm: bool = False) -> dict:
-    return {"backend": backend, "cuda": cuda, "vllm": vllm}
+def _info(backend: str, cuda: bool = False, vllm: bool = False, host: str | None = None, **more: str) -> dict:
+    """A check-in's capabilities; ``host`` None: one that cannot share memory (or predates the field)."""
+    return {"backend": backend, "cuda": cuda, "vllm": vllm, "host": host, **more}
 
 
 @pytest.mark.parametrize(
@@ -228,6 +229,14 @@ def _info(backend: str, cuda: bool = False, vllm: bool = False) -> dict:
         ({0: _info("auto", cuda=True), 1: _info("auto")}, "gloo"),  # one rank without a GPU
         ({0: _info("auto", cuda=True), 1: _info("gloo", cuda=True)}, "gloo"),  # auto adopts an explicit choice
         ({0: _info("pynccl", True, True), 1: _info("auto", True, True)}, "pynccl"),
+        ({0: _info("auto", host="h"), 1: _info("auto", host="h"), 2: _info("auto", host="h")}, "shm"),
+        ({0: _info("auto", host="h"), 1: _info("auto", host="h"), 2: _info("auto", host="other")}, "gloo"),
+        ({0: _info("auto", host="h"), 1: _info("auto")}, "gloo"),  # a consumer that cannot share memory
+        ({0: _info("auto", True, host="h"), 1: _info("auto", host="h")}, "shm"),  # host memory: one has no GPU
+        ({0: _info("auto", True, host="h"), 1: _info("auto", True, host="h")}, "nccl"),  # AUTO_SHM_ON_CUDA off
+        ({0: _info("auto", host="h", topology="chain"), 1: _info("auto", host="h", topology="chain")}, "gloo"),
+        ({0: _info("gloo", host="h"), 1: _info("auto", host="h")}, "gloo"),
+        ({0: _info("shm", True, host="h"), 1: _info("auto", True, host="h")}, "shm"),
     ],
 )
 def test_backend_resolution(infos, expected):
@@ -248,6 +257,10 @@ def test_backend_resolution(infos, expected):
         (
             {0: _info("pynccl", True, True), 1: _info("auto", True)},
             "group.backend=pynccl needs vLLM on every rank, but rank 1 lacks it",
+        ),
+        (
+            {0: _info("shm", host="h"), 1: _info("auto", host="h"), 2: _info("auto", host="x"), 3: _info("shm")},
+            "group.backend=shm needs every rank on the producer's host, but ranks 2, 3 are elsewhere",
         ),
     ],
 )

@@ -13,9 +13,10 @@ keeps:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -130,15 +131,31 @@ def release_buffers() -> None:
     HOST_POOL.clear()
 
 
-class Slot:
-    """A reusable byte buffer and the broadcast currently using it."""
+SharedBuffer = Callable[[int, int], torch.Tensor]
+"""A group's buffer for one slot: ``(nbytes, keep) -> buffer``, at least ``nbytes``, keeping its first ``keep``
+bytes if it had to grow; it returns only once nobody reads the buffer any more (see :class:`Slot`)."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+
+class Slot:
+    """A reusable byte buffer and the broadcast currently using it.
+
+    ``shared``: where the group itself provides the buffers (a shared-memory ring that consumers read in place,
+    ``slot_buffer(index, nbytes, keep)``), the slot asks it for its buffer every time it is reserved, and never
+    pools it: the group decides when a buffer may be written again, and may hand out another one.
+    """
+
+    def __init__(
+        self, device: torch.device, stream: torch.cuda.Stream | None, shared: SharedBuffer | None = None
+    ) -> None:
         self.device = device
         self.stream = stream
+        self.shared = shared
         self.buffer: torch.Tensor | None = None
         self._work: Work | None = None
         self._keepalive: Any = None
+        self._receiving = False
+        self.viewed = False
+        """Whether :attr:`buffer` came from :meth:`receive`: the group's memory, never pooled or refilled here."""
 
     def hold(self, objects: Any) -> None:
         """Keep ``objects`` (a chunk's source tensors) alive until :meth:`wait`: a copy on the slot's stream may
@@ -147,6 +164,11 @@ class Slot:
 
     def reserve(self, nbytes: int, *, keep: int = 0, min_capacity: int = 0) -> torch.Tensor:
         """A buffer of at least ``nbytes``; grows (keeping the first ``keep`` bytes) only when too small."""
+        if self.shared is not None:
+            self.buffer = self.shared(max(nbytes, min_capacity), keep)
+            return self.buffer
+        if self.viewed:
+            self.buffer, self.viewed = None, False
         if self.buffer is None and self.device.type == "cpu":
             self.buffer = HOST_POOL.take()
         if self.buffer is None or self.buffer.numel() < nbytes:
@@ -167,31 +189,51 @@ class Slot:
             group.broadcast(data, src)
         self._keepalive = (data, self._keepalive)
 
+    def receive(self, receive_view: Callable[[int, int], Work], nbytes: int, src: int) -> None:
+        """Start receiving ``nbytes`` from ``src`` through the group's own memory (``receive_view_async``): after
+        :meth:`wait`, :attr:`buffer` is a view of it, no copy made."""
+        self.buffer = None
+        self.viewed = True
+        self._work = receive_view(nbytes, src)
+        self._receiving = True
+
     def wait(self) -> None:
         """Block until the slot's broadcast has finished, so its buffer may be read or refilled."""
         work, self._work = self._work, None
+        receiving, self._receiving = self._receiving, False
         try:
             if work is not None:
                 # On CUDA, a work's wait() orders the *current* stream after the collective (NCCL) rather than
                 # blocking the host: make that the slot's stream, which the synchronize below then waits for.
                 with on_stream(self):
-                    work.wait()
+                    result = work.wait()
+                if receiving:
+                    self.buffer = result
         finally:
             if self.stream is not None:
                 self.stream.synchronize()
             self._keepalive = None
 
 
-def make_slots(device: torch.device, count: int) -> list[Slot]:
-    """``count`` slots on ``device``, each with its own cached stream on CUDA."""
+def make_slots(device: torch.device, count: int, group: Any = None) -> list[Slot]:
+    """``count`` slots on ``device``, each with its own cached stream on CUDA. A ``group`` that provides the
+    buffers itself (``slot_buffer(index, nbytes, keep)``, on its own ``device``) gives each slot its own."""
     streams: list[Any] = get_streams(device, count) if device.type == "cuda" else [None] * count
-    return [Slot(device, s) for s in streams]
+    provider = getattr(group, "slot_buffer", None)
+    if provider is None or getattr(group, "device", None) != device:
+        return [Slot(device, s) for s in streams]
+    return [Slot(device, s, functools.partial(provider, i)) for i, s in enumerate(streams)]
 
 
 def keep_buffers(slots: Iterable[Slot], spares: Iterable[torch.Tensor] = ()) -> None:
     """Hand the slots' host buffers (and a consumer's spares) to the next call; only once nothing in flight can
-    still touch them. Buffers that back tensors the caller still holds go too: the pool skips them until free."""
-    buffers = [slot.buffer for slot in slots if slot.buffer is not None and slot.device.type == "cpu"]
+    still touch them. Buffers that back tensors the caller still holds go too: the pool skips them until free.
+    A group's own buffers (:attr:`Slot.shared`) stay the group's."""
+    buffers = [
+        slot.buffer
+        for slot in slots
+        if slot.buffer is not None and slot.device.type == "cpu" and slot.shared is None and not slot.viewed
+    ]
     HOST_POOL.give(buffers + [b for b in spares if b.device.type == "cpu"])
 
 

@@ -93,11 +93,18 @@ class Receiver:
         self._spares: deque[torch.Tensor] = deque()
         self._deferred = False  # a forced refill left a slot for after the next wait (see refill)
         self._done = False
+        # A group that can hand its own memory out (shared memory read in place) receives with no copy; its
+        # views are then under the group's lifetime rule, and the slots' buffers are never refilled here.
+        self._view = getattr(group, "receive_view_async", None) if _on_group_device(group, slots) else None
+        self._release = getattr(group, "release_unused", None) if self._view is not None else None
 
     def refill(self, *, force: bool) -> None:
         """Start receiving the next chunks into idle slots. A slot whose buffer still backs tensors handed out is
         skipped unless ``force`` (then it gets a spare buffer): a caller's loop variable keeps the previous chunk's
-        last tensor alive until it has the next one, and waiting one step spares a buffer."""
+        last tensor alive until it has the next one, and waiting one step spares a buffer. Receiving views of the
+        group's memory, it tells the group what it no longer holds instead."""
+        if self._release is not None:
+            self._release()
         while len(self._in_flight) + (self._handed is not None) < len(self._slots):
             if self._next is None:
                 self._next = self._pull()
@@ -106,7 +113,7 @@ class Receiver:
             layout = self._next
             chunk = layout.chunk
             slot = self._slots[chunk.index % len(self._slots)]
-            if chunk.broadcast and slot.buffer is not None:
+            if chunk.broadcast and slot.buffer is not None and self._view is None:
                 users = extra_users(slot.buffer)
                 if users:
                     if not force:
@@ -149,6 +156,8 @@ class Receiver:
         if self._on_chunk_done is not None:
             self._on_chunk_done(chunk)
         source = slot.buffer if chunk.nbytes else torch.empty(0, dtype=torch.uint8, device=slot.device)
+        if self._view is not None:
+            slot.buffer = None  # the views alone hold the group's memory: the group sees when they are gone
         batch = layout.unpack(source)
         self._handed = slot
         return batch
@@ -164,7 +173,9 @@ class Receiver:
 
     def _post(self, slot: Slot, layout: ChunkLayout) -> None:
         chunk = layout.chunk
-        if chunk.broadcast:
+        if chunk.broadcast and self._view is not None:
+            slot.receive(self._view, chunk.nbytes, self._src)
+        elif chunk.broadcast:
             if slot.stream is not None:
                 # The caller may still be reading the previous batch of this buffer on its stream.
                 slot.stream.wait_stream(torch.cuda.current_stream(slot.device))
@@ -210,6 +221,11 @@ class Receiver:
         self._spares.append(held)
         if len(self._spares) > len(self._slots):
             self._spares.popleft()  # whoever holds its views owns it now
+
+
+def _on_group_device(group: Any, slots: list[Slot]) -> bool:
+    device = getattr(group, "device", None)
+    return device is not None and all(slot.device == device for slot in slots)
 
 
 def iter_tensors(

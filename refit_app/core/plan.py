@@ -137,7 +137,7 @@ def produce_planned(
                 raise plan._mismatch(chunk.first + i, f"{tuple(t.shape)} {t.dtype}", f"{names[i]} {shape} {dtype}")
         slot = sender.slot
         if chunk.alone and tensors[0].device == slot.device and tensors[0].is_contiguous():
-            sender.pack(tensors[0], alone=True)
+            sender.pack(tensors[0], alone=True)  # in place, or into the group's own buffer (Sender.pack says)
         elif chunk.nbytes and slot.device.type == "cpu":
             # Host: one memmove per tensor by address. torch's copies (fused or not) hand anything over 32K
             # elements to the intra-op threads, whose barrier stalls on a machine busy with gloo's threads.
@@ -148,8 +148,14 @@ def produce_planned(
             slot.hold(tensors)
             sender.use_buffer(buffer)
         elif chunk.nbytes:
-            buffer = plan._send_buffer(slot_index, chunk.nbytes, slot.device)
-            dst, aligned = plan._copy_plan(layout, buffer)
+            if slot.shared is not None:
+                # The group's buffer (consumers read it in place) may differ from one round to the next.
+                buffer = slot.reserve(chunk.nbytes, min_capacity=sender.target)
+                views = layout.views(buffer)
+                dst, aligned = [views[i] for i in layout.aligned], layout.aligned
+            else:
+                buffer = plan._send_buffer(slot_index, chunk.nbytes, slot.device)
+                dst, aligned = plan._copy_plan(layout, buffer)
             with on_stream(slot):
                 if slot.stream is not None:
                     slot.stream.wait_stream(torch.cuda.current_stream(slot.device))

@@ -80,8 +80,9 @@ class Sender:
             # handing t's memory to someone else before the copy has read it.
             slot.stream.wait_stream(torch.cuda.current_stream(t.device))
             t.record_stream(slot.stream)
-        if alone and t.device == slot.device and t.is_contiguous():
-            # The planner guarantees nothing joins this tensor's chunk: broadcast its own memory, no copy.
+        if alone and t.device == slot.device and t.is_contiguous() and slot.shared is None:
+            # The planner guarantees nothing joins this tensor's chunk: broadcast its own memory, no copy. (Not
+            # where the group provides the buffers: its consumers read those in place, so the tensor goes in.)
             self._whole = tensor_bytes(t)
             return
         offset = self._offset

@@ -10,6 +10,12 @@ What a dead or stalled peer looks like, per backend:
 - ``pynccl``: vLLM's communicator has no watchdog, so every ``wait()`` polls the broadcast's CUDA event against
   ``timeout_s`` and raises :class:`PeerError` when it passes (kernels already stuck on the GPU stay stuck until the
   process exits).
+- ``shm`` (every rank on one host, :mod:`refit_app.transport.shm`): a killed peer closes its Unix socket, which the
+  other side sees at once; a stalled one fails every wait after ``timeout_s``. Either way :class:`PeerError`, the
+  published reason preferred.
+
+Which host a rank is on: each reports :func:`~refit_app.transport.shm_segments.host_identity` (its kernel's boot id
+and network namespace, hashed) at check-in, and the producer compares them (:func:`resolve_backend`).
 """
 
 from __future__ import annotations
@@ -28,10 +34,15 @@ from refit_app.common.errors import ConfigError, PeerError
 from refit_app.packed_tensor import Work
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, Poller, ranks_text
-from refit_app.transport.spec import DEFAULT_TOPOLOGY, GroupSpec
+from refit_app.transport.shm import ShmConsumerGroup, ShmProducerGroup, make_shm_group
+from refit_app.transport.shm_segments import host_identity, shm_supported
+from refit_app.transport.spec import DEFAULT_TOPOLOGY, PRODUCER_RANK, GroupSpec
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """gloo's network interface; when the user sets it, refit_app does not choose the device from the route."""
+AUTO_SHM_ON_CUDA = False
+"""Whether ``auto`` picks ``shm`` on one host where every rank has a GPU (CUDA IPC) rather than NCCL. Off until the
+CUDA IPC path has run on GPUs (``tests/test_shm.py -m gpu``); ``group.backend=shm`` takes it explicitly."""
 NCCL_BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
 """Set to ``1`` (unless the user set it) before an NCCL group is built, so that a dead peer ends a wait with an
 error after the group's timeout instead of the watchdog aborting the process."""
@@ -149,7 +160,7 @@ class PyNcclBroadcastGroup:
         self._comm = None
 
 
-BackendGroup = TorchBroadcastGroup | PyNcclBroadcastGroup | ChainBroadcastGroup
+BackendGroup = TorchBroadcastGroup | PyNcclBroadcastGroup | ChainBroadcastGroup | ShmProducerGroup | ShmConsumerGroup
 """The groups :func:`connect` builds; each satisfies :class:`refit_app.packed_tensor.BroadcastGroup`."""
 
 
@@ -169,16 +180,29 @@ def check_backend_here(backend: str) -> None:
         raise ConfigError(f"group.backend={backend} needs a CUDA GPU on every rank; use gloo{also}")
     if backend == "pynccl" and not has_vllm():
         raise ConfigError(f"group.backend=pynccl needs {vllm_hint}")
+    if backend == "shm" and (why := shm_supported()) is not None:
+        raise ConfigError(f"group.backend=shm cannot run here: {why}; use gloo")
 
 
 def capabilities(spec: GroupSpec) -> dict[str, Any]:
-    """What a rank reports at check-in: its group settings that all ranks must share, and what this host has."""
-    return {"backend": spec.backend, "topology": spec.topology, "cuda": has_cuda(), "vllm": has_vllm()}
+    """What a rank reports at check-in: its group settings that all ranks must share, and what this host has
+    (``host``: who it can share memory with, None where it cannot share memory at all)."""
+    host = host_identity() if shm_supported() is None else None
+    return {"backend": spec.backend, "topology": spec.topology, "cuda": has_cuda(), "vllm": has_vllm(), "host": host}
+
+
+def _elsewhere(infos: dict[int, dict[str, Any]]) -> list[int]:
+    """The ranks that cannot share memory with the producer (another host, another network namespace, a rank that
+    reports no host)."""
+    here = infos.get(PRODUCER_RANK, {}).get("host")
+    return [r for r, info in sorted(infos.items()) if not here or info.get("host") != here]
 
 
 def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     """One backend for every rank, or a ConfigError naming the ranks that disagree (on the backend or on
-    ``group.topology``) or lack what it needs. Under ``topology=chain``, ``auto`` resolves to gloo.
+    ``group.topology``) or lack what it needs. ``auto``: ``shm`` where every rank reports the producer's host
+    (unless every rank has a GPU: NCCL, see :data:`AUTO_SHM_ON_CUDA`), NCCL where every rank has a GPU, else gloo;
+    gloo under ``topology=chain``. A rank on another host keeps every rank on the socket path.
 
     Also valid on a partial set of ranks: adding ranks can only add problems, so the producer calls it as
     each consumer checks in and stops at the first conflict instead of waiting for the rest.
@@ -195,11 +219,22 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
             f"group.backend differs between ranks ({listed}); set the same group.backend on every rank, "
             "or 'auto' on all but one"
         )
+    elsewhere = _elsewhere(infos)
     if explicit:
         backend = next(iter(explicit.values()))
     else:
         relay = "chain" in topologies.values()  # chain runs on gloo only (GroupSpec refuses an explicit NCCL)
-        backend = "nccl" if not relay and all(info["cuda"] for info in infos.values()) else "gloo"
+        gpus = all(info["cuda"] for info in infos.values())
+        if not relay and not elsewhere and (AUTO_SHM_ON_CUDA or not gpus):
+            backend = "shm"
+        else:
+            backend = "nccl" if not relay and gpus else "gloo"
+    if backend == "shm" and elsewhere:
+        raise ConfigError(
+            f"group.backend=shm needs every rank on the producer's host, but {ranks_text(elsewhere)} "
+            f"{'is' if len(elsewhere) == 1 else 'are'} elsewhere (another machine or network namespace, or no "
+            "shared memory there); use gloo, or auto to choose"
+        )
     no_gpu = [r for r, info in sorted(infos.items()) if not info["cuda"]]
     if backend in ("nccl", "pynccl") and no_gpu:
         raise ConfigError(
@@ -255,6 +290,8 @@ def make_group(
 ) -> BackendGroup:
     """This rank's broadcast group; ``address``: this rank's address on the route between producer and consumers."""
     timeout = timedelta(seconds=spec.timeout_s)
+    if backend == "shm":
+        return make_shm_group(store, spec, control)
     if backend == "gloo":
         prefixed = dist.PrefixStore("refit/gloo", store)
         device = gloo_device(spec, address)

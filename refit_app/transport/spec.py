@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from refit_app.common.checks import Problems, is_int
 
-BACKENDS = ("auto", "gloo", "nccl", "pynccl")
-"""``auto`` resolves, at the rendezvous, to NCCL where every rank has a CUDA GPU and to gloo otherwise."""
+BACKENDS = ("auto", "gloo", "nccl", "pynccl", "shm")
+"""``auto`` resolves, at the rendezvous, to ``shm`` where every rank is on the producer's host (and at least one
+has no CUDA GPU), to NCCL where every rank has a CUDA GPU, and to gloo otherwise."""
 TOPOLOGIES = ("tree", "chain")
 """How a broadcast travels: ``tree``, the backend's own collective (gloo: a binomial tree, the whole buffer per hop;
 NCCL: pipelined rings); ``chain``, each consumer relays every chunk to the next rank
@@ -42,7 +43,8 @@ class GroupSpec:
     """
 
     backend: str = "auto"
-    """``auto`` (NCCL if every rank has a CUDA GPU, else gloo), ``gloo``, ``nccl`` or ``pynccl``."""
+    """``auto`` (:data:`BACKENDS` says what it picks), ``gloo``, ``nccl``, ``pynccl`` or ``shm`` (every rank on one
+    host: broadcasts through shared memory, :mod:`refit_app.transport.shm`)."""
     host: str = DEFAULT_HOST
     """The producer's address; the producer's store listens on it alone (``0.0.0.0``: on every interface)."""
     port: int | None = DEFAULT_PORT
@@ -91,11 +93,16 @@ class GroupSpec:
         if self.topology not in TOPOLOGIES:
             p.fail("group.topology", self.topology, "choose one of " + ", ".join(TOPOLOGIES))
         elif self.topology == "chain" and self.backend not in RELAY_BACKENDS:
+            why = (
+                "moves every chunk once for all consumers already"
+                if self.backend == "shm"
+                else "already pipelines its broadcast on GPUs"
+            )
             p.fail(
                 "group.topology",
                 self.topology,
-                f"chain relays over gloo only, and group.backend={self.backend} already pipelines its broadcast "
-                "on GPUs; use group.topology=tree or group.backend=gloo",
+                f"chain relays over gloo only, and group.backend={self.backend} {why}; use group.topology=tree or "
+                "group.backend=gloo",
             )
         if (
             isinstance(self.timeout_s, bool)
