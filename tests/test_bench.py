@@ -601,3 +601,38 @@ def test_an_out_that_cannot_take_the_results_is_refused_before_the_run(tmp_path)
     taken.write_text("not a directory")
     with pytest.raises(SystemExit, match=r"^refit_app.bench: error: --out '.*a-file' cannot take the results: "):
         bench.main(["--reps", "1", "--out", str(taken)])
+
+
+def test_colocated_compares_shm_with_gloo_and_memcpy_and_one_consumer_with_three(tmp_path, capsys):
+    out = tmp_path / "colocated"
+    args = ["--colocated", "--preset", "llama-1b", "--size", "4MB", "--buffer-size", "512KiB", "--reps", "2"]
+    assert bench.main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = (out / "colocated.md").read_text()
+    assert table in printed and f"results: {out / 'colocated.json'}" in printed
+    for label in ("gloo, 1 consumer", "shm, 1 consumer", "shm, 3 consumers", "memcpy (producer alone)"):
+        assert f"| {label} |" in table
+    for ratio in ("gloo / shm", "shm / memcpy", "shm 3 / shm 1"):
+        assert f"| {ratio} |" in table
+    doc = json.loads((out / "colocated.json").read_text())
+    assert doc["consumers"] == 3 and doc["reps"] == 2
+    modes = doc["modes"]
+    assert set(modes) == {"gloo", "shm", "shm_3", "memcpy"}
+    assert all(len(m["per_rep_s"]) == 2 and m["median_s"] > 0 for m in modes.values())
+    # The ratios are the medians' (no timing is asserted: only that they follow from the figures).
+    assert doc["ratios"]["gloo_over_shm"] == pytest.approx(modes["gloo"]["median_s"] / modes["shm"]["median_s"])
+    assert doc["ratios"]["shm_over_memcpy"] == pytest.approx(modes["shm"]["median_s"] / modes["memcpy"]["median_s"])
+    assert doc["ratios"]["shm_n_over_shm"] == pytest.approx(modes["shm_3"]["median_s"] / modes["shm"]["median_s"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--colocated", "--consumers", "1"], "--colocated takes one --consumers of at least 2"),
+        (["--colocated", "--preset", "llama-1b", "lora"], "--colocated takes one --preset and one --size"),
+        (["--colocated", "--rank", "1"], "--colocated runs every rank on this machine; drop --rank"),
+    ],
+)
+def test_colocated_refuses_what_it_cannot_compare(args, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(args)

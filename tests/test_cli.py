@@ -44,7 +44,7 @@ def assert_complete_metrics(m: dict[str, Any]) -> None:
     assert m["gb_per_s"] == pytest.approx(m["bytes"] / 1e9 / m["seconds"], rel=1e-3), m
     assert m["buffer_size_bytes"] > 0 and m["num_buffers"] >= 1, m
     assert isinstance(m["use_legacy_packing"], bool), m
-    assert m["backend"] in ("gloo", "nccl", "pynccl"), m
+    assert m["backend"] in ("gloo", "nccl", "pynccl", "shm"), m
     assert m["peak_rss_bytes"] > 0, m
 
 

@@ -16,9 +16,9 @@ TIMEOUT_S = 30.0
 BUFFER = 4096
 
 
-def _spec(rank: int, world_size: int, port: int, topology: str = "tree") -> GroupSpec:
+def _spec(rank: int, world_size: int, port: int, topology: str = "tree", backend: str = "gloo") -> GroupSpec:
     return GroupSpec(
-        backend="gloo", port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S, topology=topology
+        backend=backend, port=port, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S, topology=topology
     )
 
 
@@ -61,9 +61,16 @@ def _plain(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def _delta_rounds(
-    rank: int, world_size: int, port: int, mode: str, shares: list[float], kind: str, topology: str = "tree"
+    rank: int,
+    world_size: int,
+    port: int,
+    mode: str,
+    shares: list[float],
+    kind: str,
+    topology: str = "tree",
+    backend: str = "gloo",
 ) -> list:
-    with connect(_spec(rank, world_size, port, topology)) as rg:
+    with connect(_spec(rank, world_size, port, topology, backend)) as rg:
         if rank == 0:
             out = []
             with ProducerSession(rg, buffer_size_bytes=BUFFER, delta=mode) as session:
@@ -112,10 +119,11 @@ def _delta_rounds(
             out.append((r.round, r.base_round, r.verified, {n: _plain(t) for n, t in state.items()}))
 
 
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
 @pytest.mark.parametrize("kind", ["targets", "mirror", "deltas", "mirror+deltas"])
-def test_every_round_equals_the_producers_bytes(kind):
+def test_every_round_equals_the_producers_bytes(kind, backend):
     shares = [0, 0.01, 0.0, 0.3, 1.0, 0.001]
-    results = run_ranks(_delta_rounds, 2, "on", shares, kind, timeout=240)
+    results = run_ranks(_delta_rounds, 2, "on", shares, kind, "tree", backend, timeout=240)
     producer, consumer = results
     for (k, base, _wire, _changed, _enc), (k2, base2, verified, state) in zip(producer, consumer):
         assert k == k2 and base == base2

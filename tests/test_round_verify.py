@@ -4,6 +4,7 @@ for bit, over real gloo groups, and a corrupted tensor in a later round is named
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mp_utils import RankFailure, gloo_spec, run_ranks
 from tensor_utils import tensor_checksum
@@ -30,10 +31,11 @@ def _weights(round_index: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _corrupt_in_bad_round(rank: int, world_size: int, port: int, names: list[str]) -> list:
+def _corrupt_in_bad_round(rank: int, world_size: int, port: int, names: list[str], backend: str = "gloo") -> list:
     """Consumers flip one byte of each tensor in ``names`` as it arrives in round BAD_ROUND (after the transport,
-    before the verifier hashes it: what a reused buffer or a bad copy would do)."""
-    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
+    before the verifier hashes it: what a reused buffer or a bad copy would do; over gloo, whose received tensors
+    are the consumer's own memory)."""
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S, backend=backend)) as rg:
         if rank == 0:
             sent = []
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
@@ -57,8 +59,9 @@ def _corrupt_in_bad_round(rank: int, world_size: int, port: int, names: list[str
         return verified
 
 
-def test_producer_checksums_are_each_tensors_in_order_every_round():
-    producer, consumer = run_ranks(_corrupt_in_bad_round, 2, [], timeout=120)
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_producer_checksums_are_each_tensors_in_order_every_round(backend):
+    producer, consumer = run_ranks(_corrupt_in_bad_round, 2, [], backend, timeout=120)
     assert consumer == [(k, True) for k in range(1, ROUNDS + 1)]
     assert len(producer) == ROUNDS
     for sent, expected in producer:

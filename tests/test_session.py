@@ -16,6 +16,8 @@ TIMEOUT_S = 30.0
 """group.timeout_s of these sessions; nothing here waits for it unless a test is about a failure."""
 BUFFER = 4096
 """Small buffers: several chunks per round, so buffer reuse across chunks and rounds is exercised."""
+BACKENDS = ["gloo", "shm"]
+"""The backends the round tests run over: sockets, and shared memory (views of the producer's segments kept)."""
 
 
 def _weights(round_index: int, *, extra: bool = False, wide: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -46,9 +48,9 @@ def _keep(store: dict[str, tuple]):
     return consume
 
 
-def _plain_rounds(rank: int, world_size: int, port: int, plans: list[dict]) -> list:
+def _plain_rounds(rank: int, world_size: int, port: int, plans: list[dict], backend: str = "gloo") -> list:
     """Round ``i`` sends ``_weights(i + 1, **plans[i])``; consumers verify and return what they received."""
-    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S, backend=backend)) as rg:
         if rank == 0:
             out = []
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
@@ -72,9 +74,10 @@ def _expect_same(received: dict[str, tuple], sent: list[tuple[str, torch.Tensor]
         assert received[name] == _as_bytes(t), name
 
 
-def test_rounds_send_the_manifest_once_and_every_round_verifies():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rounds_send_the_manifest_once_and_every_round_verifies(backend):
     plans = [{}, {}, {}, {}]
-    producer, *consumers = run_ranks(_plain_rounds, 3, plans, timeout=120)
+    producer, *consumers = run_ranks(_plain_rounds, 3, plans, backend, timeout=120)
     assert [(r, fresh) for r, fresh, _, _ in producer] == [(1, True), (2, False), (3, False), (4, False)]
     assert all(checked for *_, checked in producer)  # a consumer verifies, so checksums travel every round
     for rounds in consumers:
@@ -154,8 +157,8 @@ def test_a_consumer_failing_in_round_3_fails_every_rank_with_its_reason():
     assert "rank 2 failed" in outcomes[0].message
 
 
-def _iterator_rounds(rank: int, world_size: int, port: int) -> list:
-    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S)) as rg:
+def _iterator_rounds(rank: int, world_size: int, port: int, backend: str) -> list:
+    with connect(gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S, backend=backend)) as rg:
         if rank == 0:
             with ProducerSession(rg, buffer_size_bytes=BUFFER, num_buffers=3) as session:
                 for i in range(3):
@@ -171,8 +174,9 @@ def _iterator_rounds(rank: int, world_size: int, port: int) -> list:
         return out
 
 
-def test_iterator_form_keeps_references_safely_and_carries_the_extra_payload():
-    _, consumer = run_ranks(_iterator_rounds, 2, timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iterator_form_keeps_references_safely_and_carries_the_extra_payload(backend):
+    _, consumer = run_ranks(_iterator_rounds, 2, backend, timeout=120)
     assert [(r, ok, extra) for r, ok, extra, _ in consumer] == [
         (1, True, b"probe 1"),
         (2, True, b"probe 2"),

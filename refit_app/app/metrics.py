@@ -137,7 +137,9 @@ class RunMetrics:
     use_legacy_packing: bool | None = field(
         default=None, metadata=_doc("true: vLLM-compatible chunks; false: bounded packing")
     )
-    backend: str | None = field(default=None, metadata=_doc("collective backend actually used: gloo, nccl or pynccl"))
+    backend: str | None = field(
+        default=None, metadata=_doc("collective backend actually used: gloo, nccl, pynccl or shm")
+    )
     world_size: int | None = field(default=None, metadata=_doc("ranks in the group (1 producer + consumers)"))
     peak_rss_bytes: int | None = field(default=None, metadata=_doc("highest resident set size during any round"))
     peak_extra_bytes: int | None = field(

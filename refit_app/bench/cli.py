@@ -23,6 +23,7 @@ from refit_app.bench.cases import (
     POSTS,
     Case,
 )
+from refit_app.bench.colocated import COLOCATED_JSON, format_colocated, run_colocated
 from refit_app.bench.ranks import run_rank
 from refit_app.bench.report import BENCH_JSON, format_table, memory_lines, plot_files
 from refit_app.bench.spawned import DEFAULT_TIMEOUT_S, run
@@ -36,6 +37,9 @@ from refit_app.transport.spec import DEFAULT_HOST, DEFAULT_PORT
 from refit_app.transport.spec import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
+
+COLOCATED_CONSUMERS = 3
+"""``--colocated``'s many-consumer group without ``--consumers``: issue 23 compares three consumers with one."""
 
 CASE_FLAGS = (
     "preset",
@@ -135,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="delta rounds after those, for the memory flatness check with deltas "
         f"(default: {DEFAULT_DELTA_ROUNDS} with --delta-shares)",
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="instead: group.backend=shm against gloo over loopback and against one memcpy of the model, one "
+        "consumer against --consumers (default 3) on shm, interleaved in one run; prints the ratios "
+        "(one --preset and --size)",
     )
     p.add_argument(
         "--out",
@@ -255,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         raise SystemExit(f"refit_app.bench: error: {e}") from None
     out, out_dir = sys.stdout, Path(args.out)
+    if args.colocated:
+        return _colocated(args, out_dir)
     writes = args.rank in (None, 0)
     if writes:
         _check_out(out_dir)
@@ -287,4 +300,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write(f"results: {out_dir / BENCH_JSON}\n")
     for name in plot_files(summaries):
         out.write(f"plot: {out_dir / name}\n")
+    return 0
+
+
+def _colocated(args: argparse.Namespace, out_dir: Path) -> int:
+    """``--colocated``: one case, every rank on this machine (:mod:`.colocated`)."""
+    problems = []
+    if args.rank is not None:
+        problems.append("--colocated runs every rank on this machine; drop --rank")
+    if len(args.preset) != 1 or (args.size is not None and len(args.size) != 1):
+        problems.append("--colocated takes one --preset and one --size")
+    consumers = args.consumers or [COLOCATED_CONSUMERS]
+    if len(consumers) != 1 or consumers[0] < 2:
+        problems.append("--colocated takes one --consumers of at least 2 (compared with one consumer)")
+    for flag in ("buffer_size", "num_buffers", "post"):
+        if getattr(args, flag) is not None and len(getattr(args, flag)) > 1:
+            problems.append(f"--colocated takes one --{flag.replace('_', '-')}")
+    if problems:
+        raise SystemExit("refit_app.bench: error: " + "; ".join(problems))
+    args.consumers = consumers
+    case = cases_from_args(args)[0]
+    _check_out(out_dir)
+    summary = run_colocated(case, out_dir, args.timeout_s)
+    sys.stdout.write(format_colocated(summary))
+    sys.stdout.write(f"results: {out_dir / COLOCATED_JSON}\n")
     return 0

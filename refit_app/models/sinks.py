@@ -184,10 +184,15 @@ class CorruptingSink:
 
     def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         if self._seen == self._chunk:
-            name, t = next(((n, t) for n, t in batch if t.numel()), (None, None))
-            if t is not None:
+            i = next((i for i, (_, t) in enumerate(batch) if t.numel()), None)
+            if i is not None:
+                name, t = batch[i]
                 logger.warning("refit.debug.corrupt_chunk=%d: flipping one byte of %s", self._chunk, name)
+                # A flipped copy in its place: what was received may be read-only (group.backend=shm hands out
+                # views of the producer's memory), and the checks after this sink see the same list.
+                t = t.clone()
                 tensor_bytes(t)[0] ^= 0x01
+                batch[i] = (name, t)
         self._seen += 1
         self._inner.consume(batch)
 

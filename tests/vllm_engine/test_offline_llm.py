@@ -47,8 +47,11 @@ def _stop_llm(llm: Any) -> None:
         core.shutdown()
 
 
-def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Path) -> None:
-    _refit_offline_llm(tiny_llama_dir, "gloo")
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_offline_llm_serves_the_trainers_weights_every_round(tiny_llama_dir: Path, backend: str) -> None:
+    """Over sockets, and through shared memory (trainer and engine on one host: the engine's worker loads views of
+    the trainer's segments, vLLM's layerwise reload holding them until a layer is complete)."""
+    _refit_offline_llm(tiny_llama_dir, backend)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ def test_trainer_to_vllm_engine_loop(cli, tiny_llama_dir: Path) -> None:
     assert result.returncode == 0, result.describe()
     m = local_metrics(cli.cwd)
     assert m["status"] == "ok" and m["rounds_done"] == ROUNDS
+    assert m["backend"] == "shm"  # auto: trainer and engine share this host
     assert [r["manifest_sent"] for r in m["rounds"]] == [True] + [False] * (ROUNDS - 1)
     losses = [r["loss"] for r in m["rounds"][1:]]
     assert len(set(losses)) == ROUNDS - 1, losses  # real optimizer steps: the weights change every round
