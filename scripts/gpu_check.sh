@@ -6,7 +6,9 @@
 #   - one stream per buffer, cached per (device, count) and reused across calls;
 #   - producer -> consumer on one GPU over a gloo group (NCCL refuses two ranks on one GPU), 2 buffers on their
 #     streams, with and without a casting post_iter_func, checked bit for bit;
-#   - CUDA packing throughput against a plain device-to-device copy of the same bytes (printed as "[gpu] ...").
+#   - CUDA packing throughput against a plain device-to-device copy of the same bytes (printed as "[gpu] ...");
+#   - group.backend=shm on the GPU (three processes on GPU 0, segments passed by CUDA IPC handle, copied device to
+#     device): every packing mode bit for bit, a consumer's broadcast, a killed consumer (tests/test_shm_gpu.py).
 # Usage, from anywhere:  scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; OUT=... for the log)
 # The repository is put on PYTHONPATH, so no install is needed (the core and these tests need no Hydra).
 set -euo pipefail

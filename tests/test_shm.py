@@ -306,4 +306,9 @@ def test_host_identity_is_stable_and_names_the_network_namespace():
 
 def test_a_strided_receive_is_refused():
     with pytest.raises(ValueError, match="contiguous"):
-        shm_transport._host_bytes(torch.zeros(4, 4).t(), writable=True)
+        shm_transport._group_bytes(torch.zeros(4, 4).t(), torch.device("cpu"), writable=True)
+
+
+def test_a_tensor_on_another_device_than_the_groups_is_refused():
+    with pytest.raises(ValueError, match="moves tensors on cuda, and this one is on cpu"):
+        shm_transport._group_bytes(torch.zeros(4), torch.device("cuda"), writable=False)

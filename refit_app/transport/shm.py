@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from refit_app.common.errors import PeerError, one_line
-from refit_app.core.wire import memmove, tensor_bytes
+from refit_app.core.wire import tensor_bytes
 from refit_app.transport.auth import RecordError, need
 from refit_app.transport.control import Control, Poller
-from refit_app.transport.shm_consumer import ShmConsumerGroup, explain_loss
+from refit_app.transport.shm_consumer import CudaShmConsumerGroup, ShmConsumerGroup, explain_loss
+from refit_app.transport.shm_cuda import HOST, CudaSegment, copy_bytes
 from refit_app.transport.shm_link import (
     FORGET,
     FREE,
@@ -72,6 +73,9 @@ _SETUP_POLL_S = 0.2
 """During set-up, how often a waiting rank looks for an error another rank published (it then fails at once)."""
 
 
+Segment = HostSegment | CudaSegment
+
+
 class Done:
     """The work of a broadcast that finished when it was started."""
 
@@ -91,10 +95,19 @@ class _Upload:
 class ShmProducerGroup:
     """The producer's side (rank 0): the ring, staging, and one link per consumer."""
 
-    def __init__(self, links: dict[int, Link], world_size: int, control: Control, timeout_s: float) -> None:
+    def __init__(
+        self,
+        links: dict[int, Link],
+        world_size: int,
+        control: Control,
+        timeout_s: float,
+        device: torch.device = HOST,
+    ) -> None:
         self.rank = PRODUCER_RANK
         self.world_size = world_size
-        self.device = torch.device("cpu")
+        self.device = device
+        """Where the segments are: host memory, or (every rank has a GPU) this GPU's memory, passed by CUDA IPC."""
+        self._cuda = device.type == "cuda"
         self.timeout_s = timeout_s
         self._control = control
         self._links = links
@@ -105,12 +118,12 @@ class ShmProducerGroup:
         self._lock = threading.RLock()
         self._seq = 0
         self._made = 0
-        self._ring: dict[int, HostSegment] = {}
-        self._staging: list[HostSegment] = []
-        self._spares: list[HostSegment] = []
-        self._retired: dict[int, HostSegment] = {}
+        self._ring: dict[int, Segment] = {}
+        self._staging: list[Segment] = []
+        self._spares: list[Segment] = []
+        self._retired: dict[int, Segment] = {}
         """Out of the ring and staging, still read by a consumer; a spare once nobody reads it."""
-        self._pending: dict[int, HostSegment] = {}
+        self._pending: dict[int, Segment] = {}
         """Publication (seq) -> its segment, until every consumer has answered it."""
         self._uploads: dict[int, _Upload] = {}
         self._broken: PeerError | None = None
@@ -123,7 +136,7 @@ class ShmProducerGroup:
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> Done:
         """Publish ``tensor`` (``src`` 0) or receive it from consumer ``src`` and pass it on to the others. Returns
         once the caller may change or drop ``tensor``: its bytes are in shared memory or in every message."""
-        data = _host_bytes(tensor, writable=src != self.rank)
+        data = _group_bytes(tensor, self.device, writable=src != self.rank)
         with self._lock:
             self._usable()
             seq = self._take_seq()
@@ -132,7 +145,7 @@ class ShmProducerGroup:
             else:
                 upload = self._await_upload(seq, src, data.numel())
                 if data.numel():
-                    memmove(data.data_ptr(), bytes(upload.data), data.numel())
+                    copy_bytes(data, torch.frombuffer(upload.data, dtype=torch.uint8))
                 self._publish(seq, data, skip=src)
         return DONE
 
@@ -150,7 +163,7 @@ class ShmProducerGroup:
             fresh = self._fresh(max(nbytes, keep))
             if keep:
                 assert seg is not None
-                memmove(fresh.address, seg.address, keep)
+                copy_bytes(fresh.tensor[:keep], seg.tensor[:keep])
             if seg is not None:
                 self._leave(seg)
             self._ring[index] = fresh
@@ -183,23 +196,29 @@ class ShmProducerGroup:
         seg, offset = self._locate(data)
         if seg is None:
             if n <= INLINE_MAX:
-                payload = data.numpy().tobytes()
+                payload = data.cpu().numpy().tobytes()
                 for r in targets:
                     self._send(r, INLINE, seq, 0, 0, n, payload=payload)
                 return
             seg, offset = self._acquire_staging(n), 0
-            memmove(seg.address, data.data_ptr(), n)
+            copy_bytes(seg.tensor[:n], data)
+        elif self._cuda:
+            # Packed on the slots' streams: consumers read it from other processes, which no event reaches.
+            torch.cuda.synchronize(self.device)
         self._poll_now()
         seg.latest_seq = seq
         seg.busy = set(targets)
         seg.asked = set()
         self._pending[seq] = seg
         for r in targets:
-            fds = () if r in seg.sent_to else (seg.fd,)
-            self._send(r, PUB, seq, seg.id, offset, n, seg.nbytes, fds=fds)
+            # A consumer gets the segment with its first publication to it: a descriptor, or a CUDA IPC handle.
+            first = r not in seg.sent_to
+            fds = (seg.fd,) if first and not self._cuda else ()
+            handle = seg.handle if first and self._cuda else b""
+            self._send(r, PUB, seq, seg.id, offset, n, seg.nbytes, payload=handle, fds=fds)
             seg.sent_to.add(r)
 
-    def _locate(self, data: torch.Tensor) -> tuple[HostSegment | None, int]:
+    def _locate(self, data: torch.Tensor) -> tuple[Segment | None, int]:
         """The ring segment ``data`` lies in, idle, and the offset; (None, 0) for anything else (which is copied)."""
         for seg in self._ring.values():
             offset = seg.holds(data)
@@ -207,7 +226,7 @@ class ShmProducerGroup:
                 return (seg, offset) if seg.idle and not seg.retired else (None, 0)
         return None, 0
 
-    def _acquire_staging(self, nbytes: int) -> HostSegment:
+    def _acquire_staging(self, nbytes: int) -> Segment:
         deadline = time.monotonic() + self.timeout_s
         while True:
             for seg in [s for s in self._staging if s.retired]:
@@ -231,19 +250,19 @@ class ShmProducerGroup:
 
     # ---- segments
 
-    def _segments(self) -> list[HostSegment]:
+    def _segments(self) -> list[Segment]:
         return [*self._ring.values(), *self._staging, *self._spares, *self._retired.values()]
 
-    def _fresh(self, nbytes: int) -> HostSegment:
+    def _fresh(self, nbytes: int) -> Segment:
         fits = [s for s in self._spares if s.nbytes >= nbytes]
         if fits:
             seg = min(fits, key=lambda s: s.nbytes)
             self._spares.remove(seg)
             return seg
         self._made += 1
-        return HostSegment(self._made, nbytes)
+        return CudaSegment(self._made, nbytes, self.device) if self._cuda else HostSegment(self._made, nbytes)
 
-    def _leave(self, seg: HostSegment) -> None:
+    def _leave(self, seg: Segment) -> None:
         """``seg`` left the ring or staging: a spare if nobody reads it, else retired until they are done."""
         seg.retired = False
         if seg.idle:
@@ -252,20 +271,20 @@ class ShmProducerGroup:
             seg.retired = True
             self._retired[seg.id] = seg
 
-    def _spare(self, seg: HostSegment) -> None:
+    def _spare(self, seg: Segment) -> None:
         if len(self._spares) < SPARE_SEGMENTS:
             self._spares.append(seg)
         else:
             self._drop(seg)
 
-    def _drop(self, seg: HostSegment) -> None:
+    def _drop(self, seg: Segment) -> None:
         """Give ``seg`` up: the consumers that mapped it drop their mapping (views of it stay valid)."""
         for r in sorted(seg.sent_to):
             if not self._links[r].closed:
                 self._send(r, FORGET, 0, seg.id)
         seg.close()
 
-    def _wait_idle(self, seg: HostSegment) -> None:
+    def _wait_idle(self, seg: Segment) -> None:
         deadline = time.monotonic() + self.timeout_s
         if not seg.idle:
             self._poll_now()
@@ -273,7 +292,7 @@ class ShmProducerGroup:
             self._ask(seg)
             self._pump(deadline, seg.busy)
 
-    def _ask(self, seg: HostSegment) -> None:
+    def _ask(self, seg: Segment) -> None:
         """Tell the consumers that have not answered ``seg``'s publication that the producer waits for them."""
         for r in sorted(seg.busy - seg.asked):
             self._send(r, NEED, seg.latest_seq)
@@ -339,7 +358,7 @@ class ShmProducerGroup:
         else:
             raise self._lost(rank, ValueError(f"rank {rank} sent a record of unknown kind {msg.kind}"))
 
-    def _settle(self, seg: HostSegment) -> None:
+    def _settle(self, seg: Segment) -> None:
         if seg.idle and self._retired.pop(seg.id, None) is not None:
             seg.retired = False
             self._spare(seg)
@@ -384,12 +403,12 @@ def _out_of_step(rank: int, sent: int, expected: int) -> str:
     )
 
 
-def _host_bytes(tensor: torch.Tensor, *, writable: bool) -> torch.Tensor:
-    """``tensor``'s bytes as a 1-D uint8 host tensor over its memory (a copy only when it must be, to read it)."""
-    if tensor.device.type != "cpu":
+def _group_bytes(tensor: torch.Tensor, device: torch.device, *, writable: bool) -> torch.Tensor:
+    """``tensor``'s bytes as a 1-D uint8 tensor over its memory (a copy only when it must be, to read it)."""
+    if tensor.device.type != device.type:
         raise ValueError(
-            f"group.backend=shm moves host tensors here, and this one is on {tensor.device}; "
-            "keep the tensors on the CPU or use a GPU backend"
+            f"this shared-memory group moves tensors on {device.type}, and this one is on {tensor.device}; "
+            f"move it to {device.type} first"
         )
     if writable and not tensor.is_contiguous():
         raise ValueError("a shared-memory broadcast receives into contiguous tensors only")
@@ -419,27 +438,38 @@ def make_shm_group(store: dist.Store, spec: GroupSpec, control: Control) -> ShmP
     deadline = time.monotonic() + spec.timeout_s
     auth = control.auth
     key = auth.hide(_K_ADDRESS)
+    cuda_here = torch.cuda.is_available()
     if spec.rank == PRODUCER_RANK:
         listener, name = listen(auth)
         try:
             store.set(key, auth.seal("shm", {"name": name}))
             try:
-                links, _ = accept_consumers(listener, auth, spec.world_size, False, deadline, control.error)
+                links, device = accept_consumers(listener, auth, spec.world_size, cuda_here, deadline, control.error)
             except TimeoutError as e:
                 raise PeerError(f"{e} (group.timeout_s={spec.timeout_s:g}); a consumer may have died") from e
             except RuntimeError as e:
                 raise PeerError(str(e)) from e
         finally:
             listener.close()
-        logger.info("rank 0: %d consumer(s) share this host's memory", len(links))
-        return ShmProducerGroup(links, spec.world_size, control, spec.timeout_s)
+        logger.info("rank 0: %d consumer(s) share this host's %s memory", len(links), _MEMORY[device])
+        return ShmProducerGroup(links, spec.world_size, control, spec.timeout_s, _device(device))
     raw = _wait_address(store, key, control, deadline)
     try:
         name = need(auth.open("shm", raw), "name", str)
     except RecordError as e:
         raise PeerError(f"the producer's shared-memory record at {spec.address} {e}; refusing it") from e
     try:
-        link, _ = connect_producer(name, auth, spec.rank, False, deadline)
+        link, device = connect_producer(name, auth, spec.rank, cuda_here, deadline)
     except (OSError, TimeoutError, ValueError) as e:
         raise PeerError(f"could not join the producer's shared memory: {one_line(e)}") from e
+    if device == "cuda":
+        return CudaShmConsumerGroup(spec.rank, spec.world_size, link, control, spec.timeout_s, _device(device))
     return ShmConsumerGroup(spec.rank, spec.world_size, link, control, spec.timeout_s)
+
+
+_MEMORY = {"cpu": "host", "cuda": "GPU"}
+
+
+def _device(kind: str) -> torch.device:
+    """The group's device: host memory, or this rank's current GPU (the one ``group.local_rank`` picked)."""
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else HOST

@@ -1,6 +1,8 @@
 """A consumer's side of ``group.backend=shm`` (:mod:`refit_app.transport.shm` describes the whole transport): the
 producer's segments mapped read-only, each publication either copied into a tensor of the caller's or handed out
-as a view, and the answers that tell the producer when it may write a segment again."""
+as a view, and the answers that tell the producer when it may write a segment again. On GPUs
+(:class:`CudaShmConsumerGroup`) the segments are the producer's device memory, opened by CUDA IPC handle, and
+always copied from (:mod:`refit_app.transport.shm_cuda`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from refit_app.common.errors import PeerError
 from refit_app.core.buffers import is_shared
 from refit_app.core.wire import memmove, tensor_bytes
 from refit_app.transport.control import Control
+from refit_app.transport.shm_cuda import HOST, copy_bytes, map_cuda_segment
 from refit_app.transport.shm_link import (
     FORGET,
     FREE,
@@ -60,10 +63,18 @@ class _Sent:
 class ShmConsumerGroup:
     """A consumer's side: its link to the producer, the segments it mapped, and what it still holds of them."""
 
-    def __init__(self, rank: int, world_size: int, link: Link, control: Control, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        link: Link,
+        control: Control,
+        timeout_s: float,
+        device: torch.device = HOST,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device("cpu")
+        self.device = device
         self.timeout_s = timeout_s
         self._control = control
         self._link = link
@@ -91,8 +102,10 @@ class ShmConsumerGroup:
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> _Landing | _Sent:
         """Send ``tensor`` to every rank (``src`` is this rank) or receive a broadcast into it (a copy)."""
-        if tensor.device.type != "cpu":
-            raise ValueError(f"group.backend=shm moves host tensors here, and this one is on {tensor.device}")
+        if tensor.device.type != self.device.type:
+            raise ValueError(
+                f"this shared-memory group moves tensors on {self.device.type}, and this one is on {tensor.device}"
+            )
         if src != self.rank and not tensor.is_contiguous():
             raise ValueError("a shared-memory broadcast receives into contiguous tensors only")
         data = tensor_bytes(tensor)
@@ -166,7 +179,7 @@ class ShmConsumerGroup:
 
     def _upload(self, seq: int, data: torch.Tensor) -> None:
         n = data.numel()
-        raw = data.numpy().tobytes() if n else b""
+        raw = data.cpu().numpy().tobytes() if n else b""
         for offset in range(0, max(n, 1), INLINE_MAX):
             self._send(UPLOAD, seq, 0, offset, n, payload=raw[offset : offset + INLINE_MAX])
 
@@ -194,12 +207,10 @@ class ShmConsumerGroup:
 
     def _handle(self, msg: Message) -> None:
         if msg.kind == PUB:
-            if msg.fds:
-                fd, extra = msg.fds[0], msg.fds[1:]
-                close_fds(extra)
+            if msg.fds or msg.payload:
                 try:
-                    self._maps[msg.seg] = map_segment(fd, msg.size)
-                except (OSError, ValueError) as e:
+                    self._maps[msg.seg] = self._map(msg)
+                except (OSError, ValueError, RuntimeError) as e:
                     raise self._lost(e) from e
             elif msg.seg not in self._maps:
                 raise self._lost(ValueError(f"the producer published into segment {msg.seg} without passing it"))
@@ -229,11 +240,21 @@ class ShmConsumerGroup:
         self._check_size(msg, n)
         if msg.kind == INLINE:
             if n:
-                memmove(dest.data_ptr(), msg.payload, n)
+                self._copy(dest, torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8))
             return
         if n:
-            memmove(dest.data_ptr(), self._maps[msg.seg].data_ptr() + msg.offset, n)
+            self._copy(dest, self._maps[msg.seg][msg.offset : msg.offset + n])
         self._send(RELEASE, msg.seq)
+
+    def _map(self, msg: Message) -> torch.Tensor:
+        """This process's mapping of the segment a first publication passes (its descriptor, closed here)."""
+        if not msg.fds:
+            raise ValueError(f"the producer passed segment {msg.seg} without its descriptor")
+        close_fds(msg.fds[1:])
+        return map_segment(msg.fds[0], msg.size)
+
+    def _copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        memmove(dest.data_ptr(), src.data_ptr(), dest.numel())
 
     def _answer(self, *, blocking: bool) -> None:
         """RELEASE every held publication whose views are gone; about to block, KEEP those the producer waits for
@@ -279,6 +300,22 @@ class ShmConsumerGroup:
     def _usable(self) -> None:
         if self._broken is not None:
             raise PeerError(str(self._broken))
+
+
+class CudaShmConsumerGroup(ShmConsumerGroup):
+    """A consumer on a GPU: the producer's segments are its device memory, opened by CUDA IPC handle; every
+    publication is copied device to device into this rank's own buffers and synchronized before it is released."""
+
+    receive_view_async = None
+    """No views handed out: a view would let this rank's kernels read the producer's memory after it was released
+    (no event crosses processes), and an engine wants its weights in memory of its own."""
+
+    def _map(self, msg: Message) -> torch.Tensor:
+        close_fds(msg.fds)
+        return map_cuda_segment(msg.payload, msg.size, self.device)
+
+    def _copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        copy_bytes(dest, src)
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)

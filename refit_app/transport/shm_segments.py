@@ -67,12 +67,47 @@ def round_up(nbytes: int) -> int:
     return max(PAGE, -(-nbytes // PAGE) * PAGE)
 
 
-class HostSegment:
-    """One producer-side segment of host memory: its descriptor (to pass to consumers), its bytes as a tensor, and
-    what the ring knows about who still reads it (kept here, filled in by :mod:`refit_app.transport.shm`)."""
+class RingSegment:
+    """What the ring knows about one segment of the producer's: who still reads it (kept here, filled in by
+    :mod:`refit_app.transport.shm`). Subclasses give it its memory (``tensor``, ``address``, ``nbytes``)."""
+
+    tensor: torch.Tensor
+    address: int
+    nbytes: int
+
+    def __init__(self, seg_id: int) -> None:
+        self.id = seg_id
+        self.busy: set[int] = set()
+        """Consumers that have not yet answered this segment's latest publication."""
+        self.asked: set[int] = set()
+        """Consumers told that the producer waits for their answer (a ``NEED``) since that publication."""
+        self.kept_by: set[int] = set()
+        """Consumers that keep views of it (they answered ``KEEP``): it is never written again until they free it."""
+        self.sent_to: set[int] = set()
+        """Consumers that have it (its descriptor or handle, sent with its first publication to each)."""
+        self.latest_seq = -1
+        self.retired = False
+        """Kept by a consumer: its ring slot gets another segment."""
+
+    @property
+    def idle(self) -> bool:
+        """Nobody reads it: it may be written."""
+        return not self.busy and not self.kept_by
+
+    def holds(self, t: torch.Tensor) -> int | None:
+        """The byte offset of ``t``'s memory in this segment, or None if it lies (even partly) elsewhere."""
+        if t.device != self.tensor.device:
+            return None
+        start = t.data_ptr() - self.address
+        end = start + t.numel() * t.element_size()
+        return start if start >= 0 and end <= self.nbytes else None
+
+
+class HostSegment(RingSegment):
+    """One producer-side segment of host memory: its descriptor (to pass to consumers) and its bytes as a tensor."""
 
     def __init__(self, seg_id: int, nbytes: int) -> None:
-        self.id = seg_id
+        super().__init__(seg_id)
         self.nbytes = round_up(nbytes)
         fd = os.memfd_create(f"refit_app-shm-{seg_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -88,30 +123,6 @@ class HostSegment:
         self.fd: int | None = fd
         self.tensor = _as_tensor(mapping)
         self.address = self.tensor.data_ptr()
-        self.busy: set[int] = set()
-        """Consumers that have not yet answered this segment's latest publication."""
-        self.asked: set[int] = set()
-        """Consumers told that the producer waits for their answer (a ``NEED``) since that publication."""
-        self.kept_by: set[int] = set()
-        """Consumers that keep views of it (they answered ``KEEP``): it is never written again until they free it."""
-        self.sent_to: set[int] = set()
-        """Consumers that have its descriptor (sent with its first publication to each)."""
-        self.latest_seq = -1
-        self.retired = False
-        """Kept by a consumer: its ring slot gets another segment."""
-
-    @property
-    def idle(self) -> bool:
-        """Nobody reads it: it may be written."""
-        return not self.busy and not self.kept_by
-
-    def holds(self, t: torch.Tensor) -> int | None:
-        """The byte offset of ``t``'s memory in this segment, or None if it lies (even partly) elsewhere."""
-        if t.device.type != "cpu":
-            return None
-        start = t.data_ptr() - self.address
-        end = start + t.numel() * t.element_size()
-        return start if start >= 0 and end <= self.nbytes else None
 
     def close(self) -> None:
         """Give up the descriptor; the memory goes once every mapping of it (tensors here and in consumers) is gone."""
