@@ -101,7 +101,7 @@ def test_help_prints_the_reference_and_the_config(cli) -> None:
     for text in (
         "Usage: python -m refit_app",
         "group.backend=auto",
-        "[auto, gloo, nccl, pynccl]",
+        "[auto, gloo, nccl, pynccl, shm]",
         "refit.num_buffers=2 (or $NRL_REFIT_NUM_BUFFERS)",
         "hparams_search=buffers_optuna: ",
         # $CONFIG: the composed config with this command line's choices

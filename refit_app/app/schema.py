@@ -162,7 +162,8 @@ class Group:
     """The process group: who talks to whom, over what, with which deadline."""
 
     backend: str = field(default="auto", metadata={CHOICES: BACKENDS})
-    """The collective backend; auto: NCCL where every rank has a GPU, gloo otherwise; pynccl needs vLLM."""
+    """The collective backend; auto: shm (shared memory) where every rank is on the producer's host and one lacks a
+    GPU, else NCCL where every rank has a GPU, else gloo; pynccl needs vLLM (docs/colocated.md)."""
     host: str = DEFAULT_HOST
     """Address of the producer (rank 0) that every rank rendezvouses at."""
     port: Optional[int] = None

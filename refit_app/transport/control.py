@@ -341,14 +341,18 @@ class Control:
             while self._store.add(self._k_left, 0) < self.world_size - 1 and time.monotonic() < deadline:
                 poller.sleep(deadline)
         except dist.DistError as e:
-            # Without a token the count's key is public: a non-number written there closes this connection.
+            # Without a token the count's key is public: a non-number written there closes this connection. The
+            # consumers may still be reading the store (the last phase's reports): closing it now would fail them
+            # after an end they agreed on, so they get the whole wait instead of the count.
             logger.warning(
                 "rank %d: could not count the consumers that left (%s): a client that is not one of this run's "
-                "ranks may have written to the store at %s; closing without waiting for them",
+                "ranks may have written to the store at %s; waiting %.0fs for them instead",
                 self.rank,
                 one_line(e),
                 self._address,
+                max(0.0, deadline - time.monotonic()),
             )
+            time.sleep(max(0.0, deadline - time.monotonic()))
 
     def release(self) -> None:
         """Drop this rank's store connection; on the producer, with the group gone, this stops the store server
