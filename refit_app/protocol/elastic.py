@@ -239,7 +239,7 @@ class ElasticConsumerSession:
         self._session: ConsumerSession | None = None
         self.rounds = 0
         """Rounds received."""
-        self.manifest = None
+        self._manifest = None
         self.last_round: Round | None = None
         self.closed = False
         try:
@@ -257,6 +257,11 @@ class ElasticConsumerSession:
     def session(self) -> ConsumerSession:
         assert self._session is not None
         return self._session
+
+    @property
+    def manifest(self) -> Any:
+        """The manifest in force: the current generation's, else the last round's (None before any)."""
+        return self._session.manifest if self._session is not None and self._session.manifest else self._manifest
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -328,7 +333,7 @@ class ElasticConsumerSession:
                 return None
             result.members = self.members
             self.rounds = result.round
-            self.manifest = self.session.manifest
+            self._manifest = self.session.manifest
             self.last_round = result
             return result
         return None
