@@ -15,6 +15,8 @@ import time
 
 import pytest
 import torch
+from cli_utils import COVER_STARTUP, assert_ok, local_metrics
+from config_utils import refused, settings
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
 
 from refit_app.app import launch
@@ -204,3 +206,46 @@ def test_every_consumer_lost_producer_says_so_in_one_line():
 def test_continue_refuses_what_it_cannot_run_on(fields, expected):
     with pytest.raises(ConfigError, match=expected):
         ElasticProducerSession(_spec(0, 1, **fields))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["refit.on_consumer_loss=maybe"], "refit.on_consumer_loss='maybe' is invalid: choose one of fail, continue"),
+        (
+            ["role=local", "group.topology=chain", "refit.on_consumer_loss=continue"],
+            "refit.on_consumer_loss=continue needs group.topology=tree",
+        ),
+        (
+            ["role=producer", "group.token=null", "refit.on_consumer_loss=continue"],
+            "refit.on_consumer_loss=continue needs group.token",
+        ),
+        (["role=ray", "refit.on_consumer_loss=continue"], "not supported with role=ray yet"),
+    ],
+)
+def test_config_refuses_continue_where_it_cannot_run(overrides, message):
+    assert message in refused(*overrides)
+
+
+def test_config_continue_is_off_by_default():
+    assert settings().refit.on_consumer_loss == "fail"
+    assert settings("role=local", "refit.on_consumer_loss=continue").refit.elastic
+
+
+def test_local_run_lists_the_members_of_every_round(cli, tmp_path):
+    result = cli(
+        "role=local",
+        "role.num_consumers=2",
+        "refit.rounds=3",
+        "refit.delta=on",
+        "refit.on_consumer_loss=continue",
+        "sink=verify",
+        COVER_STARTUP,
+    )
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True
+    assert [r["members"] for r in metrics["rounds"]] == [[1, 2]] * 3
+    for consumer in metrics["consumers"]:
+        assert [r["members"] for r in consumer["rounds"]] == [[1, 2]] * 3
+        assert [r["delta"] for r in consumer["rounds"]] == [False, True, True]
