@@ -49,6 +49,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
         "use_legacy_packing": False,
         "rounds": None,
         "delta": "off",
+        "on_consumer_loss": "fail",
         "debug": {"corrupt_chunk": None},
     }
     s = validate(cfg)
@@ -370,7 +371,7 @@ def run_app(app: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
             ["refit.buffer_sz=1"],
             {},
             "unknown key 'refit.buffer_sz' (value '1'); keys under refit: buffer_size_bytes, num_buffers, "
-            "use_legacy_packing, rounds, delta, debug",
+            "use_legacy_packing, rounds, delta, on_consumer_loss, debug",
         ),
         (
             ["role=consumer", "role.num_consumers=2"],

@@ -30,7 +30,15 @@ from refit_app.integrations.ray.defaults import (
 from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
 from refit_app.protocol.defaults import DEFAULT_DELTA, DEFAULT_ROUNDS, DELTA_MODES
-from refit_app.transport.spec import DEFAULT_HOST, DEFAULT_PORT, MAX_TIMEOUT_S, GroupSpec
+from refit_app.transport.spec import (
+    DEFAULT_HOST,
+    DEFAULT_ON_CONSUMER_LOSS,
+    DEFAULT_PORT,
+    MAX_TIMEOUT_S,
+    ON_CONSUMER_LOSS,
+    GroupSpec,
+    elastic_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,12 @@ class RefitSpec:
     """Delta rounds: off, on or auto (:data:`refit_app.protocol.defaults.DELTA_MODES`)."""
     corrupt_chunk: int | None = None
     """Test-only fault hook: a consumer flips one byte of this received chunk."""
+    on_consumer_loss: str = DEFAULT_ON_CONSUMER_LOSS
+    """``fail`` or ``continue`` (:data:`refit_app.transport.spec.ON_CONSUMER_LOSS`)."""
+
+    @property
+    def elastic(self) -> bool:
+        return self.on_consumer_loss == "continue"
 
 
 @dataclass(frozen=True)
@@ -237,10 +251,26 @@ def validate(cfg: DictConfig) -> RunSettings:
     source = _check_source(c, needed=role in ("local", "ray", "producer"))
     sink, sink_name = _check_sink(c, needed=role in ("local", "ray", "consumer"))
     ray = _check_ray(c) if role == "ray" else None
+    if refit is not None and group is not None and refit.elastic:
+        _check_elastic(c, role, group)
 
     if c.errors:
         c.raise_any()
     return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name, ray=ray)
+
+
+def _check_elastic(c: _Checker, role: str, group: GroupSpec) -> None:
+    """What refit.on_consumer_loss=continue cannot run on, in one line (the group's rules are the transport's)."""
+    if role == "ray":
+        c.errors.append(
+            "refit.on_consumer_loss=continue is not supported with role=ray yet (a restarted actor does not rejoin); "
+            "use role=producer and role=consumer, or refit.on_consumer_loss=fail"
+        )
+        return
+    # role=local makes a token of its own for every run.
+    problem = elastic_problem(dataclasses.replace(group, token=group.token or "per-run") if role == "local" else group)
+    if problem is not None:
+        c.errors.append(problem)
 
 
 def _check_refit(c: _Checker) -> RefitSpec | None:
@@ -257,6 +287,9 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     delta = c.get("refit.delta")
     if delta is not _ABSENT and delta not in DELTA_MODES:
         c.fail("refit.delta", delta, _one_of(DELTA_MODES))
+    on_loss = c.get("refit.on_consumer_loss")
+    if on_loss is not _ABSENT and on_loss not in ON_CONSUMER_LOSS:
+        c.fail("refit.on_consumer_loss", on_loss, _one_of(ON_CONSUMER_LOSS))
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
         c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
@@ -269,6 +302,7 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
         rounds=rounds,
         delta=delta,
         corrupt_chunk=corrupt_chunk,
+        on_consumer_loss=on_loss,
     )
 
 

@@ -103,7 +103,8 @@ def run_local(s: RunSettings) -> dict[str, Any]:
         _rank_main,
         s.group.world_size,
         (s, log_files),
-        grace_s=LOCAL_EXIT_GRACE_S,
+        # With continue a lost consumer is no reason to stop the others; every rank's own deadlines bound them.
+        grace_s=None if s.refit.elastic else LOCAL_EXIT_GRACE_S,
         name="refit-rank",
         preload=RANK_MODULES,
         startup_s=STARTUP_LIMIT_S,
@@ -121,6 +122,11 @@ def combine_outcomes(outcomes: list[RankOutcome], s: RunSettings, role: str) -> 
     ]
     combined = {**metrics[0], "role": role, "consumers": metrics[1:]}
     failures = [o for o in outcomes if not o.ok]
+    if failures and s.refit.elastic and outcomes[0].ok:
+        # The producer completed every round with the consumers it had: the lost ones' entries say what became of
+        # them, and each round's members who took part.
+        logger.warning("%s lost during the run: %s", ", ".join(rank_label(o.rank) for o in failures), failures[0].error)
+        failures = []
     if failures:
         # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
         # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
@@ -132,6 +138,6 @@ def combine_outcomes(outcomes: list[RankOutcome], s: RunSettings, role: str) -> 
         )
         combined.update(status="failed", error=error)
         raise LocalRunError(error, combined)
-    verified = [c.get("verified") for c in combined["consumers"]]
+    verified = [c.get("verified") for c in combined["consumers"] if c.get("status") == "ok"]
     combined["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
     return combined

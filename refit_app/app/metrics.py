@@ -98,6 +98,13 @@ class RoundMetrics:
     apply_seconds: float | None = field(
         default=None, metadata=_doc("consumer, delta rounds: time spent decoding and applying")
     )
+    members: list[int] | None = field(
+        default=None,
+        metadata=_doc(
+            "refit.on_consumer_loss=continue: the consumer ranks that took part in this round (its generation's "
+            "members); null otherwise"
+        ),
+    )
 
 
 @dataclass

@@ -12,6 +12,7 @@ Every failure on any rank ends every rank with that rank's reason and the round,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import sys
@@ -27,9 +28,11 @@ from refit_app.common.sizes import gb_per_s
 from refit_app.models.sinks import DELTAS, MIRROR, MIRRORED_DELTAS, TARGETS, Sink, make_sink
 from refit_app.models.sources import Source, make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
-from refit_app.transport.groups import RefitGroup, connect
+from refit_app.transport.elastic import BACKEND as ELASTIC_BACKEND
+from refit_app.transport.groups import connect
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +86,13 @@ def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics
         encodings=r.encodings or None,
         diff_seconds=r.delta_seconds if r.delta and producer else None,
         apply_seconds=r.delta_seconds if r.delta and not producer else None,
+        members=r.members,
     )
 
 
 def _run_metrics(
     s: RunSettings,
-    rg: RefitGroup,
+    backend: str,
     manifest: Manifest | None,
     rounds: list[Round],
     memories: list[PeakMemory],
@@ -99,9 +103,10 @@ def _run_metrics(
     seconds = sum(r.seconds for r in rounds)
     cuda = [m.cuda_peak_bytes for m in memories if m.cuda_peak_bytes is not None]
     cuda_extra = [m.cuda_peak_extra_bytes for m in memories if m.cuda_peak_extra_bytes is not None]
+    producer = s.group.is_producer
     return RunMetrics(
-        role="producer" if rg.is_producer else "consumer",
-        rank=rg.rank,
+        role="producer" if producer else "consumer",
+        rank=s.group.rank,
         bytes=total_bytes,
         num_tensors=None if manifest is None else len(manifest.tensors),
         num_chunks=rounds[-1].num_chunks if rounds else None,
@@ -115,14 +120,14 @@ def _run_metrics(
         buffer_size_bytes=None if manifest is None else manifest.buffer_size_bytes,
         num_buffers=s.refit.num_buffers,
         use_legacy_packing=None if manifest is None else manifest.use_legacy_packing,
-        backend=rg.backend,
-        world_size=rg.world_size,
+        backend=backend,
+        world_size=s.group.world_size,
         peak_rss_bytes=max((m.peak_rss for m in memories if m.peak_rss is not None), default=None),
         peak_extra_bytes=max((m.peak_extra_bytes for m in memories if m.peak_extra_bytes is not None), default=None),
         cuda_peak_bytes=max(cuda) if cuda else None,
         cuda_peak_extra_bytes=max(cuda_extra) if cuda_extra else None,
         source=None if manifest is None else manifest.source,
-        rounds=[_round_metrics(r, m, rg.is_producer) for r, m in zip(rounds, memories)],
+        rounds=[_round_metrics(r, m, producer) for r, m in zip(rounds, memories)],
         wire_bytes=sum(r.wire_bytes for r in rounds),
     )
 
@@ -144,27 +149,39 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     probe: Callable[[int], dict] | None = getattr(source, "probe", None)
     rounds: list[Round] = []
     memories: list[PeakMemory] = []
-    with connect(s.group) as rg:
-        session = ProducerSession(
-            rg,
-            buffer_size_bytes=target,
-            num_buffers=s.refit.num_buffers,
-            use_legacy_packing=bool(s.refit.use_legacy_packing),
-            on_chunk=progress.on_chunk,
-            delta=s.refit.delta,
-            rounds=s.refit.rounds,
-        )
+    options = dict(
+        buffer_size_bytes=target,
+        num_buffers=s.refit.num_buffers,
+        use_legacy_packing=bool(s.refit.use_legacy_packing),
+        on_chunk=progress.on_chunk,
+        delta=s.refit.delta,
+        rounds=s.refit.rounds,
+    )
+    with contextlib.ExitStack() as stack:
+        if s.refit.elastic:
+            session: ProducerSession | ElasticProducerSession = stack.enter_context(
+                ElasticProducerSession(s.group, **options)
+            )
+            backend = ELASTIC_BACKEND
+        else:
+            rg = stack.enter_context(connect(s.group))
+            session, backend = ProducerSession(rg, **options), rg.backend
         progress.session = session
         extra_for = _probe_encoder(probe, session.probe_tokens, source)
         files = _companion_files(source)
         for k in range(1, s.refit.rounds + 1):
             facts = advance(k) if advance is not None and k > 1 else {}
             metas = source.manifest_tensors()
-            extra = extra_for()
+            if s.refit.elastic:
+                # A round a consumer was lost in goes again, read afresh, with the probe its generation asks for.
+                tensors: Any = source.tensors
+                extra: Any = lambda: _probe_encoder(probe, session.probe_tokens, source)()  # noqa: E731
+            else:
+                tensors, extra = source.tensors(), extra_for()
             with PeakMemory() as memory:
                 try:
                     r = session.send(
-                        source.tensors(),
+                        tensors,
                         metas=metas,
                         metadata=source.metadata(),
                         files=files,
@@ -178,14 +195,15 @@ def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
             memories.append(memory)
             if s.refit.rounds > 1:
                 logger.info(
-                    "round %d/%d: %.3f s%s",
+                    "round %d/%d: %.3f s%s%s",
                     k,
                     s.refit.rounds,
                     r.seconds,
                     f", loss {facts['loss']:.4f}" if "loss" in facts else "",
+                    "" if r.members is None else f", consumers {', '.join(map(str, r.members))}",
                 )
         session.close()
-        metrics = _run_metrics(s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds)
+        metrics = _run_metrics(s, backend, session.manifest, rounds, memories, rounds[0].handshake_seconds)
         metrics.checksums = session.checksums_needed
         metrics.delta = s.refit.delta
         return metrics.to_json()
@@ -215,10 +233,9 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
     rounds: list[Round] = []
     memories: list[PeakMemory] = []
     try:
-        with connect(s.group) as rg:
+        with contextlib.ExitStack() as stack:
             storage = getattr(sink, "delta_storage", None)
-            session = ConsumerSession(
-                rg,
+            options = dict(
                 buffer_size_bytes=s.refit.buffer_size_bytes,
                 use_legacy_packing=s.refit.use_legacy_packing,
                 num_buffers=s.refit.num_buffers,
@@ -229,6 +246,14 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                 accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
                 rounds=s.refit.rounds,
             )
+            if s.refit.elastic:
+                session: ConsumerSession | ElasticConsumerSession = stack.enter_context(
+                    ElasticConsumerSession(s.group, **options)
+                )
+                backend = ELASTIC_BACKEND
+            else:
+                rg = stack.enter_context(connect(s.group))
+                session, backend = ConsumerSession(rg, **options), rg.backend
             progress.session = session
             on_round_end = _round_end(sink, probe_tokens)
             targets = sink.targets if storage == TARGETS else None
@@ -246,7 +271,7 @@ def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any
                 memories.append(memory)
             published = sink.close()
             metrics = _run_metrics(
-                s, rg, session.manifest, rounds, memories, rounds[0].handshake_seconds if rounds else 0.0
+                s, backend, session.manifest, rounds, memories, rounds[0].handshake_seconds if rounds else 0.0
             )
     except BaseException:
         sink.abort()

@@ -42,9 +42,11 @@ from refit_app.transport.auth import TOKEN_DEFAULT
 from refit_app.transport.spec import (
     BACKENDS,
     DEFAULT_HOST,
+    DEFAULT_ON_CONSUMER_LOSS,
     DEFAULT_PORT,
     DEFAULT_TIMEOUT_S,
     DEFAULT_TOPOLOGY,
+    ON_CONSUMER_LOSS,
     TOPOLOGIES,
 )
 
@@ -153,6 +155,11 @@ class Refit:
     """Rounds after the first send only the elements whose bytes changed: off, on, or auto (a delta where the
     changes take under half the dense bytes). on/auto keep one host copy of the model on the producer and on a
     verify or save consumer."""
+    on_consumer_loss: str = field(default=DEFAULT_ON_CONSUMER_LOSS, metadata={CHOICES: ON_CONSUMER_LOSS})
+    """When a consumer dies or misses a deadline: fail, every rank stops with the reason; continue, the producer and
+    the other consumers go on without it (the cut round again, in full), and a consumer that starts later or is
+    restarted with the run's group.run_id and token joins at a round boundary. continue needs group.token, gloo and
+    group.topology=tree; same on every rank (docs/elastic.md)."""
     debug: RefitDebug = field(default_factory=RefitDebug)
     """Test-only fault hooks; not for users."""
 

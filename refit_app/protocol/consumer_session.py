@@ -33,6 +33,7 @@ from refit_app.protocol.rounds import (
     HEADER_WORDS,
     MANIFEST,
     PLAIN,
+    REGROUP,
     ROUND_MAGIC,
     ChunkCounter,
     Round,
@@ -108,6 +109,9 @@ class ConsumerSession(Session):
         self._delta = ConsumerDelta(mirror=mirror and self._delta_on)
         self._plain = False
         """This round is plain (:data:`~refit_app.protocol.rounds.PLAIN`)."""
+        self.regroup_to = 0
+        """Set (to the next generation) when the producer ended this group's session to form another one (an
+        elastic session, :mod:`refit_app.protocol.elastic`); :meth:`receive` then returned None."""
 
     @property
     def mirror(self) -> bool:
@@ -158,8 +162,9 @@ class ConsumerSession(Session):
                     "the producer's round header is not a refit_app session's; run the same refit_app version "
                     "with a session on every rank"
                 )
-            if flags & END:
+            if flags & (END | REGROUP):
                 self.closed = True
+                self.regroup_to = base if flags & REGROUP else 0
                 return None
             if round_index != k:
                 raise HandshakeError(f"the producer is in round {round_index}, this consumer in round {k}")

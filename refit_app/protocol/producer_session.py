@@ -36,6 +36,7 @@ from refit_app.protocol.rounds import (
     END,
     MANIFEST,
     PLAIN,
+    REGROUP,
     ROUND_MAGIC,
     ChunkCounter,
     Round,
@@ -272,11 +273,12 @@ class ProducerSession(Session):
 
         return counted
 
-    def close(self, *, notify: bool = True) -> None:
+    def close(self, *, notify: bool = True, regroup_to: int = 0) -> None:
         """Tell every consumer that the session is over (their :meth:`~ConsumerSession.receive` returns None), and
         free the send buffers and the snapshot. ``notify=False`` skips the end-of-session header, for consumers that
         only receive when asked to (a vLLM worker inside ``update_weights``): closing the group ends their session
-        instead."""
+        instead. ``regroup_to``: an elastic session's next generation; this group's session ends for that instead
+        (:attr:`ConsumerSession.regroup_to`)."""
         if self.closed:
             return
         self.closed = True
@@ -286,8 +288,9 @@ class ProducerSession(Session):
         if notify:
             if self._delta_on:
                 self._exchange_held(0)
+            flags = REGROUP if regroup_to else END
             self._broadcast_header(
-                torch.tensor([ROUND_MAGIC, self.rounds, END, 0, 0], dtype=torch.int64, device=self.device)
+                torch.tensor([ROUND_MAGIC, self.rounds, flags, 0, regroup_to], dtype=torch.int64, device=self.device)
             )
 
 

@@ -21,6 +21,9 @@ DELTA = 4
 PLAIN = 8
 """Header flag: a dense round the producer keeps no snapshot of (``delta="auto"`` while deltas do not pay): consumers
 receive it as without deltas, and a session's copy of the model no longer holds a round."""
+REGROUP = 16
+"""Header flag (elastic sessions): this generation ends before the round; its members form the generation in the
+header's last word (:mod:`refit_app.transport.elastic`)."""
 HEADER_WORDS = 5
 """magic, round, flags, extra payload bytes, base round (0: dense)."""
 
@@ -65,6 +68,8 @@ class Round:
     """How many tensors went as each encoding (``dense``, ``bitmask``, ``gaps8``, ``gaps16``) in a delta round."""
     delta_seconds: float = 0.0
     """Producer: comparing and encoding (diff). Consumer: decoding and applying."""
+    members: list[int] | None = None
+    """The consumer ranks that took part in this round (an elastic session's generation); None otherwise."""
 
     @property
     def delta(self) -> bool:

@@ -145,6 +145,7 @@ class Control:
         timeout_s: float,
         address: str,
         auth: RunAuth | None = None,
+        members: list[int] | None = None,
     ) -> None:
         self._store = store
         self.auth = auth if auth is not None else RunAuth.derive(None, "", "", rank)
@@ -152,6 +153,9 @@ class Control:
         token."""
         self.rank = rank
         self.world_size = world_size
+        self.members = list(range(world_size)) if members is None else list(members)
+        """The ranks whose reports a gather waits for: every rank of the group, or a generation's members in an
+        elastic session (:mod:`refit_app.transport.elastic`), whose ranks keep their numbers as members come and go."""
         self.timeout_s = timeout_s
         self._address = address
         self._reported: dict[str, int] = {}
@@ -213,6 +217,13 @@ class Control:
             self.auth.distrust("an error report", self._address, e)
             return None
 
+    def failed_rank(self) -> int | None:
+        """The rank whose failure was published first, or None; does not wait."""
+        if not self._store.check([self._k_error]):
+            return None
+        doc = self._open_error(self._store.get(self._k_error))
+        return None if doc is None else doc["rank"]
+
     def error(self) -> str | None:
         """The first published failure as ``"rank N failed: ..."``, or None; does not wait."""
         found = self._read_error()
@@ -257,7 +268,7 @@ class Control:
             raise ValueError(f"gather({phase!r}) before report({phase!r}) on rank {self.rank}")
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        keys = [self._k_report(phase, seq, r) for r in range(self.world_size)]
+        keys = [self._k_report(phase, seq, r) for r in self.members]
         poller = Poller(_GATHER_POLL_START_S)
         try:
             while True:
@@ -270,7 +281,7 @@ class Control:
                     self._raise_if_failed(phase, error_type)
                     return
                 if time.monotonic() >= deadline:
-                    missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                    missing = [r for r, k in zip(self.members, keys) if not self._store.check([k])]
                     self.failed = True
                     raise PeerError(
                         f"{ranks_text(missing)} did not report {phase} within {limit:g}s; it may have died or stalled"
@@ -314,8 +325,9 @@ class Control:
                 )
         lower = text.lower()
         # With two ranks the peer is known; with more, a broadcast does not say which of them stopped.
-        if self.world_size == 2:
-            peer, who, link = f"rank {1 - self.rank}", "it", ", or the network to it failed"
+        if len(self.members) == 2:
+            other = next(r for r in self.members if r != self.rank)
+            peer, who, link = f"rank {other}", "it", ", or the network to it failed"
         else:
             peer, who, link = "a peer", "a rank", ""
         if "timed out" in lower or "timeout" in lower:

@@ -261,10 +261,13 @@ def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
     return store, route
 
 
-def announce(store: dist.Store, spec: GroupSpec) -> RunAuth:
-    """Producer: publish this run's greeting (run id, a fresh nonce, the world size); returns the run's key."""
+def announce(store: dist.Store, spec: GroupSpec, *, elastic: bool = False) -> RunAuth:
+    """Producer: publish this run's greeting (run id, a fresh nonce, the world size, and whether its session goes
+    on without a lost consumer); returns the run's key."""
     auth = RunAuth.derive(spec.token, spec.run_id or new_run_id(), new_secret(), PRODUCER_RANK)
     hello = {"protocol": PROTOCOL, "run_id": auth.run_id, "nonce": auth.nonce, "world_size": spec.world_size}
+    if elastic:
+        hello["elastic"] = True
     store.set(_K_HELLO, auth.seal("hello", hello))
     return auth
 
@@ -432,7 +435,9 @@ def _hello(raw: bytes) -> tuple[dict[str, Any], bool]:
     return doc, signed
 
 
-def await_producer(store: dist.Store, spec: GroupSpec, deadline: float) -> tuple[RunAuth, int]:
+def await_producer(
+    store: dist.Store, spec: GroupSpec, deadline: float, *, elastic: bool = False
+) -> tuple[RunAuth, int]:
     """Consumer: read the producer's greeting and check that it is this run's; returns the run's key and the
     producer's world size. Refuses another run's producer, and one that does not hold this rank's token, in one
     line (after leaving a check-in there, so that the producer can say why this rank did not join)."""
@@ -465,6 +470,13 @@ def await_producer(store: dist.Store, spec: GroupSpec, deadline: float) -> tuple
         # Left where the producer looks, so that it can say why this rank never joined.
         _leave_untrusted_checkin(store, auth, spec)
         raise ConfigError(f"{problem}; set the same group.token (or {TOKEN_ENV}) on every rank")
+    if hello.get("elastic", False) is not elastic:
+        # Either way the two would wait for each other in different places until a deadline: say why now.
+        theirs, mine = ("continue", "fail") if not elastic else ("fail", "continue")
+        raise ConfigError(
+            f"refit.on_consumer_loss differs: the producer at {spec.address} has {theirs}, this consumer {mine}; "
+            "set the same refit.on_consumer_loss on every rank"
+        )
     return auth, hello["world_size"]
 
 

@@ -22,6 +22,36 @@ only."""
 DEFAULT_TOPOLOGY = "tree"
 RELAY_BACKENDS = ("auto", "gloo")
 """The backends ``chain`` runs on: NCCL pipelines its own broadcast, and ``auto`` resolves to gloo under ``chain``."""
+ON_CONSUMER_LOSS = ("fail", "continue")
+"""What a session does when a consumer dies or misses a deadline: ``fail``, every rank stops with the reason (a
+one-shot refit); ``continue``, the producer and the other consumers go on without it, and it may rejoin
+(:mod:`refit_app.transport.elastic`)."""
+DEFAULT_ON_CONSUMER_LOSS = "fail"
+ELASTIC_BACKENDS = ("auto", "gloo")
+"""The backends ``continue`` runs on: it rebuilds a gloo group for every change of members (an NCCL communicator
+could be rebuilt as well, but no GPU has run it here); ``auto`` means gloo under ``continue``."""
+
+
+def elastic_problem(spec: GroupSpec) -> str | None:
+    """Why ``refit.on_consumer_loss=continue`` cannot run on ``spec``'s group, as one line; None where it can."""
+    if spec.token is None:
+        return (
+            "refit.on_consumer_loss=continue needs group.token (or REFIT_APP_TOKEN) on every rank: without it any "
+            "process that reaches the port could take a lost consumer's place"
+        )
+    if spec.backend not in ELASTIC_BACKENDS:
+        return (
+            "refit.on_consumer_loss=continue runs on gloo only (group.backend=auto or gloo), not "
+            f"group.backend={spec.backend}"
+        )
+    if spec.topology != "tree":
+        return (
+            "refit.on_consumer_loss=continue needs group.topology=tree: in a chain every rank after a lost one is "
+            "cut off with it, and the relay is not rebuilt; use group.topology=tree or refit.on_consumer_loss=fail"
+        )
+    return None
+
+
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 PRODUCER_RANK = 0
 DEFAULT_HOST = "127.0.0.1"

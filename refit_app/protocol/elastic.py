@@ -1,0 +1,359 @@
+"""Sessions that go on when consumers come and go (``refit.on_consumer_loss=continue``).
+
+:class:`ElasticProducerSession` and :class:`ElasticConsumerSession` have the session API (``send`` per step on the
+trainer, ``receive`` on each engine) and connect themselves from a :class:`~refit_app.transport.spec.GroupSpec`:
+the group changes under them, generation by generation (:mod:`refit_app.transport.elastic`). Inside a generation
+each side runs a plain :class:`~refit_app.protocol.session.ProducerSession` or
+:class:`~refit_app.protocol.session.ConsumerSession`; what happens between generations:
+
+- **A consumer is lost** (it died, stalled past a deadline, or failed for a reason of its own) in round k: the
+  round fails on every member, as in any session, and nobody counts it. Each survivor drops the generation's group
+  and asks the producer for the next; the producer drops its own, waits up to ``group.timeout_s`` for the members
+  to ask, forms the next generation from those that did, and sends round k again to them.
+- **A consumer joins** (started late, or restarted with the run's id and token): the producer reads its request
+  at the next round boundary, ends the generation with a header saying so, and forms the next one with it.
+- **Every generation starts afresh**: a fresh manifest (each consumer's ``on_manifest`` runs again) and a dense
+  round, because a survivor whose round was cut may hold some tensors of the new round and some of the old (a
+  delta round against that would be wrong), and a joiner holds nothing. Delta rounds resume after it.
+- **The producer is lost**: a consumer's collective or store call fails within the deadline, as in any session,
+  and it stops with one line. **Every consumer is lost**: the producer stops with one line once none asked to
+  go on within ``group.timeout_s``.
+
+A round's :attr:`~refit_app.protocol.rounds.Round.members` lists the consumers that took part in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+from refit_app.common.errors import HandshakeError, PeerError, RefitError, one_line
+from refit_app.protocol.consumer_session import ConsumerSession
+from refit_app.protocol.producer_session import ProducerSession
+from refit_app.protocol.rounds import Round
+from refit_app.transport.control import Poller, ranks_text
+from refit_app.transport.elastic import ConsumerMembership, ProducerMembership, abandon
+from refit_app.transport.groups import RefitGroup
+from refit_app.transport.spec import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+_LOST = (PeerError, HandshakeError)
+"""What a round raises on the producer when a consumer was lost or refused (a PeerError: a collective broke, a gather
+missed its deadline or a consumer published its failure; a HandshakeError: a consumer refused the manifest). The
+producer's own failures (its source, say) are other errors, and end the session."""
+
+
+class ElasticProducerSession:
+    """The trainer's side of an elastic session: connects as the producer of ``spec`` and waits up to
+    ``group.timeout_s`` for the consumers (it starts with those that joined by then, at least one).
+
+    ``session_options``: those of :class:`~refit_app.protocol.session.ProducerSession`. Use it as a context
+    manager, or :meth:`close` it: a consumer still waiting to join then learns that the session is over."""
+
+    def __init__(self, spec: GroupSpec, **session_options: Any) -> None:
+        self._spec = spec
+        self._options = session_options
+        self._membership = ProducerMembership(spec)
+        self._session: ProducerSession | None = None
+        self.rounds = 0
+        """Rounds completed."""
+        self.closed = False
+        try:
+            self._membership.gather(list(range(1, spec.world_size)), spec.timeout_s)
+            self._next_generation(1, None)
+        except BaseException as e:
+            self._end(one_line(e))
+            raise
+
+    @property
+    def members(self) -> list[int]:
+        """The consumer ranks of the current generation."""
+        return self._membership.members
+
+    @property
+    def session(self) -> ProducerSession:
+        """The current generation's session."""
+        assert self._session is not None
+        return self._session
+
+    @property
+    def group(self) -> RefitGroup:
+        assert self._membership.group is not None
+        return self._membership.group
+
+    def __getattr__(self, name: str) -> Any:
+        # The current generation's figures: manifest, probe_tokens, checksums_needed, num_chunks, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.session, name)
+
+    def wait_for_joiners(self, ranks: Iterable[int], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until each of ``ranks`` is a member or has asked to join (it is then admitted
+        at the next :meth:`send`); returns whether they all did. For a loop that would rather wait for an engine it
+        knows is restarting than send a round without it."""
+        wanted = set(ranks)
+        deadline = time.monotonic() + timeout_s
+        poller = Poller()
+        while not wanted <= set(self.members) | set(self._membership.newcomers()):
+            if time.monotonic() >= deadline:
+                return False
+            poller.sleep(deadline)
+        return True
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, Any]] | Callable[[], Iterable[tuple[str, Any]]],
+        *,
+        extra: bytes | Callable[[], bytes] = b"",
+        **options: Any,
+    ) -> Round:
+        """Send one round to the current members (:meth:`ProducerSession.send`'s arguments) and return it once
+        they all have it; consumers that asked to join are admitted first. A round a consumer was lost in is sent
+        again to the others, so ``named_tensors`` is read again: give a list, or a function that returns the
+        tensors (a lazy source), and ``extra`` likewise (a probe for a generation's consumers)."""
+        if self.closed:
+            raise RuntimeError("send() after close()")
+        if not callable(named_tensors) and iter(named_tensors) is named_tensors:
+            named_tensors = list(named_tensors)  # references: a one-pass iterator cannot be sent again
+        k = self.rounds + 1
+        try:
+            if self._membership.newcomers():
+                self._admit(k)
+            while True:
+                tensors = named_tensors() if callable(named_tensors) else named_tensors
+                payload = extra() if callable(extra) else extra
+                try:
+                    result = self.session.send(tensors, extra=payload, **options)
+                    break
+                except _LOST as e:
+                    self._lost(k, e)
+        except BaseException as e:
+            self._end(one_line(e))
+            raise
+        result.members = self.members
+        self.rounds = k
+        self._membership.refuse_taken()
+        return result
+
+    def _admit(self, k: int) -> None:
+        """A round boundary with consumers asking to join: end the generation with a header that says so (the
+        members then ask for the next one) and form the next with everyone who asked."""
+        previous = self.members
+        try:
+            self.session.close(regroup_to=self._membership.gen + 1)
+        except PeerError as e:
+            logger.warning("round %d: a consumer was lost before the round (%s)", k, one_line(e))
+        self._membership.gather(previous, self._spec.timeout_s)
+        self._next_generation(k, None)
+
+    def _lost(self, k: int, e: BaseException) -> None:
+        """Round ``k`` failed on a consumer: drop the generation at once (members still blocked in it fail now,
+        not at their deadline), wait for the survivors to ask again, and form the next generation from them."""
+        previous = self.members
+        logger.warning("round %d failed (%s); going on without the consumers that do not ask to", k, one_line(e))
+        abandon(self._membership.group)
+        self._membership.group = None
+        self._membership.gather(previous, self._spec.timeout_s)
+        self._next_generation(k, (previous, e))
+
+    def _next_generation(self, k: int, lost: tuple[list[int], BaseException] | None) -> None:
+        while True:
+            self._session = None
+            rg = self._membership.form(k)
+            if rg is None:
+                if lost is None:
+                    raise PeerError(
+                        f"no consumer joined the producer at {self._spec.address} within "
+                        f"{self._spec.timeout_s:g}s; start the consumers with this group.host/group.port, "
+                        f"group.world_size={self._spec.world_size} and refit.on_consumer_loss=continue"
+                    )
+                previous, e = lost
+                raise PeerError(
+                    f"round {k}: every consumer was lost ({ranks_text(previous)}: {one_line(e)}); none asked to go on "
+                    f"within group.timeout_s={self._spec.timeout_s:g}s"
+                )
+            if lost is not None:
+                gone = [r for r in lost[0] if r not in self.members]
+                if gone:
+                    logger.warning("round %d: lost %s; going on with %s", k, ranks_text(gone), ranks_text(self.members))
+            previous = self.members
+            try:
+                session = ProducerSession(rg, **self._options)
+            except PeerError as e:  # a member lost while the generation formed: once more without it
+                logger.warning("generation %d did not start (%s)", self._membership.gen, one_line(e))
+                abandon(rg)
+                self._membership.group = None
+                self._membership.gather(previous, self._spec.timeout_s)
+                lost = (previous, e)
+                continue
+            session.rounds = k - 1
+            self._session = session
+            return
+
+    def close(self) -> None:
+        """End the session: every member's :meth:`ElasticConsumerSession.receive` returns None, and a consumer
+        still waiting for an answer learns that the session is over."""
+        if self.closed:
+            return
+        try:
+            self.session.close()
+        except PeerError as e:  # the rounds are done; a consumer lost now changes nothing they delivered
+            logger.warning("rank 0: a consumer was lost at the end of the session (%s)", one_line(e))
+            self.group.control.failed = True
+        self._end(None)
+
+    def _end(self, error: str | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._membership.end(self.rounds, error)
+        self._membership.release()
+
+    def __enter__(self) -> ElasticProducerSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._end(one_line(exc))
+
+
+class ElasticConsumerSession:
+    """An engine's side of an elastic session: joins the producer of ``spec`` (at its start, later, or after a
+    restart) and receives every round from the one it is admitted at.
+
+    ``session_options``: those of :class:`~refit_app.protocol.session.ConsumerSession`."""
+
+    def __init__(self, spec: GroupSpec, **session_options: Any) -> None:
+        self._spec = spec
+        self._options = session_options
+        self._membership = ConsumerMembership(spec)
+        self._rg: RefitGroup | None = None
+        self._session: ConsumerSession | None = None
+        self.rounds = 0
+        """Rounds received."""
+        self._manifest = None
+        self.last_round: Round | None = None
+        self.closed = False
+        try:
+            self._join()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def members(self) -> list[int]:
+        plan = self._membership.plan
+        return [] if plan is None else list(plan["members"][1:])
+
+    @property
+    def session(self) -> ConsumerSession:
+        assert self._session is not None
+        return self._session
+
+    @property
+    def manifest(self) -> Any:
+        """The manifest in force: the current generation's, else the last round's (None before any)."""
+        return self._session.manifest if self._session is not None and self._session.manifest else self._manifest
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.session, name)
+
+    def _join(self) -> None:
+        while True:
+            self._rg = self._session = None
+            rg = self._membership.join()
+            if rg is None:
+                self.closed = True
+                return
+            self._rg = rg
+            try:
+                session = ConsumerSession(rg, **self._options)
+            except PeerError as e:
+                self._rejoin(e)
+                continue
+            plan = self._membership.plan
+            assert plan is not None
+            session.rounds = plan["round"] - 1
+            self._session = session
+            return
+
+    def _rejoin(self, e: BaseException) -> None:
+        logger.warning(
+            "rank %d: generation %d ended (%s); asking the producer at %s to go on",
+            self._spec.rank,
+            (self._membership.plan or {}).get("gen", 0),
+            one_line(e),
+            self._spec.address,
+        )
+        abandon(self._rg)
+        self._rg = self._session = None
+
+    def receive(
+        self,
+        post_unpack_func: Callable[[list[tuple[str, Any]]], None] | None = None,
+        return_iterator: bool = False,
+        **options: Any,
+    ) -> Round | None:
+        """Receive one round (:meth:`ConsumerSession.receive`'s arguments); None once the producer ended the
+        session. A round cut by a lost peer is received again, in full, from the next generation: the callbacks may
+        see a round's tensors more than once, and only a round that every member completed is returned. Not as an
+        iterator: a cut round could not be handed out again."""
+        if return_iterator:
+            raise ValueError("an elastic session receives with callbacks only (a round cut by a lost peer comes again)")
+        while not self.closed:
+            rg = self._rg
+            try:
+                result = self.session.receive(post_unpack_func, **options)
+            except RefitError as e:
+                assert rg is not None
+                if not isinstance(e, PeerError) and rg.control.failed_rank() == self._spec.rank:
+                    abandon(rg)  # this consumer's own failure: it leaves the session with it
+                    self._rg = self._session = None
+                    self.closed = True
+                    raise
+                self._rejoin(e)
+                self._join()
+                continue
+            if result is None:
+                if self.session.regroup_to:  # the producer forms another generation: ask for a place in it
+                    abandon(rg)
+                    self._join()
+                    continue
+                self.closed = True
+                return None
+            result.members = self.members
+            self.rounds = result.round
+            self._manifest = self.session.manifest
+            self.last_round = result
+            return result
+        return None
+
+    def close(self) -> None:
+        """Leave the session (after its end, or to stop receiving)."""
+        self.closed = True
+        if self._rg is not None:
+            self._rg.close()
+            self._rg = None
+        self._membership.release()
+
+    def __iter__(self) -> Iterator[Round]:
+        while (r := self.receive()) is not None:
+            yield r
+
+    def __enter__(self) -> ElasticConsumerSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,376 @@
+"""Who is in an elastic session (``refit.on_consumer_loss=continue``), generation by generation.
+
+A gloo process group cannot be used again after one of its collectives failed, and it has a fixed size. So the
+members of an elastic session form one group per **generation**: the producer and the consumers it admitted. When a
+consumer is lost (it died, stalled past a deadline, or failed for a reason of its own) or one asks to join, the
+producer ends the generation and forms the next one from the consumers that ask for it; a consumer keeps its rank
+number (``group.rank``) across generations, and its index in each generation's group is its place among the
+members. Every record below lies in the producer's store, under the run's prefix, at a name only a key holder can
+form (:meth:`RunAuth.hide`), and is signed (:meth:`RunAuth.seal`)::
+
+    consumer                                        producer
+    greeting checked (token, run id, continue) <--- greeting (as for every session, marked elastic)
+    join request: rank, incarnation ------------->  read at the next round boundary (or while it forms a generation)
+                                                    plan of generation g: members, their incarnations, the round
+    answer: g, or why it is refused <-------------  (one per request)
+    generation g's group: a gloo group and a control channel under a prefix of g's own, formed by every member
+
+A consumer's **incarnation** is a random id drawn when its process joins: a rank whose process was replaced is
+told apart from the one before, and of two live processes that ask for the same rank, the one that holds it keeps
+it. A stranger cannot take part: without the run's token it cannot read the greeting as the producer's (it is
+refused there, in one line), name a join request where the producer reads, or read the answers; so it can neither
+join, nor rejoin, nor take a lost rank's place.
+
+Deadlines: the producer waits for a generation's members to ask for the next one at most ``group.timeout_s``
+(:meth:`ProducerMembership.gather`); a consumer waits for its answer at most :func:`answer_wait_s`; forming a group
+has the group's deadline. Continue needs the run's token (else anyone on the port could take a lost rank's place),
+gloo, and ``group.topology=tree`` (:func:`check_elastic`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch.distributed as dist
+
+from refit_app.common.errors import ConfigError, PeerError, one_line
+from refit_app.transport.auth import RecordError, RunAuth, need, new_secret
+from refit_app.transport.backends import make_group
+from refit_app.transport.control import Control, DeadlineStore, Poller, ranks_text
+from refit_app.transport.groups import RefitGroup
+from refit_app.transport.rendezvous import (
+    announce,
+    await_producer,
+    join_store,
+    run_store,
+    start_store,
+)
+from refit_app.transport.signed_store import backend_store
+from refit_app.transport.spec import PRODUCER_RANK, GroupSpec, elastic_problem
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "gloo"
+_K_JOINS = "elastic/joins"
+_K_ENDED = "elastic/ended"
+
+
+def _k_join(n: int) -> str:
+    return f"elastic/join/{n}"
+
+
+def _k_answer(rank: int, incarnation: str, slot: int) -> str:
+    # One per request: a consumer asks again after every generation, and must not read the last one's answer.
+    return f"elastic/answer/{rank}/{incarnation}/{slot}"
+
+
+def _k_plan(gen: int) -> str:
+    return f"elastic/plan/{gen}"
+
+
+def _k_generation(gen: int) -> str:
+    return f"elastic/gen/{gen}"
+
+
+def answer_wait_s(timeout_s: float) -> float:
+    """How long a consumer waits for the producer's answer to its request: the producer notices a lost consumer
+    within one deadline (a collective's), then waits up to one more for the others to ask again."""
+    return 2 * timeout_s
+
+
+def check_elastic(spec: GroupSpec) -> None:
+    """Refuse, in one line, a group that ``continue`` cannot run on."""
+    problem = elastic_problem(spec)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _lost_producer(spec: GroupSpec, e: BaseException) -> PeerError:
+    return PeerError(f"lost the producer (rank {PRODUCER_RANK}) at {spec.address}; it may have died ({one_line(e)})")
+
+
+class _Generation:
+    """What both sides build a generation's group from."""
+
+    def __init__(self, spec: GroupSpec, auth: RunAuth, rstore: dist.Store) -> None:
+        self.spec = spec
+        self.auth = auth
+        self.rstore = rstore
+
+    def group(self, plan: dict[str, Any], rank: int, address: str, *, producer: bool) -> RefitGroup:
+        """This rank's group of generation ``plan["gen"]``: a fresh gloo group under the generation's own prefix
+        (a failed one cannot be reused, and its keys must not meet the next one's), and a control channel there."""
+        members = plan["members"]
+        store = dist.PrefixStore(self.auth.hide(_k_generation(plan["gen"])), self.rstore)
+        spec = replace(self.spec, rank=members.index(rank), world_size=len(members), backend=BACKEND)
+        control_store = store if producer else DeadlineStore(store, spec.timeout_s)
+        control = Control(control_store, rank, len(members), spec.timeout_s, self.spec.address, self.auth, members)
+        try:
+            group = make_group(BACKEND, backend_store(store, self.auth, BACKEND), spec, control, address=address)
+        except (RuntimeError, dist.DistError) as e:
+            control.failed = True
+            raise PeerError(
+                f"generation {plan['gen']} ({ranks_text(members[1:])}) could not form its group: {one_line(e)}"
+            ) from e
+        return RefitGroup(spec, BACKEND, group, control)
+
+
+def abandon(rg: RefitGroup | None) -> None:
+    """Drop a generation's group after a failure: its sockets close now, so that members still blocked in one of
+    its collectives fail at once instead of at their deadline. Never raises (the next generation is what counts)."""
+    if rg is None:
+        return
+    rg.control.failed = True
+    try:
+        rg.group.shutdown(abort=True)
+    except RuntimeError as e:
+        logger.debug("rank %d: teardown of an abandoned generation: %s", rg.control.rank, one_line(e))
+    if not rg.is_producer:
+        rg.control.leave()  # ends the producer's linger early where it ends the session
+    rg._closed = True
+
+
+class ProducerMembership:
+    """The producer's side: its store and greeting, the join requests it has read, and the generations it forms."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        check_elastic(spec)
+        self.spec = spec
+        self._store = start_store(spec)
+        self.auth = announce(self._store, spec, elastic=True)
+        self._rstore = run_store(self._store, self.auth)
+        self._generation = _Generation(spec, self.auth, self._rstore)
+        self._read = 0
+        """Join slots read so far."""
+        self._requests: dict[int, dict[str, dict[str, Any]]] = {}
+        """Unanswered requests: rank -> incarnation -> request, in the order they arrived."""
+        self.holders: dict[int, str] = {}
+        """The members of the current generation: rank -> incarnation."""
+        self.gen = 0
+        self.group: RefitGroup | None = None
+        self._address = spec.host
+        logger.info(
+            "rank 0: elastic session (refit.on_consumer_loss=continue) at %s, run %s: consumers may join at any "
+            "round boundary",
+            spec.address,
+            self.auth.run_id,
+        )
+
+    @property
+    def members(self) -> list[int]:
+        return sorted(self.holders)
+
+    def poll(self) -> None:
+        """Read the join requests that arrived since the last poll: one store read when none did."""
+        count = _read_count(self._rstore, self.auth.hide(_K_JOINS))
+        for n in range(self._read + 1, count + 1):
+            key = self.auth.hide(_k_join(n))
+            if not self._rstore.check([key]):
+                break  # counted and not yet written: read at the next poll
+            self._read = n
+            try:
+                doc = self.auth.open("join", self._rstore.get(key))
+                rank, incarnation = need(doc, "rank", int), need(doc, "incarnation", str)
+                need(doc, "producer_address", str)
+                if not 0 < rank < self.spec.world_size or need(doc, "run_id", str) != self.auth.run_id:
+                    raise RecordError("names a rank or run that is not this session's")
+            except RecordError as e:
+                self.auth.distrust("a join request", self.spec.address, e)
+                continue
+            self._requests.setdefault(rank, {})[incarnation] = {**doc, "slot": n}
+
+    def newcomers(self) -> list[int]:
+        """Ranks that asked to join and hold no place in the current generation (a joiner, a restarted consumer)."""
+        self.poll()
+        return sorted(r for r, asked in self._requests.items() if r not in self.holders and asked)
+
+    def refuse_taken(self) -> None:
+        """After a round every member completed: a request for a rank that a live member holds is refused (two
+        processes claim the rank; the one that has it keeps it)."""
+        for rank, asked in self._requests.items():
+            holder = self.holders.get(rank)
+            for incarnation in [i for i in asked if holder is not None and i != holder]:
+                self._answer(
+                    asked.pop(incarnation),
+                    {
+                        "refused": f"group.rank={rank} is held by a live consumer of this run; give this consumer "
+                        f"another group.rank in 1..{self.spec.world_size - 1}"
+                    },
+                )
+
+    def gather(self, expected: list[int], window_s: float) -> None:
+        """Wait until every rank of ``expected`` (the last generation's members) has asked for the next generation,
+        or ``window_s`` passed; those that do not ask by then are lost."""
+        deadline = time.monotonic() + window_s
+        poller = Poller()
+        while True:
+            self.poll()
+            if all(self._requests.get(r) for r in expected) or time.monotonic() >= deadline:
+                return
+            poller.sleep(deadline)
+
+    def form(self, next_round: int) -> RefitGroup | None:
+        """End the current generation and form the next from the requests read; None when nobody asked.
+        A member that asked again keeps its rank; a rank nobody holds goes to the first process that asked for it."""
+        chosen: dict[int, str] = {}
+        for rank, asked in sorted(self._requests.items()):
+            if not asked:
+                continue
+            holder = self.holders.get(rank)
+            incarnation = holder if holder in asked else next(iter(asked))
+            chosen[rank] = incarnation
+            for other in [i for i in asked if i != incarnation]:
+                self._answer(
+                    asked.pop(other),
+                    {"refused": f"group.rank={rank} was claimed twice at once; the other consumer got it"},
+                )
+        if self.group is not None:
+            abandon(self.group)
+            self.group = None
+        self.holders = {}
+        if not chosen:
+            return None
+        self.gen += 1
+        requests = {r: self._requests[r][i] for r, i in chosen.items()}
+        plan = {
+            "gen": self.gen,
+            "members": [PRODUCER_RANK, *sorted(chosen)],
+            "incarnations": {str(r): i for r, i in chosen.items()},
+            "round": next_round,
+        }
+        self._rstore.set(self.auth.hide(_k_plan(self.gen)), self.auth.seal("plan", plan))
+        for rank, incarnation in chosen.items():
+            self._answer(self._requests[rank].pop(incarnation), {"gen": self.gen})
+        self.holders = chosen
+        # Where consumers reached this producer (gloo listens there), as in the rendezvous: the first one's.
+        address = requests[min(chosen)]["producer_address"] or self.spec.host
+        logger.info("rank 0: generation %d from round %d: %s", self.gen, next_round, ranks_text(sorted(chosen)))
+        self.group = self._generation.group(plan, PRODUCER_RANK, address, producer=True)
+        return self.group
+
+    def _answer(self, request: dict[str, Any], doc: dict[str, Any]) -> None:
+        key = _k_answer(request["rank"], request["incarnation"], request["slot"])
+        self._rstore.set(self.auth.hide(key), self.auth.seal("answer", doc))
+
+    def end(self, rounds: int, error: str | None) -> None:
+        """The session is over (after ``rounds`` rounds, or failed with ``error``): a consumer still waiting for an
+        answer learns it at once. The current generation closes as any group does."""
+        try:
+            self._rstore.set(self.auth.hide(_K_ENDED), self.auth.seal("ended", {"rounds": rounds, "error": error}))
+        except dist.DistError as e:  # the store is this process's own; only a stranger's flood gets here
+            logger.warning("rank 0: could not record the end of the session: %s", one_line(e))
+        if self.group is not None:
+            if error is not None:
+                self.group.control.failed = True
+            self.group.close()
+        else:
+            self.release()
+
+    def release(self) -> None:
+        """Stop the store (frees the port): nothing else holds it once the generations' groups are gone."""
+        self._store = None
+        self._rstore = None
+
+
+def _read_count(store: dist.Store, key: str) -> int:
+    if not store.check([key]):
+        return 0
+    try:
+        return max(int(store.get(key)), 0)
+    except ValueError:
+        return 0
+
+
+class ConsumerMembership:
+    """A consumer's side: it joins (the first time, after a restart, or later than the others) and asks again after
+    every generation that ended."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        check_elastic(spec)
+        self.spec = spec
+        deadline = time.monotonic() + spec.timeout_s
+        store, self._route = join_store(spec, deadline)
+        try:
+            self.auth, size = await_producer(store, spec, deadline, elastic=True)
+        except dist.DistError as e:
+            raise _lost_producer(spec, e) from e
+        if size != spec.world_size:
+            raise ConfigError(
+                f"group.world_size differs: the producer has {size}, consumer rank {spec.rank} has "
+                f"{spec.world_size}; set the same group.world_size on every rank"
+            )
+        self._store = store  # held: the prefix stores below do not keep the connection alive on their own
+        rstore = run_store(store, self.auth)
+        self._dstore = DeadlineStore(rstore, spec.timeout_s)
+        self._generation = _Generation(spec, self.auth, rstore)
+        self.incarnation = new_secret()[:16]
+        self.plan: dict[str, Any] | None = None
+
+    def join(self) -> RefitGroup | None:
+        """Ask for a place in the next generation and return its group; None where the session has ended
+        normally. Raises a one-line error where the producer is lost, failed, refused this consumer or did not
+        answer within :func:`answer_wait_s`."""
+        spec, auth = self.spec, self.auth
+        wait_s = answer_wait_s(spec.timeout_s)
+        request = {
+            "rank": spec.rank,
+            "run_id": auth.run_id,
+            "incarnation": self.incarnation,
+            "producer_address": self._route.producer,
+        }
+        ended_key = auth.hide(_K_ENDED)
+        deadline = time.monotonic() + wait_s
+        try:
+            n = self._dstore.add(auth.hide(_K_JOINS), 1)
+            self._dstore.set(auth.hide(_k_join(n)), auth.seal("join", request))
+            answer_key = auth.hide(_k_answer(spec.rank, self.incarnation, n))
+            poller = Poller()
+            while True:
+                if self._dstore.check([answer_key]):
+                    answer = self._open("answer", self._dstore.get(answer_key))
+                    if answer is not None:
+                        break
+                if self._dstore.check([ended_key]):
+                    ended = self._open("ended", self._dstore.get(ended_key))
+                    if ended is not None:
+                        if ended.get("error"):
+                            raise PeerError(f"rank {PRODUCER_RANK} failed: {ended['error']}")
+                        logger.info("rank %d: the session ended after round %s", spec.rank, ended.get("rounds"))
+                        return None
+                if time.monotonic() >= deadline:
+                    raise PeerError(
+                        f"the producer at {spec.address} did not admit consumer rank {spec.rank} within {wait_s:g}s "
+                        f"(2 x group.timeout_s); it admits consumers at round boundaries"
+                    )
+                poller.sleep(deadline)
+            if "refused" in answer:
+                raise ConfigError(str(answer["refused"]))
+            gen = need(answer, "gen", int)
+            plan = self._open("plan", self._dstore.get(auth.hide(_k_plan(gen))))
+        except dist.DistError as e:
+            raise _lost_producer(spec, e) from e
+        if plan is None or plan.get("incarnations", {}).get(str(spec.rank)) != self.incarnation:
+            raise PeerError(f"generation {gen}'s plan at {spec.address} does not list this consumer; refusing it")
+        self.plan = plan
+        logger.info(
+            "rank %d: admitted to generation %d from round %d (%s)",
+            spec.rank,
+            gen,
+            plan["round"],
+            ranks_text(plan["members"][1:]),
+        )
+        return self._generation.group(plan, spec.rank, self._route.local, producer=False)
+
+    def _open(self, kind: str, raw: bytes) -> dict[str, Any] | None:
+        try:
+            return self.auth.open(kind, raw)
+        except RecordError as e:
+            self.auth.distrust(f"an elastic {kind} record", self.spec.address, e)
+            return None
+
+    def release(self) -> None:
+        self._store = None
+        self._dstore = None

@@ -1,0 +1,251 @@
+"""Elastic sessions (``refit.on_consumer_loss=continue``) over real gloo groups: a consumer SIGKILLed mid-transfer is
+dropped and the others go on, a restarted one rejoins with a dense round, a stranger never gets in, and a lost
+producer (or every consumer lost) ends the rest in one line within the deadline.
+
+Every rank is a spawned process (tests/mp_utils.py: started together, OS-assigned port); readiness is signalled
+through multiprocessing events, never slept for.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+from cli_utils import COVER_STARTUP, assert_ok, local_metrics
+from config_utils import refused, settings
+from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
+
+from refit_app.app import launch
+from refit_app.common.errors import ConfigError, PeerError, RefitError
+from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
+
+TIMEOUT_S = 6.0
+TOKEN = "elastic-test-token-0123456789abcdef"
+RUN_ID = "elastic-test"
+ROUNDS = 8
+KILLED_IN = 3
+RESTARTED_AT = 5
+EVENT_WAIT_S = 120.0
+"""A hang limit for the events between processes (each is set once a round is done), not a deadline under test."""
+
+
+def _model(k: int) -> list[tuple[str, torch.Tensor]]:
+    """Round ``k``'s weights: the same for every rank; a few elements change per round, so delta rounds pay."""
+    out = []
+    for i in range(6):
+        t = torch.randn(16384, generator=torch.Generator().manual_seed(i))
+        t[:: 3 + i] += k
+        out.append((f"layer{i}.weight", t))
+    return out
+
+
+def _spec(rank: int, port: int, **fields):
+    fields.setdefault("token", TOKEN)
+    fields.setdefault("run_id", RUN_ID)
+    return gloo_spec(rank, 4, port, timeout_s=TIMEOUT_S, **fields)
+
+
+def _receive_all(session: ElasticConsumerSession, die_in: int | None = None) -> list[dict]:
+    """Every round until the end, each checked against the expected weights; SIGKILL this process mid-transfer
+    (at its first batch, of several) of round ``die_in``."""
+    got: dict[str, torch.Tensor] = {}
+    batches = [0]
+
+    def load(batch):
+        batches[0] += 1
+        if die_in is not None and session.session.rounds + 1 == die_in and batches[0] >= 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for name, t in batch:
+            got[name] = t.clone()
+
+    rounds = []
+    while (r := session.receive(load)) is not None:
+        batches[0] = 0
+        expected = dict(_model(r.round))
+        rounds.append(
+            {
+                "round": r.round,
+                "members": r.members,
+                "verified": r.verified,
+                "delta": r.delta,
+                "matches": got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in expected),
+            }
+        )
+    return rounds
+
+
+def _killed_and_restarted(rank: int, world_size: int, port: int, restart, stranger_done) -> object:
+    if rank == 0:
+        with ElasticProducerSession(_spec(0, port), buffer_size_bytes=16384, delta="on") as s:
+            rounds = []
+            for k in range(1, ROUNDS + 1):
+                if k == RESTARTED_AT:
+                    restart.set()
+                    # The stranger's tries come first (it must find rank 3 free), then rank 3's restart.
+                    assert stranger_done.wait(EVENT_WAIT_S)
+                    assert s.wait_for_joiners([3], EVENT_WAIT_S), "the restarted consumer never asked to join"
+                r = s.send(_model(k))
+                rounds.append({"round": r.round, "members": r.members, "delta": r.delta})
+            return rounds
+    if rank in (1, 2, 3):
+        with ElasticConsumerSession(_spec(rank, port), verify=True, mirror=True) as s:
+            return _receive_all(s, die_in=KILLED_IN if rank == 3 else None)
+    assert restart.wait(EVENT_WAIT_S)
+    if rank == 5:  # a stranger: another token, then the run's token with another run id
+        refused = []
+        for fields in ({"token": "not-the-run-token-0123456789abcdef"}, {"run_id": "another-run"}):
+            try:
+                ElasticConsumerSession(_spec(3, port, **fields), verify=True)
+                refused.append("admitted")
+            except RefitError as e:
+                refused.append(f"{type(e).__name__}: {e}")
+        stranger_done.set()
+        return refused
+    with ElasticConsumerSession(_spec(3, port), verify=True, mirror=True) as s:  # rank 3, restarted
+        return _receive_all(s)
+
+
+def test_consumer_killed_mid_transfer_then_restarted():
+    ctx = mp.get_context(launch.START_METHOD)
+    restart, stranger_done = ctx.Event(), ctx.Event()
+    producer, c1, c2, killed, restarted, stranger = run_ranks(
+        _killed_and_restarted, 6, restart, stranger_done, timeout=240.0, return_exceptions=True
+    )
+    assert isinstance(killed, RankFailure) and killed.exc_type == "Died", killed
+    for result in (producer, c1, c2, restarted, stranger):
+        assert not isinstance(result, RankFailure), f"{result}\n{getattr(result, 'traceback', '')}"
+    everyone, without = [1, 2, 3], [1, 2]
+    expected_members = {k: without if KILLED_IN <= k < RESTARTED_AT else everyone for k in range(1, ROUNDS + 1)}
+    assert [r["round"] for r in producer] == list(range(1, ROUNDS + 1))
+    assert {r["round"]: r["members"] for r in producer} == expected_members
+    # A generation's first round is dense: the cut round (3) and the one the restarted consumer joins at (5).
+    assert [r["round"] for r in producer if not r["delta"]] == [1, KILLED_IN, RESTARTED_AT]
+    for survivor in (c1, c2):
+        assert [r["round"] for r in survivor] == list(range(1, ROUNDS + 1))
+        assert all(r["verified"] and r["matches"] for r in survivor), survivor
+        assert {r["round"]: r["members"] for r in survivor} == expected_members
+    assert [r["round"] for r in restarted] == list(range(RESTARTED_AT, ROUNDS + 1))
+    assert all(r["verified"] and r["matches"] for r in restarted), restarted
+    assert not restarted[0]["delta"] and restarted[1]["delta"], restarted
+    token_refusal, run_refusal = stranger
+    assert token_refusal.startswith("ConfigError") and "does not check with this consumer's group.token" in (
+        token_refusal
+    )
+    assert run_refusal.startswith("ConfigError") and "belongs to run" in run_refusal
+
+
+def _producer_killed(rank: int, world_size: int, port: int, killed_at) -> object:
+    spec = gloo_spec(rank, 3, port, timeout_s=TIMEOUT_S, token=TOKEN)
+    if rank == 0:
+        chunks = [0]
+
+        def on_chunk(nbytes, ntensors):
+            chunks[0] += 1
+            if chunks[0] == 8:  # round 2 (6 chunks a round), mid-transfer
+                killed_at.value = time.monotonic()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        with ElasticProducerSession(spec, buffer_size_bytes=65536, on_chunk=on_chunk) as s:
+            for k in range(1, 4):
+                s.send(_model(k))
+        return None
+    try:
+        with ElasticConsumerSession(spec) as s:
+            while s.receive(lambda batch: None) is not None:
+                pass
+        return "no error"
+    except RefitError as e:
+        return type(e).__name__, str(e), time.monotonic()
+
+
+def test_producer_killed_consumers_exit_in_one_line():
+    killed_at = mp.get_context(launch.START_METHOD).Value("d", 0.0)
+    _, *consumers = run_ranks(_producer_killed, 3, killed_at, timeout=120.0, return_exceptions=True)
+    for outcome in consumers:
+        assert isinstance(outcome, tuple), outcome
+        kind, message, ended = outcome
+        assert kind == "PeerError" and "\n" not in message and "producer" in message, message
+        assert ended - killed_at.value < deadline_budget(TIMEOUT_S), (ended - killed_at.value, message)
+
+
+def _all_lost(rank: int, world_size: int, port: int) -> object:
+    spec = gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S, token=TOKEN)
+    if rank == 1:
+        with ElasticConsumerSession(spec) as s:
+            while (r := s.receive(lambda batch: None)) is not None:
+                if r.round == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    try:
+        with ElasticProducerSession(spec) as s:
+            for k in range(1, 4):
+                s.send(_model(k))
+    except PeerError as e:
+        return str(e)
+    return "no error"
+
+
+def test_every_consumer_lost_producer_says_so_in_one_line():
+    producer, consumer = run_ranks(_all_lost, 2, timeout=120.0, return_exceptions=True)
+    assert isinstance(consumer, RankFailure) and consumer.exc_type == "Died"
+    assert isinstance(producer, str) and "\n" not in producer, producer
+    assert producer.startswith("round 2: every consumer was lost (rank 1: "), producer
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"token": None}, "needs group.token"),
+        ({"topology": "chain"}, "needs group.topology=tree"),
+    ],
+)
+def test_continue_refuses_what_it_cannot_run_on(fields, expected):
+    with pytest.raises(ConfigError, match=expected):
+        ElasticProducerSession(_spec(0, 1, **fields))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["refit.on_consumer_loss=maybe"], "refit.on_consumer_loss='maybe' is invalid: choose one of fail, continue"),
+        (
+            ["role=local", "group.topology=chain", "refit.on_consumer_loss=continue"],
+            "refit.on_consumer_loss=continue needs group.topology=tree",
+        ),
+        (
+            ["role=producer", "group.token=null", "refit.on_consumer_loss=continue"],
+            "refit.on_consumer_loss=continue needs group.token",
+        ),
+        (["role=ray", "refit.on_consumer_loss=continue"], "not supported with role=ray yet"),
+    ],
+)
+def test_config_refuses_continue_where_it_cannot_run(overrides, message):
+    assert message in refused(*overrides)
+
+
+def test_config_continue_is_off_by_default():
+    assert settings().refit.on_consumer_loss == "fail"
+    assert settings("role=local", "refit.on_consumer_loss=continue").refit.elastic
+
+
+def test_local_run_lists_the_members_of_every_round(cli, tmp_path):
+    result = cli(
+        "role=local",
+        "role.num_consumers=2",
+        "refit.rounds=3",
+        "refit.delta=on",
+        "refit.on_consumer_loss=continue",
+        "sink=verify",
+        COVER_STARTUP,
+    )
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True
+    assert [r["members"] for r in metrics["rounds"]] == [[1, 2]] * 3
+    for consumer in metrics["consumers"]:
+        assert [r["members"] for r in consumer["rounds"]] == [[1, 2]] * 3
+        assert [r["delta"] for r in consumer["rounds"]] == [False, True, True]
