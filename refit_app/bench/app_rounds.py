@@ -137,9 +137,9 @@ def _rank_main(
         seconds: dict[str, list[float]] = {name: [] for name in runs}
         cpu_seconds: dict[str, list[float]] = {name: [] for name in runs}
         for backend in BACKENDS:
-            # One backend after the other: a round right after the other backend's costs more (a gloo consumer's
-            # took 0.51 against 0.32 CPU s after an shm round), and rotating all four rounds put the same kind
-            # there every time (app/session read 1.26 on gloo then, 1.02 this way, in runs minutes apart).
+            # One backend after the other: whatever one backend's round leaves behind lands on the round after
+            # it, and rotating all four rounds put the same kind there every time. (An shm round once emptied the
+            # host buffer pool, so the gloo round after it faulted ~530 MB in again: app/session read 1.26.)
             for rep in range(case.reps + 1):  # repetition 0 warms both
                 kinds = KINDS if rep % 2 else KINDS[::-1]  # ABBA: neither kind always follows the other
                 for name in (f"{backend}/{kind}" for kind in kinds):
