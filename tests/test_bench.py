@@ -22,6 +22,7 @@ from refit_app.bench.cases import MODES, Case
 from refit_app.bench.delta_report import FLAT_SLACK_BYTES, summarize_delta
 from refit_app.bench.plot import DELTA_MODE_STYLES, PlotData, delta_figure, delta_plot_data, figure, plot_data
 from refit_app.bench.report import MEMORY_SLACK, summarize
+from refit_app.models.sources import SyntheticSource
 
 SIZE = 2_000_000
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -603,18 +604,24 @@ def test_an_out_that_cannot_take_the_results_is_refused_before_the_run(tmp_path)
         bench.main(["--reps", "1", "--out", str(taken)])
 
 
+def _one_case_run(flags: list[str], out, name: str, capsys) -> tuple[str, dict]:
+    """A one-case comparison (``--colocated``, ``--app``) of a 4 MB Llama shape: its markdown, printed and written,
+    and its JSON."""
+    args = [*flags, "--preset", "llama-1b", "--size", "4MB", "--buffer-size", "512KiB", "--out", str(out)]
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    table = (out / f"{name}.md").read_text()
+    assert table in printed and f"results: {out / f'{name}.json'}" in printed
+    return table, json.loads((out / f"{name}.json").read_text())
+
+
 def test_colocated_compares_shm_with_gloo_and_memcpy_and_one_consumer_with_three(tmp_path, capsys):
     out = tmp_path / "colocated"
-    args = ["--colocated", "--preset", "llama-1b", "--size", "4MB", "--buffer-size", "512KiB", "--reps", "2"]
-    assert bench.main([*args, "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    table = (out / "colocated.md").read_text()
-    assert table in printed and f"results: {out / 'colocated.json'}" in printed
+    table, doc = _one_case_run(["--colocated", "--reps", "2"], out, "colocated", capsys)
     for label in ("gloo, 1 consumer", "shm, 1 consumer", "shm, 3 consumers", "memcpy (producer alone)"):
         assert f"| {label} |" in table
     for ratio in ("gloo / shm", "shm / memcpy", "shm 3 / shm 1"):
         assert f"| {ratio} |" in table
-    doc = json.loads((out / "colocated.json").read_text())
     assert doc["consumers"] == 3 and doc["reps"] == 2
     modes = doc["modes"]
     assert set(modes) == {"gloo", "shm", "shm_3", "memcpy"}
@@ -631,8 +638,33 @@ def test_colocated_compares_shm_with_gloo_and_memcpy_and_one_consumer_with_three
         (["--colocated", "--consumers", "1"], "--colocated takes one --consumers of at least 2"),
         (["--colocated", "--preset", "llama-1b", "lora"], "--colocated takes one --preset and one --size"),
         (["--colocated", "--rank", "1"], "--colocated runs every rank on this machine; drop --rank"),
+        (["--app", "--consumers", "2"], "--app compares one consumer; drop --consumers"),
+        (["--app", "--post", "cast"], "--app sends the application's source as it is; drop --post"),
+        (["--app", "--preset", "llama-1b", "lora"], "--app takes one --preset and one --size"),
+        (["--app", "--buffer-size", "1MiB", "4MiB"], "--app takes one --buffer-size"),
+        (["--app", "--rank", "1"], "--app runs every rank on this machine; drop --rank"),
+        (["--app", "--colocated"], "--colocated and --app are two runs; give one"),
     ],
 )
-def test_colocated_refuses_what_it_cannot_compare(args, message):
+def test_colocated_and_app_refuse_what_they_cannot_compare(args, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(args)
+
+
+def test_app_times_the_applications_round_against_the_sessions_on_gloo_and_shm(tmp_path, capsys):
+    table, doc = _one_case_run(["--app", "--reps", "3"], tmp_path / "app", "app_rounds", capsys)
+    for backend in ("gloo", "shm"):
+        for kind in ("app", "session"):
+            assert f"| {backend} | {kind} |" in table
+        assert f"| {backend} | " in table.split("app / session")[1]
+    assert doc["reps"] == 3 and doc["goal"] == "<= 1.1"
+    assert doc["case"]["size_bytes"] == SyntheticSource("llama-1b", 4_000_000).total_bytes  # what every round moved
+    rounds = doc["rounds"]
+    assert set(rounds) == {"gloo/app", "gloo/session", "shm/app", "shm/session"}
+    for m in rounds.values():
+        assert len(m["per_rep_s"]) == 3 and m["median_s"] > 0 and len(m["cpu_s_per_rank"]) == 2
+    # The ratios are the medians' (no timing is asserted: only that they follow from the figures).
+    for backend, ratio in doc["app_over_session"].items():
+        expected = rounds[f"{backend}/app"]["median_s"] / rounds[f"{backend}/session"]["median_s"]
+        assert ratio == pytest.approx(expected)
+        assert doc["goal_met"][backend] == (ratio <= 1.1)

@@ -490,6 +490,39 @@ def test_host_buffers_are_kept_for_the_next_call_and_bounded():
     assert len(HOST_POOL) == 0
 
 
+class _OwnMemoryGroup(RecordingGroup):
+    """A producer-side group that gives each slot a buffer of its own memory (as group.backend=shm does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def slot_buffer(self, index: int, nbytes: int, keep: int) -> torch.Tensor:
+        if index not in self.buffers or self.buffers[index].numel() < nbytes:
+            self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffers[index]
+
+
+def test_a_call_through_the_groups_own_memory_leaves_the_kept_host_buffers_alone():
+    """A process with a gloo group and an shm group: the shm call neither takes the gloo call's kept buffers nor
+    drops them, so the next gloo call finds its buffers resident (the same memory) instead of faulting new ones."""
+    from refit_app.core.buffers import HOST_POOL, release_buffers
+
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(12)]
+    release_buffers()
+    first = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), first, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+    assert len(HOST_POOL) == 3
+    own = _OwnMemoryGroup()
+    packed_broadcast_producer(iter(tensors), own, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+    assert own.buffers and set(own.data_ptrs) <= {b.data_ptr() for b in own.buffers.values()}  # the group's memory
+    assert len(HOST_POOL) == 3
+    again = RecordingGroup()
+    packed_broadcast_producer(iter(tensors), again, 0, IDENTITY, buffer_size_bytes=200, num_buffers=3)
+    assert set(again.data_ptrs) == set(first.data_ptrs)
+    release_buffers()
+
+
 def test_failed_call_keeps_no_buffers():
     from refit_app.core.buffers import HOST_POOL, release_buffers
 

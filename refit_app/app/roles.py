@@ -32,7 +32,7 @@ from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSe
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.elastic import BACKEND as ELASTIC_BACKEND
-from refit_app.transport.groups import connect
+from refit_app.transport.groups import RefitGroup, connect
 
 logger = logging.getLogger(__name__)
 
@@ -139,74 +139,99 @@ def _companion_files(source: Source) -> dict[str, str | bytes]:
     return {} if files is None else files()
 
 
+class ProducerRounds:
+    """The producer's rounds of one run: :meth:`send` sends round ``k`` (the source advanced to it first),
+    :meth:`finish` ends the session and returns this rank's metrics. :func:`run_producer` loops over it;
+    ``python -m refit_app.bench --app`` times its rounds against a bare :class:`ProducerSession`'s on the same
+    group, so whatever the application adds to a round shows up there. ``rg`` is the connected group, or None with
+    ``refit.on_consumer_loss=continue``, where the session forms a group for each generation of members."""
+
+    def __init__(self, s: RunSettings, rg: RefitGroup | None, source: Source, *, show_progress: bool = True) -> None:
+        self._s, self._source = s, source
+        self._progress = _RoundProgress("producer", show_progress, s.refit.rounds)
+        self._advance: Callable[[int], dict] | None = getattr(source, "advance", None)
+        self._probe: Callable[[int], dict] | None = getattr(source, "probe", None)
+        target = s.refit.buffer_size_bytes if s.refit.buffer_size_bytes is not None else get_target_packed_tensor_size()
+        options: dict[str, Any] = dict(
+            buffer_size_bytes=target,
+            num_buffers=s.refit.num_buffers,
+            use_legacy_packing=bool(s.refit.use_legacy_packing),
+            on_chunk=self._progress.on_chunk,
+            delta=s.refit.delta,
+            rounds=s.refit.rounds,
+        )
+        if rg is None:
+            self.session: ProducerSession | ElasticProducerSession = ElasticProducerSession(s.group, **options)
+            self.backend = ELASTIC_BACKEND
+        else:
+            self.session, self.backend = ProducerSession(rg, **options), rg.backend
+        self._progress.session = self.session
+        self._extra_for = _probe_encoder(self._probe, self.session.probe_tokens, source)
+        self._files = _companion_files(source)
+        self.rounds: list[Round] = []
+        self._memories: list[PeakMemory] = []
+
+    def send(self, k: int) -> Round:
+        """Round ``k`` (1, 2, ...): the source changes as a training step would (from round 2), then goes out."""
+        source, planned = self._source, self._s.refit.rounds
+        facts = self._advance(k) if self._advance is not None and k > 1 else {}
+        metas = source.manifest_tensors()
+        if self._s.refit.elastic:
+            # A round a consumer was lost in goes again, read afresh, with the probe its generation asks for.
+            tensors: Any = source.tensors
+            extra: Any = lambda: _probe_encoder(self._probe, self.session.probe_tokens, source)()  # noqa: E731
+        else:
+            tensors, extra = source.tensors(), self._extra_for()
+        with PeakMemory() as memory:
+            try:
+                r = self.session.send(
+                    tensors,
+                    metas=metas,
+                    metadata=source.metadata(),
+                    files=self._files,
+                    source=source.describe(),
+                    extra=extra,
+                )
+            finally:
+                self._progress.stop()
+        r.facts.update(facts)
+        self.rounds.append(r)
+        self._memories.append(memory)
+        if planned is not None and planned > 1:
+            logger.info(
+                "round %d/%d: %.3f s%s%s",
+                k,
+                planned,
+                r.seconds,
+                f", loss {facts['loss']:.4f}" if "loss" in facts else "",
+                "" if r.members is None else f", consumers {', '.join(map(str, r.members))}",
+            )
+        return r
+
+    def finish(self) -> dict[str, Any]:
+        """End the session on every rank; this rank's metrics."""
+        self.session.close()
+        rounds = self.rounds
+        metrics = _run_metrics(
+            self._s, self.backend, self.session.manifest, rounds, self._memories, rounds[0].handshake_seconds
+        )
+        metrics.checksums = self.session.checksums_needed
+        metrics.delta = self._s.refit.delta
+        return metrics.to_json()
+
+
 def run_producer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
     """Send the configured source to every consumer, ``refit.rounds`` times; returns this rank's metrics."""
     use_local_gpu(s.group.local_rank)  # before the source: a model on device=cuda goes to this rank's GPU
     source = make_source(s.source.target, s.source.params)
-    target = s.refit.buffer_size_bytes if s.refit.buffer_size_bytes is not None else get_target_packed_tensor_size()
-    progress = _RoundProgress("producer", show_progress, s.refit.rounds)
-    advance: Callable[[int], dict] | None = getattr(source, "advance", None)
-    probe: Callable[[int], dict] | None = getattr(source, "probe", None)
-    rounds: list[Round] = []
-    memories: list[PeakMemory] = []
-    options = dict(
-        buffer_size_bytes=target,
-        num_buffers=s.refit.num_buffers,
-        use_legacy_packing=bool(s.refit.use_legacy_packing),
-        on_chunk=progress.on_chunk,
-        delta=s.refit.delta,
-        rounds=s.refit.rounds,
-    )
     with contextlib.ExitStack() as stack:
-        if s.refit.elastic:
-            session: ProducerSession | ElasticProducerSession = stack.enter_context(
-                ElasticProducerSession(s.group, **options)
-            )
-            backend = ELASTIC_BACKEND
-        else:
-            rg = stack.enter_context(connect(s.group))
-            session, backend = ProducerSession(rg, **options), rg.backend
-        progress.session = session
-        extra_for = _probe_encoder(probe, session.probe_tokens, source)
-        files = _companion_files(source)
+        rg = None if s.refit.elastic else stack.enter_context(connect(s.group))
+        rounds = ProducerRounds(s, rg, source, show_progress=show_progress)
+        if rg is None:
+            stack.enter_context(rounds.session)  # on an error, every member learns that the session ended
         for k in range(1, s.refit.rounds + 1):
-            facts = advance(k) if advance is not None and k > 1 else {}
-            metas = source.manifest_tensors()
-            if s.refit.elastic:
-                # A round a consumer was lost in goes again, read afresh, with the probe its generation asks for.
-                tensors: Any = source.tensors
-                extra: Any = lambda: _probe_encoder(probe, session.probe_tokens, source)()  # noqa: E731
-            else:
-                tensors, extra = source.tensors(), extra_for()
-            with PeakMemory() as memory:
-                try:
-                    r = session.send(
-                        tensors,
-                        metas=metas,
-                        metadata=source.metadata(),
-                        files=files,
-                        source=source.describe(),
-                        extra=extra,
-                    )
-                finally:
-                    progress.stop()
-            r.facts.update(facts)
-            rounds.append(r)
-            memories.append(memory)
-            if s.refit.rounds > 1:
-                logger.info(
-                    "round %d/%d: %.3f s%s%s",
-                    k,
-                    s.refit.rounds,
-                    r.seconds,
-                    f", loss {facts['loss']:.4f}" if "loss" in facts else "",
-                    "" if r.members is None else f", consumers {', '.join(map(str, r.members))}",
-                )
-        session.close()
-        metrics = _run_metrics(s, backend, session.manifest, rounds, memories, rounds[0].handshake_seconds)
-        metrics.checksums = session.checksums_needed
-        metrics.delta = s.refit.delta
-        return metrics.to_json()
+            rounds.send(k)
+        return rounds.finish()
 
 
 def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, source: Source) -> Callable[[], bytes]:
@@ -223,66 +248,85 @@ def _probe_encoder(probe: Callable[[int], dict] | None, probe_tokens: int, sourc
     return lambda: encode_probe(probe(probe_tokens))
 
 
+class ConsumerRounds:
+    """A consumer's rounds of one run on a connected group: :meth:`receive` feeds one round into the sink (None
+    once the producer has ended the session), :meth:`finish` publishes what the sink holds and returns this rank's
+    metrics. :func:`run_consumer` loops over it; ``python -m refit_app.bench --app`` times its rounds."""
+
+    def __init__(self, s: RunSettings, rg: RefitGroup | None, sink: Sink, *, show_progress: bool = True) -> None:
+        self._s, self._sink = s, sink
+        self.verify = bool(getattr(sink, "verifies", False))
+        probe_tokens = int(getattr(sink, "probe_tokens", 0))
+        self._progress = _RoundProgress(f"consumer {s.group.rank}", show_progress, None)
+        storage = getattr(sink, "delta_storage", None)
+        options: dict[str, Any] = dict(
+            buffer_size_bytes=s.refit.buffer_size_bytes,
+            use_legacy_packing=s.refit.use_legacy_packing,
+            num_buffers=s.refit.num_buffers,
+            verify=self.verify,
+            probe_tokens=probe_tokens,
+            on_chunk=self._progress.on_chunk,
+            mirror=storage in (MIRROR, MIRRORED_DELTAS),
+            accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
+            rounds=s.refit.rounds,
+        )
+        if rg is None:  # refit.on_consumer_loss=continue (see ProducerRounds)
+            self.session: ConsumerSession | ElasticConsumerSession = ElasticConsumerSession(s.group, **options)
+            self.backend = ELASTIC_BACKEND
+        else:
+            self.session, self.backend = ConsumerSession(rg, **options), rg.backend
+        self._progress.session = self.session
+        self._on_round_end = _round_end(sink, probe_tokens)
+        self._targets = sink.targets if storage == TARGETS else None
+        self.rounds: list[Round] = []
+        self._memories: list[PeakMemory] = []
+
+    def receive(self) -> Round | None:
+        """The next round, into the sink; None once the producer has ended the session."""
+        sink = self._sink
+        with PeakMemory() as memory:
+            try:
+                r = self.session.receive(
+                    sink.consume, on_manifest=sink.begin, on_round_end=self._on_round_end, targets=self._targets
+                )
+            finally:
+                self._progress.stop()
+        if r is not None:
+            self.rounds.append(r)
+            self._memories.append(memory)
+        return r
+
+    def finish(self) -> dict[str, Any]:
+        """After the session's end: the sink publishes (a checkpoint); this rank's metrics."""
+        published = self._sink.close()
+        rounds = self.rounds
+        handshake_s = rounds[0].handshake_seconds if rounds else 0.0
+        metrics = _run_metrics(self._s, self.backend, self.session.manifest, rounds, self._memories, handshake_s)
+        metrics.sink = self._s.sink_name
+        if self.verify:
+            metrics.verified = all(r.verified for r in rounds)
+            metrics.verified_tensors = rounds[-1].facts.get("verified_tensors") if rounds else None
+        metrics.saved_to = published.get("saved_to")
+        metrics.saved_files = published.get("saved_files")
+        return metrics.to_json()
+
+
 def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
     """Receive every round of the producer's weights into the configured sink; returns this rank's metrics."""
     use_local_gpu(s.group.local_rank)  # before the sink: a model on device=cuda goes to this rank's GPU
     sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk)
-    verify = bool(getattr(sink, "verifies", False))
-    probe_tokens = int(getattr(sink, "probe_tokens", 0))
-    progress = _RoundProgress(f"consumer {s.rank}", show_progress, None)
-    rounds: list[Round] = []
-    memories: list[PeakMemory] = []
     try:
         with contextlib.ExitStack() as stack:
-            storage = getattr(sink, "delta_storage", None)
-            options = dict(
-                buffer_size_bytes=s.refit.buffer_size_bytes,
-                use_legacy_packing=s.refit.use_legacy_packing,
-                num_buffers=s.refit.num_buffers,
-                verify=verify,
-                probe_tokens=probe_tokens,
-                on_chunk=progress.on_chunk,
-                mirror=storage in (MIRROR, MIRRORED_DELTAS),
-                accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
-                rounds=s.refit.rounds,
-            )
-            if s.refit.elastic:
-                session: ConsumerSession | ElasticConsumerSession = stack.enter_context(
-                    ElasticConsumerSession(s.group, **options)
-                )
-                backend = ELASTIC_BACKEND
-            else:
-                rg = stack.enter_context(connect(s.group))
-                session, backend = ConsumerSession(rg, **options), rg.backend
-            progress.session = session
-            on_round_end = _round_end(sink, probe_tokens)
-            targets = sink.targets if storage == TARGETS else None
-            while True:
-                with PeakMemory() as memory:
-                    try:
-                        r = session.receive(
-                            sink.consume, on_manifest=sink.begin, on_round_end=on_round_end, targets=targets
-                        )
-                    finally:
-                        progress.stop()
-                if r is None:
-                    break
-                rounds.append(r)
-                memories.append(memory)
-            published = sink.close()
-            metrics = _run_metrics(
-                s, backend, session.manifest, rounds, memories, rounds[0].handshake_seconds if rounds else 0.0
-            )
+            rg = None if s.refit.elastic else stack.enter_context(connect(s.group))
+            rounds = ConsumerRounds(s, rg, sink, show_progress=show_progress)
+            if rg is None:
+                stack.enter_context(rounds.session)
+            while rounds.receive() is not None:
+                pass
+            return rounds.finish()
     except BaseException:
         sink.abort()
         raise
-    metrics.sink = s.sink_name
-    if verify:
-        metrics.verified = all(r.verified for r in rounds)
-        metrics.verified_tensors = rounds[-1].facts.get("verified_tensors") if rounds else None
-    metrics.saved_to = published.get("saved_to")
-    metrics.saved_files = published.get("saved_files")
-    return metrics.to_json()
 
 
 def _round_end(sink: Sink, probe_tokens: int) -> Callable[[Round], dict[str, Any]]:

@@ -10,9 +10,11 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from refit_app.bench.app_rounds import APP_ROUNDS_JSON, format_app_rounds, run_app_rounds
 from refit_app.bench.cases import (
     DEFAULT_DELTA_ROUNDS,
     DEFAULT_FLAT_REFITS,
@@ -148,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(one --preset and --size)",
     )
     p.add_argument(
+        "--app",
+        action="store_true",
+        help="instead: a steady round of the application's own loop (python -m refit_app, sink=discard) against "
+        "the library's session round, on gloo over loopback and on shm, interleaved in one run; prints "
+        "app/session (one --preset, --size, --buffer-size and --num-buffers; one consumer)",
+    )
+    p.add_argument(
         "--out",
         default="outputs/bench",
         help="directory for bench.json, table.md and throughput.png (default: %(default)s)",
@@ -266,8 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         raise SystemExit(f"refit_app.bench: error: {e}") from None
     out, out_dir = sys.stdout, Path(args.out)
+    if args.colocated and args.app:
+        raise SystemExit("refit_app.bench: error: --colocated and --app are two runs; give one")
     if args.colocated:
         return _colocated(args, out_dir)
+    if args.app:
+        return _app(args, out_dir)
     writes = args.rank in (None, 0)
     if writes:
         _check_out(out_dir)
@@ -303,25 +316,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _colocated(args: argparse.Namespace, out_dir: Path) -> int:
-    """``--colocated``: one case, every rank on this machine (:mod:`.colocated`)."""
-    problems = []
+def _run_one_case(
+    args: argparse.Namespace,
+    out_dir: Path,
+    flag: str,
+    problems: list[str],
+    run_case: Callable[[Case, Path, float], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    json_name: str,
+) -> int:
+    """``flag`` (``--colocated``, ``--app``): ``run_case`` on the one case the flags make, every rank on this
+    machine, its ``markdown`` printed; refuses, with ``problems`` of the flag's own, flags that would make several."""
     if args.rank is not None:
-        problems.append("--colocated runs every rank on this machine; drop --rank")
+        problems.insert(0, f"{flag} runs every rank on this machine; drop --rank")
     if len(args.preset) != 1 or (args.size is not None and len(args.size) != 1):
-        problems.append("--colocated takes one --preset and one --size")
-    consumers = args.consumers or [COLOCATED_CONSUMERS]
-    if len(consumers) != 1 or consumers[0] < 2:
-        problems.append("--colocated takes one --consumers of at least 2 (compared with one consumer)")
-    for flag in ("buffer_size", "num_buffers", "post"):
-        if getattr(args, flag) is not None and len(getattr(args, flag)) > 1:
-            problems.append(f"--colocated takes one --{flag.replace('_', '-')}")
+        problems.append(f"{flag} takes one --preset and one --size")
+    for name in ("buffer_size", "num_buffers", "post"):
+        if getattr(args, name) is not None and len(getattr(args, name)) > 1:
+            problems.append(f"{flag} takes one --{name.replace('_', '-')}")
     if problems:
         raise SystemExit("refit_app.bench: error: " + "; ".join(problems))
-    args.consumers = consumers
     case = cases_from_args(args)[0]
     _check_out(out_dir)
-    summary = run_colocated(case, out_dir, args.timeout_s)
-    sys.stdout.write(format_colocated(summary))
-    sys.stdout.write(f"results: {out_dir / COLOCATED_JSON}\n")
+    sys.stdout.write(markdown(run_case(case, out_dir, args.timeout_s)))
+    sys.stdout.write(f"results: {out_dir / json_name}\n")
     return 0
+
+
+def _colocated(args: argparse.Namespace, out_dir: Path) -> int:
+    """``--colocated``: one case, every rank on this machine (:mod:`.colocated`)."""
+    consumers = args.consumers or [COLOCATED_CONSUMERS]
+    problems = []
+    if len(consumers) != 1 or consumers[0] < 2:
+        problems.append("--colocated takes one --consumers of at least 2 (compared with one consumer)")
+    args.consumers = consumers
+    return _run_one_case(args, out_dir, "--colocated", problems, run_colocated, format_colocated, COLOCATED_JSON)
+
+
+def _app(args: argparse.Namespace, out_dir: Path) -> int:
+    """``--app``: one case, the producer and one consumer on this machine (:mod:`.app_rounds`)."""
+    problems = []
+    if args.consumers not in (None, [1]):
+        problems.append("--app compares one consumer; drop --consumers")
+    if args.post != ["none"]:
+        problems.append("--app sends the application's source as it is; drop --post")
+    return _run_one_case(args, out_dir, "--app", problems, run_app_rounds, format_app_rounds, APP_ROUNDS_JSON)

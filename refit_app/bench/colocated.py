@@ -18,7 +18,6 @@ ratios printed: gloo/shm (how much faster shared memory is), shm/memcpy (how clo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -29,12 +28,12 @@ from typing import Any
 
 import torch
 
-from refit_app.app.launch import free_port, run_ranks
+from refit_app.app.launch import free_port
 from refit_app.bench.cases import Case, make_source, wire_metas
 from refit_app.bench.measure import _Listed
 from refit_app.bench.modes import Session, barrier
-from refit_app.bench.report import machine_info
-from refit_app.common.files import write_atomic
+from refit_app.bench.report import write_summary
+from refit_app.bench.spawned import run_local_ranks
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 from refit_app.core.wire import pack_all
 from refit_app.transport.groups import GroupSpec, RefitGroup, connect
@@ -121,15 +120,9 @@ def run_colocated(case: Case, out_dir: Path, timeout_s: float) -> dict[str, Any]
     load_before = os.getloadavg()
     world_size = case.consumers + 1
     ports = {name: free_port() for name in ("gloo", "shm", f"shm_{case.consumers}")}
-    outcomes = run_ranks(_rank_main, world_size, (world_size, ports, case), timeout_s=timeout_s, name="bench-rank")
-    failed = next((o for o in outcomes if not o.ok), None)
-    if failed is not None:
-        raise RuntimeError(f"benchmark rank failed: {failed}\n{failed.traceback}")
-    summary = summarize([o.value for o in outcomes], case)
-    summary["machine"] = {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / COLOCATED_JSON, (json.dumps(summary, indent=2, default=str) + "\n").encode())
-    write_atomic(out_dir / COLOCATED_MD, format_colocated(summary).encode())
+    per_rank = run_local_ranks(_rank_main, world_size, (world_size, ports, case), timeout_s)
+    summary = summarize(per_rank, case)
+    write_summary(out_dir, summary, load_before, (COLOCATED_JSON, COLOCATED_MD), format_colocated)
     return summary
 
 

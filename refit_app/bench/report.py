@@ -9,7 +9,7 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -244,3 +244,19 @@ def write_results(ordered: list[dict[str, Any]], out_dir: Path, load_before: Seq
     draw = {PLOT_PNG: throughput_png, DELTA_PNG: delta_png}
     for name in plot_files(ordered):
         write_atomic(out_dir / name, draw[name](doc))
+
+
+def write_summary(
+    out_dir: Path,
+    summary: dict[str, Any],
+    load_before: Sequence[float],
+    names: tuple[str, str],
+    markdown: Callable[[dict[str, Any]], str],
+) -> None:
+    """A one-case comparison's files in ``out_dir`` (``names``: the JSON's and the markdown's), the machine and its
+    load before and after the run added to ``summary``."""
+    summary["machine"] = {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_name, md_name = names
+    write_atomic(out_dir / json_name, (json.dumps(summary, indent=2, default=str) + "\n").encode())
+    write_atomic(out_dir / md_name, markdown(summary).encode())

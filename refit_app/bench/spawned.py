@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +34,24 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[Case]) -> list
         return [run_case(rg, case) for case in cases]
 
 
-def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]]:
-    """Run ``cases`` (all with the same consumer count) on one group; per-rank results, in rank order."""
-    world_size = cases[0].consumers + 1
+def run_local_ranks(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
+    """Every rank's value of ``fn(rank, *args)``, one process per rank on this machine, in rank order; raises if a
+    rank failed (TimeoutError past ``timeout_s``)."""
     # A failed rank breaks the others' collectives at once: no point waiting for them. run_ranks has the fork
-    # server import this module (never __main__), and with it everything a rank imports, once for every rank.
-    outcomes = run_ranks(
-        _rank_main,
-        world_size,
-        (world_size, free_port(), cases),
-        timeout_s=timeout_s,
-        grace_s=_CHILD_EXIT_S,
-        name="bench-rank",
-    )
+    # server import fn's module (never __main__), and with it everything a rank imports, once for every rank.
+    outcomes = run_ranks(fn, world_size, args, timeout_s=timeout_s, grace_s=_CHILD_EXIT_S, name="bench-rank")
     failed = next((o for o in outcomes if not o.ok), None)
     if failed is not None:
         if failed.exc_type == "Timeout":
             raise TimeoutError(f"the benchmark did not finish within --timeout-s={timeout_s:g}; raise it")
         raise RuntimeError(f"benchmark rank failed: {failed}\n{failed.traceback}")
     return [o.value for o in outcomes]
+
+
+def _run_world(cases: list[Case], timeout_s: float) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` (all with the same consumer count) on one group; per-rank results, in rank order."""
+    world_size = cases[0].consumers + 1
+    return run_local_ranks(_rank_main, world_size, (world_size, free_port(), cases), timeout_s)
 
 
 def run(cases: list[Case], out_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
