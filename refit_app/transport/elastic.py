@@ -45,6 +45,7 @@ from refit_app.transport.rendezvous import (
     announce,
     await_producer,
     join_store,
+    read_count,
     run_store,
     start_store,
 )
@@ -165,7 +166,7 @@ class ProducerMembership:
 
     def poll(self) -> None:
         """Read the join requests that arrived since the last poll: one store read when none did."""
-        count = _read_count(self._rstore, self.auth.hide(_K_JOINS))
+        count = read_count(self._rstore, self.auth.hide(_K_JOINS))
         for n in range(self._read + 1, count + 1):
             key = self.auth.hide(_k_join(n))
             if not self._rstore.check([key]):
@@ -273,15 +274,6 @@ class ProducerMembership:
         """Stop the store (frees the port): nothing else holds it once the generations' groups are gone."""
         self._store = None
         self._rstore = None
-
-
-def _read_count(store: dist.Store, key: str) -> int:
-    if not store.check([key]):
-        return 0
-    try:
-        return max(int(store.get(key)), 0)
-    except ValueError:
-        return 0
 
 
 class ConsumerMembership:

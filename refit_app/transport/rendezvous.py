@@ -302,7 +302,7 @@ class _Slots:
         self._unread: list[int] = []
 
     def new_records(self, store: dist.Store) -> list[bytes]:
-        total = min(_read_count(store, _k_count(self._area)), self._limit)
+        total = min(read_count(store, _k_count(self._area)), self._limit)
         self._unread += range(self._counted + 1, total + 1)
         self._counted = max(self._counted, total)
         records = []
@@ -313,7 +313,8 @@ class _Slots:
         return records
 
 
-def _read_count(store: dist.Store, key: str) -> int:
+def read_count(store: dist.Store, key: str) -> int:
+    """The counter at ``key`` (0 where it is unset or not a number: a stranger may have written there)."""
     if not store.check([key]):
         return 0
     try:
