@@ -50,7 +50,7 @@ def test_defaults_are_a_local_synthetic_verified_refit() -> None:
         "rounds": None,
         "delta": "off",
         "on_consumer_loss": "fail",
-        "debug": {"corrupt_chunk": None},
+        "debug": {"corrupt_chunk": None, "die_in_round": None, "die_rank": 1},
     }
     s = validate(cfg)
     assert s.role == "local"

@@ -220,7 +220,15 @@ def test_continue_refuses_what_it_cannot_run_on(fields, expected):
             ["role=producer", "group.token=null", "refit.on_consumer_loss=continue"],
             "refit.on_consumer_loss=continue needs group.token",
         ),
-        (["role=ray", "refit.on_consumer_loss=continue"], "not supported with role=ray yet"),
+        (
+            ["role=ray", "refit.on_consumer_loss=continue", "group.backend=shm"],
+            "refit.on_consumer_loss=continue runs on gloo only",
+        ),
+        (
+            ["role=ray", "ray.max_restarts=2"],
+            "a restarted consumer can rejoin only with refit.on_consumer_loss=continue",
+        ),
+        (["role=ray", "refit.on_consumer_loss=continue", "ray.max_restarts=-1"], "ray.max_restarts=-1 is invalid"),
     ],
 )
 def test_config_refuses_continue_where_it_cannot_run(overrides, message):

@@ -21,6 +21,7 @@ import pytest
 from cli_utils import CLI_TIMEOUT_S, assert_ok, assert_one_line_error, load_metrics, run_dir
 from conditions import needs_ray
 from config_utils import compose_config
+from ray_utils import assert_all_cpus_back, local_cluster
 
 from refit_app import run
 from refit_app.app.config import validate
@@ -37,23 +38,12 @@ RAY_RUN_S = 240.0
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A local Ray cluster for the module; its address."""
-    ray = importlib.import_module("ray")
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    try:
+    with local_cluster(CLUSTER_CPUS) as ray:
         yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
 
 
 def _all_cpus_back() -> None:
-    """Every CPU of the module's cluster is free again: no actor or placement group of a run is left."""
-    ray = importlib.import_module("ray")
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < CLUSTER_CPUS and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == CLUSTER_CPUS, ray.available_resources()
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    assert_all_cpus_back(importlib.import_module("ray"), CLUSTER_CPUS)
 
 
 @pytest.mark.ray

@@ -23,6 +23,7 @@ from refit_app.common.sizes import parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
 from refit_app.integrations.ray.defaults import (
     DEFAULT_CPUS_PER_RANK,
+    DEFAULT_ELASTIC_RESTARTS,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_STRATEGY,
     PLACEMENT_STRATEGIES,
@@ -58,6 +59,9 @@ class RefitSpec:
     """Delta rounds: off, on or auto (:data:`refit_app.protocol.defaults.DELTA_MODES`)."""
     corrupt_chunk: int | None = None
     """Test-only fault hook: a consumer flips one byte of this received chunk."""
+    die_in_round: int | None = None
+    """Test-only fault hook: consumer ``die_rank`` SIGKILLs itself at its first batch of this round."""
+    die_rank: int = 1
     on_consumer_loss: str = DEFAULT_ON_CONSUMER_LOSS
     """``fail`` or ``continue`` (:data:`refit_app.transport.spec.ON_CONSUMER_LOSS`)."""
 
@@ -93,6 +97,8 @@ class RaySpec:
     gpus_per_rank: float | None = None
     """None: 1 where the cluster has a GPU for every rank, else 0."""
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    max_restarts: int = 0
+    """How often Ray restarts a consumer's actor (resolved from null: 3 with continue, 0 with fail)."""
 
 
 @dataclass(frozen=True)
@@ -261,14 +267,9 @@ def validate(cfg: DictConfig) -> RunSettings:
 
 def _check_elastic(c: _Checker, role: str, group: GroupSpec) -> None:
     """What refit.on_consumer_loss=continue cannot run on, in one line (the group's rules are the transport's)."""
-    if role == "ray":
-        c.errors.append(
-            "refit.on_consumer_loss=continue is not supported with role=ray yet (a restarted actor does not rejoin); "
-            "use role=producer and role=consumer, or refit.on_consumer_loss=fail"
-        )
-        return
-    # role=local makes a token of its own for every run.
-    problem = elastic_problem(dataclasses.replace(group, token=group.token or "per-run") if role == "local" else group)
+    # role=local and role=ray make a token of their own for every run.
+    per_run = role in ("local", "ray")
+    problem = elastic_problem(dataclasses.replace(group, token=group.token or "per-run") if per_run else group)
     if problem is not None:
         c.errors.append(problem)
 
@@ -293,6 +294,12 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT) and not (is_int(corrupt_chunk) and corrupt_chunk >= 0):
         c.fail("refit.debug.corrupt_chunk", corrupt_chunk, "must be null or a chunk index >= 0")
+    die_in_round = c.get("refit.debug.die_in_round")
+    if die_in_round not in (None, _ABSENT) and not (is_int(die_in_round) and die_in_round >= 1):
+        c.fail("refit.debug.die_in_round", die_in_round, "must be null or a round >= 1")
+    die_rank = c.get("refit.debug.die_rank")
+    if die_rank is not _ABSENT and not (is_int(die_rank) and die_rank >= 1):
+        c.fail("refit.debug.die_rank", die_rank, "must be a consumer rank >= 1")
     if c.errors:
         return None
     return RefitSpec(
@@ -303,6 +310,8 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
         delta=delta,
         corrupt_chunk=corrupt_chunk,
         on_consumer_loss=on_loss,
+        die_in_round=die_in_round,
+        die_rank=die_rank,
     )
 
 
@@ -399,9 +408,28 @@ def _check_ray(c: _Checker) -> RaySpec | None:
     start = c.get("ray.start_timeout_s")
     if start is not _ABSENT and not (_number(start) and 0 < start <= MAX_TIMEOUT_S):
         c.fail("ray.start_timeout_s", start, f"must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
+    elastic = c.get("refit.on_consumer_loss") == "continue"
+    restarts = c.get("ray.max_restarts")
+    if restarts not in (None, _ABSENT) and not (is_int(restarts) and restarts >= 0):
+        c.fail("ray.max_restarts", restarts, "must be an integer >= 0, or null (3 with continue, 0 with fail)")
+    elif restarts not in (None, _ABSENT, 0) and not elastic:
+        c.fail(
+            "ray.max_restarts",
+            restarts,
+            "a restarted consumer can rejoin only with refit.on_consumer_loss=continue (with fail the run has failed)",
+        )
     if c.errors:
         return None
-    return RaySpec(address=address, strategy=strategy, cpus_per_rank=cpus, gpus_per_rank=gpus, start_timeout_s=start)
+    if restarts in (None, _ABSENT):
+        restarts = DEFAULT_ELASTIC_RESTARTS if elastic else 0
+    return RaySpec(
+        address=address,
+        strategy=strategy,
+        cpus_per_rank=cpus,
+        gpus_per_rank=gpus,
+        start_timeout_s=start,
+        max_restarts=restarts,
+    )
 
 
 def _number(value: Any) -> bool:

@@ -172,8 +172,15 @@ class RunMetrics:
     saved_to: str | None = field(default=None, metadata=_doc("sink=save: the checkpoint directory"))
     saved_files: list[str] | None = field(default=None, metadata=_doc("sink=save: the files written there"))
     rounds: list[RoundMetrics] = field(default_factory=list, metadata=_doc("one entry per round (table below)"))
+    restarts: int | None = field(
+        default=None,
+        metadata=_doc(
+            "role=ray with refit.on_consumer_loss=continue, a consumer: how often Ray restarted its actor (its "
+            "`rounds` are those since it last rejoined)"
+        ),
+    )
     consumers: list[dict[str, Any]] | None = field(
-        default=None, metadata=_doc("role=local only: each consumer's metrics, with the keys above")
+        default=None, metadata=_doc("role=local and role=ray: each consumer's metrics, with the keys above")
     )
 
     def to_json(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -174,7 +174,8 @@ class _Cluster:
                 remote.options(
                     num_cpus=self.spec.cpus_per_rank,
                     num_gpus=self.gpus_per_rank,
-                    max_restarts=0,
+                    # A consumer restarted by Ray rejoins an elastic run; the run cannot go on without the producer.
+                    max_restarts=0 if rank == 0 else self.spec.max_restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement, placement_group_bundle_index=rank
                     ),
@@ -198,15 +199,71 @@ class _Cluster:
         s = replace(s, group=replace(s.group, host=host, port=port))
         logger.info("ray: %d ranks, the producer at %s", self.world_size, s.group.address)
         log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-        calls = [actor.run.remote(rank, s, log_files, os.getcwd()) for rank, actor in enumerate(self.actors)]
         labels = [rank_label(r) for r in range(self.world_size)]
-        # No deadline of its own for a whole run (rounds of any size): each step inside has group.timeout_s, an
-        # actor that dies is reported by Ray, and after the first failure the others get RAY_EXIT_GRACE_S.
-        outcomes = wait_calls(calls, labels, math.inf, grace_s=RAY_EXIT_GRACE_S, check=signals.check)
+
+        def launch(rank: int, attempt: int) -> Any:
+            return self.actors[rank].run.remote(rank, s, log_files, os.getcwd(), attempt)
+
+        if s.refit.elastic:
+            outcomes = self._run_elastic(s, launch, labels, signals)
+        else:
+            # No deadline of its own for a whole run (rounds of any size): each step inside has group.timeout_s, an
+            # actor that dies is reported by Ray, and after the first failure the others get RAY_EXIT_GRACE_S.
+            calls = [launch(rank, 0) for rank in range(self.world_size)]
+            outcomes = wait_calls(calls, labels, math.inf, grace_s=RAY_EXIT_GRACE_S, check=signals.check)
         return [
             o.value if o.ok else RankOutcome(rank, False, error=o.error, exc_type=o.exc_type, failed_at=o.failed_at)
             for rank, o in enumerate(outcomes)
         ]
+
+    def _run_elastic(
+        self, s: RunSettings, launch: Callable[[int, int], Any], labels: list[str], signals: DeferredSignals
+    ) -> list[Any]:
+        """Every rank's run under refit.on_consumer_loss=continue: a consumer whose actor died is run again once
+        Ray has restarted it (up to ray.max_restarts times; the call waits in Ray's queue meanwhile) and rejoins
+        at a round boundary. Once the producer's run has ended, the others get the time to hear it and end."""
+        from refit_app.integrations.ray.calls import DIED, POLL_S, TIMEOUT, CallOutcome, ended_call
+
+        ray = self.ray
+        restarts = [0] * self.world_size
+        outcomes: list[CallOutcome | None] = [None] * self.world_size
+        pending = {launch(rank, 0): rank for rank in range(self.world_size)}
+        # A consumer hears of the end within its answer wait (answer_wait_s: 2 x group.timeout_s).
+        grace_s = RAY_EXIT_GRACE_S + 2 * s.group.timeout_s
+        producer_ended: float | None = None
+        while pending:
+            signals.check()
+            if producer_ended is not None and time.monotonic() >= producer_ended + grace_s:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                rank = pending.pop(ref)
+                outcome = ended_call(ref, labels[rank])
+                died = not outcome.ok and outcome.exc_type == DIED
+                if rank and died and producer_ended is None and restarts[rank] < self.spec.max_restarts:
+                    restarts[rank] += 1
+                    logger.warning(
+                        "%s: its actor died (%s); Ray restarts it (%d of ray.max_restarts=%d), and it rejoins the run",
+                        labels[rank],
+                        outcome.error,
+                        restarts[rank],
+                        self.spec.max_restarts,
+                    )
+                    pending[launch(rank, restarts[rank])] = rank
+                    continue
+                if rank and outcome.ok and outcome.value.ok:
+                    outcome.value.value["restarts"] = restarts[rank]
+                outcomes[rank] = outcome
+                if rank == 0:
+                    producer_ended = time.monotonic()
+        for rank in pending.values():
+            outcomes[rank] = CallOutcome(
+                labels[rank],
+                False,
+                error=f"{labels[rank]} did not end within {grace_s:g}s of the producer's end",
+                exc_type=TIMEOUT,
+            )
+        return outcomes
 
     # -- clean-up ---------------------------------------------------------------------------------------------------
 
@@ -244,9 +301,13 @@ class RankActor:
 
         return node_address()
 
-    def run(self, rank: int, s: RunSettings, log_files: list[str], cwd: str) -> RankOutcome:
-        """This rank's part of the run, as a rank of role=local runs it; its outcome, failures included."""
+    def run(self, rank: int, s: RunSettings, log_files: list[str], cwd: str, attempt: int = 0) -> RankOutcome:
+        """This rank's part of the run, as a rank of role=local runs it; its outcome, failures included. ``attempt``:
+        how often Ray restarted this actor before (a restarted consumer rejoins, and its fault hook is spent)."""
         from refit_app.app.roles import run_consumer, run_producer
+
+        if attempt:
+            s = replace(s, refit=replace(s.refit, die_in_round=None))
 
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths (sink.path) as the user typed them, where the node shares the directory

@@ -314,7 +314,8 @@ class ConsumerRounds:
 def run_consumer(s: RunSettings, *, show_progress: bool = True) -> dict[str, Any]:
     """Receive every round of the producer's weights into the configured sink; returns this rank's metrics."""
     use_local_gpu(s.group.local_rank)  # before the sink: a model on device=cuda goes to this rank's GPU
-    sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk)
+    die_in_round = s.refit.die_in_round if s.group.rank == s.refit.die_rank else None
+    sink = make_sink(s.sink.target, s.sink.params, corrupt_chunk=s.refit.corrupt_chunk, die_in_round=die_in_round)
     try:
         with contextlib.ExitStack() as stack:
             rg = None if s.refit.elastic else stack.enter_context(connect(s.group))

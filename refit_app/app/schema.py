@@ -135,6 +135,11 @@ class RefitDebug:
 
     corrupt_chunk: Optional[int] = None
     """Index of a received chunk whose bytes a consumer flips, to show that ``sink=verify`` catches corruption."""
+    die_in_round: Optional[int] = None
+    """Round in which consumer refit.debug.die_rank SIGKILLs itself, at its first batch (mid-transfer), to show that
+    refit.on_consumer_loss=continue goes on without it; under role=ray, an actor Ray restarted does not die again."""
+    die_rank: int = 1
+    """The consumer rank that refit.debug.die_in_round kills."""
 
 
 @dataclass
@@ -218,6 +223,10 @@ class RayCluster:
     """GPUs in each rank's bundle; null: 1 where the cluster has a GPU for every rank, else 0."""
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     """Deadline in seconds for joining the cluster, placing the bundles and starting every rank's actor."""
+    max_restarts: Optional[int] = None
+    """How often Ray restarts a consumer's actor that died; with refit.on_consumer_loss=continue the restarted
+    consumer joins the run again at a round boundary. null: 3 with continue, 0 with fail (where a restart cannot
+    help: the run has failed). The producer's actor is never restarted: the run ends with it."""
 
 
 @dataclass

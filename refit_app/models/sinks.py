@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -169,12 +171,38 @@ class DiscardSink:
         """Nothing to undo."""
 
 
-class CorruptingSink:
+class _FaultySink:
+    """A sink around ``inner`` that passes every call on; the fault hooks below change one of them."""
+
+    def __init__(self, inner: Sink) -> None:
+        self._inner = inner
+
+    def begin(self, manifest: Manifest) -> None:
+        self._inner.begin(manifest)
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self._inner.consume(batch)
+
+    def finish(self, checksums: list[int] | None) -> dict:
+        return self._inner.finish(checksums)
+
+    def close(self) -> dict:
+        return self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        # verifies, probe_tokens, check: whatever the wrapped sink offers.
+        return getattr(self._inner, name)
+
+
+class CorruptingSink(_FaultySink):
     """Test-only fault hook (``refit.debug.corrupt_chunk``): flips one received byte of chunk ``chunk`` before
     ``inner`` sees it, to prove that verification catches corruption."""
 
     def __init__(self, inner: Sink, chunk: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._chunk = chunk
         self._seen = 0
 
@@ -196,22 +224,35 @@ class CorruptingSink:
         self._seen += 1
         self._inner.consume(batch)
 
+
+class DyingSink(_FaultySink):
+    """Test-only fault hook (``refit.debug.die_in_round``): SIGKILLs this process at its first batch of round
+    ``round_`` (counting the rounds ``inner`` finished), mid-transfer, as a crash would end it."""
+
+    def __init__(self, inner: Sink, round_: int) -> None:
+        super().__init__(inner)
+        self._round = round_
+        self._finished = 0
+
+    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        if self._finished + 1 == self._round:
+            logger.warning("refit.debug.die_in_round=%d: this consumer kills itself now", self._round)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._inner.consume(batch)
+
     def finish(self, checksums: list[int] | None) -> dict:
+        self._finished += 1
         return self._inner.finish(checksums)
 
-    def close(self) -> dict:
-        return self._inner.close()
 
-    def abort(self) -> None:
-        self._inner.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        # verifies, probe_tokens, check: whatever the wrapped sink offers.
-        return getattr(self._inner, name)
-
-
-def make_sink(target: str, params: Mapping[str, Any], *, corrupt_chunk: int | None = None) -> Sink:
+def make_sink(
+    target: str, params: Mapping[str, Any], *, corrupt_chunk: int | None = None, die_in_round: int | None = None
+) -> Sink:
     """The sink that ``target`` (a ``module.Class`` path, as a config's ``_target_``) names, built with
-    ``params``; the config has checked the built-in sinks' parameters already."""
+    ``params``; the config has checked the built-in sinks' parameters already. ``corrupt_chunk``,
+    ``die_in_round``: the test-only fault hooks (``refit.debug.*``)."""
     sink = instantiate(target, params)
-    return sink if corrupt_chunk is None else CorruptingSink(sink, corrupt_chunk)
+    if corrupt_chunk is not None:
+        sink = CorruptingSink(sink, corrupt_chunk)
+    return sink if die_in_round is None else DyingSink(sink, die_in_round)

@@ -90,7 +90,7 @@ def wait_calls(
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(POLL_S, limit - now))
         for ref in ready:
             i = pending.pop(ref)
-            outcome = _outcome(ref, labels[i])
+            outcome = ended_call(ref, labels[i])
             if not outcome.ok:
                 outcome.failed_at = time.monotonic()
                 first_failure = first_failure or outcome.failed_at
@@ -103,8 +103,8 @@ def wait_calls(
     return [o for o in outcomes if o is not None]
 
 
-def _outcome(ref: ray.ObjectRef, label: str) -> CallOutcome:
-    """The outcome of a call that has ended."""
+def ended_call(ref: ray.ObjectRef, label: str) -> CallOutcome:
+    """The outcome of a call that has ended (``ray.wait`` says it is ready)."""
     try:
         return CallOutcome(label, True, ray.get(ref, timeout=0))
     except RayTaskError as e:

@@ -8,5 +8,8 @@ DEFAULT_STRATEGY = "SPREAD"
 DEFAULT_CPUS_PER_RANK = 1.0
 DEFAULT_START_TIMEOUT_S = 300.0
 """How long connecting, placing the bundles and starting every rank's actor (which imports torch) may take."""
+DEFAULT_ELASTIC_RESTARTS = 3
+"""``ray.max_restarts`` under ``refit.on_consumer_loss=continue``: a consumer's actor that died is restarted (and
+rejoins) up to this many times."""
 RAY_EXTRA = "pip install 'refit_app[ray]'"
 """How to install Ray the way refit_app is tested with it (pyproject.toml's ``ray`` extra)."""

@@ -23,6 +23,18 @@ consumer has checked in, so a driver that waited for it first would wait for eve
 :func:`refit_app.transport.groups.connect` group as every other role's (a token of its own unless given, the
 rendezvous checks, the deadlines), so one rank's failure ends every rank within ``timeout_s``; the driver then
 reports the failure that caused the others.
+
+With ``on_consumer_loss="continue"`` the actors run elastic sessions (:mod:`refit_app.protocol.elastic`) instead:
+a consumer lost in a refit (its actor died, or Ray killed it) is left out of that refit's result, which the others
+complete; the driver then asks the lost actor whether it is back. An actor Ray restarted (``max_restarts``; or
+``ray.kill(actor, no_restart=False)``) is a fresh process that holds no group: it is asked to join again, with its
+rank, the run's id and token, and takes part from the next refit, which is dense. A lost actor that is alive and
+still holds its failed session, or one that died for good, stays out::
+
+    refit k:   send + receives          consumer 2's actor dies -> refit k done by the producer, 1 and 3
+               status(2) launched       (queued by Ray until the actor is back)
+    refit k+1: status(2) answered ABSENT -> join(2) + receive(2) launched, the producer waits for its request
+               send + receives          consumer 2 back, from a dense round
 """
 
 from __future__ import annotations
@@ -33,11 +45,14 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
+import ray
+
 from refit_app.integrations.ray import member
-from refit_app.integrations.ray.calls import raise_on_failure, wait_calls
+from refit_app.integrations.ray.calls import CallOutcome, RayCallError, ended_call, raise_on_failure, wait_calls
 from refit_app.protocol.session import Round
 from refit_app.transport.auth import new_run_id, new_secret
-from refit_app.transport.spec import DEFAULT_TIMEOUT_S, GroupSpec
+from refit_app.transport.elastic import answer_wait_s, check_elastic
+from refit_app.transport.spec import DEFAULT_ON_CONSUMER_LOSS, DEFAULT_TIMEOUT_S, ON_CONSUMER_LOSS, GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +73,15 @@ class RayRefitGroup:
     """
 
     def __init__(
-        self, name: str, producer: Any, consumers: Sequence[Any], spec: GroupSpec, call_timeout_s: float
+        self,
+        name: str,
+        producer: Any,
+        consumers: Sequence[Any],
+        spec: GroupSpec,
+        call_timeout_s: float,
+        *,
+        elastic: bool = False,
+        consumer_options: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.producer = producer
@@ -67,6 +90,15 @@ class RayRefitGroup:
         """The group's settings (rank 0's); the token is not shown."""
         self.call_timeout_s = call_timeout_s
         self.labels = ["producer"] + [f"consumer {k}" for k in range(1, len(self.consumers) + 1)]
+        self.elastic = elastic
+        """``on_consumer_loss="continue"``: a lost consumer is left out and may come back."""
+        self.members = list(range(1, len(self.consumers) + 1))
+        """The consumer ranks in the session now (all of them, unless the group is elastic and lost some)."""
+        self._consumer_options = consumer_options or {}
+        self._lost: dict[int, ray.ObjectRef] = {}
+        """Elastic: lost consumer ranks, each with the status call that says whether its actor is back."""
+        self._joining: dict[int, tuple[ray.ObjectRef, ray.ObjectRef | None]] = {}
+        """Elastic: ranks asked to join again: their join call and the receive queued behind it on the actor."""
         self._closed = False
 
     @property
@@ -87,6 +119,7 @@ class RayRefitGroup:
         token: str | None = None,
         producer_options: dict[str, Any] | None = None,
         consumer_options: dict[str, Any] | None = None,
+        on_consumer_loss: str = DEFAULT_ON_CONSUMER_LOSS,
     ) -> RayRefitGroup:
         """Join ``producer`` (rank 0) and ``consumers`` (ranks 1..N, in order) in a refit group named ``name``.
 
@@ -95,11 +128,18 @@ class RayRefitGroup:
         the group's secret; None makes one for this group (it reaches the actors as a call argument).
         ``producer_options`` / ``consumer_options``: keyword arguments of
         :class:`~refit_app.protocol.session.ProducerSession` (``buffer_size_bytes``, ``num_buffers``, ``delta``)
-        and of :class:`~refit_app.protocol.session.ConsumerSession` (``verify``, ``num_buffers``). Raises
-        :class:`~refit_app.integrations.ray.calls.RayCallError` naming the actor that failed and why.
+        and of :class:`~refit_app.protocol.session.ConsumerSession` (``verify``, ``num_buffers``).
+        ``on_consumer_loss``: ``"fail"``, any rank's failure fails the refit on every rank; ``"continue"``, elastic
+        sessions (gloo and ``topology="tree"`` only): consumers lost in a refit are left out of it, and actors Ray
+        restarts join again (see the module's docstring). Raises
+        :class:`~refit_app.integrations.ray.calls.RayCallError` naming the actor that failed and why (with
+        ``"continue"``, only where the producer or every consumer failed).
         """
         if not consumers:
             raise ValueError("a refit group needs at least one consumer actor")
+        if on_consumer_loss not in ON_CONSUMER_LOSS:
+            raise ValueError(f"on_consumer_loss={on_consumer_loss!r}: choose one of {', '.join(ON_CONSUMER_LOSS)}")
+        elastic = on_consumer_loss == "continue"
         labels = ["producer"] + [f"consumer {k}" for k in range(1, len(consumers) + 1)]
         # The first call to an actor waits for it to start (its process, its imports: over 60 s on two busy cores),
         # so it has the calls' deadline, not the group's.
@@ -119,21 +159,30 @@ class RayRefitGroup:
             token=token or new_secret(),
             run_id=new_run_id(),
         )
+        if elastic:
+            check_elastic(spec)
         calls = [
             actor.__ray_call__.remote(
                 member.join,
                 name,
                 replace(spec, rank=rank),
                 (producer_options if rank == 0 else consumer_options) or {},
+                elastic,
             )
             for rank, actor in enumerate([producer, *consumers])
         ]
-        raise_on_failure(
-            wait_calls(calls, labels, timeout_s + MARGIN_S, grace_s=timeout_s + MARGIN_S),
-            f"forming the refit group {name!r} at {spec.address}",
-        )
-        logger.info("refit group %r formed at %s: 1 producer, %d consumers", name, spec.address, len(consumers))
-        return cls(name, producer, consumers, spec, call_timeout_s)
+        # An elastic consumer waits for the producer's answer up to answer_wait_s.
+        wait_s = (answer_wait_s(timeout_s) if elastic else timeout_s) + MARGIN_S
+        outcomes = wait_calls(calls, labels, wait_s, grace_s=wait_s)
+        what = f"forming the refit group {name!r} at {spec.address}"
+        group = cls(name, producer, consumers, spec, call_timeout_s, elastic=elastic, consumer_options=consumer_options)
+        if not elastic or not outcomes[0].ok or not any(o.ok for o in outcomes[1:]):
+            raise_on_failure(outcomes, what)
+        for rank, outcome in enumerate(outcomes[1:], start=1):
+            if not outcome.ok:
+                group._lose(rank, outcome)
+        logger.info("refit group %r formed at %s: 1 producer, consumers %s", name, spec.address, group.members)
+        return group
 
     def refit(
         self,
@@ -146,13 +195,101 @@ class RayRefitGroup:
         one of its methods), each consumer hands every batch to ``load`` (a function of the actor instance and the
         batch, or a method's name). Returns each rank's :class:`~refit_app.protocol.session.Round`, the producer's
         first; raises :class:`~refit_app.integrations.ray.calls.RayCallError` if any rank failed (the group is
-        then broken: :meth:`close` it)."""
+        then broken: :meth:`close` it). Elastic (``on_consumer_loss="continue"``): a consumer that took no part
+        in the refit has None in its place, and only the producer's failure raises; the producer's round says who
+        took part (:attr:`~refit_app.protocol.rounds.Round.members`)."""
         if self._closed:
             raise RuntimeError("refit() after close()")
-        calls = [self.producer.__ray_call__.remote(member.send, self.name, tensors, send_options or {})]
-        calls += [c.__ray_call__.remote(member.receive, self.name, load) for c in self.consumers]
-        outcomes = wait_calls(calls, self.labels, self.call_timeout_s, grace_s=self.spec.timeout_s + MARGIN_S)
-        return raise_on_failure(outcomes, f"refit in group {self.name!r}")
+        what = f"refit in group {self.name!r}"
+        if not self.elastic:
+            calls = [self.producer.__ray_call__.remote(member.send, self.name, tensors, send_options or {})]
+            calls += [c.__ray_call__.remote(member.receive, self.name, load) for c in self.consumers]
+            outcomes = wait_calls(calls, self.labels, self.call_timeout_s, grace_s=self.spec.timeout_s + MARGIN_S)
+            return raise_on_failure(outcomes, what)
+        return self._elastic_refit(tensors, load, send_options or {}, what)
+
+    # -- elastic groups ---------------------------------------------------------------------------------------------
+
+    def _elastic_refit(
+        self, tensors: member.TensorsFn, load: member.LoadFn, send_options: dict[str, Any], what: str
+    ) -> list[Round | None]:
+        self._take_back()
+        for rank, (join, receive) in self._joining.items():
+            if receive is None:  # queued behind the join on the same actor: it runs once the actor is admitted
+                self._joining[rank] = (join, self._actor(rank).__ray_call__.remote(member.receive, self.name, load))
+        members = list(self.members)
+        calls = [
+            self.producer.__ray_call__.remote(
+                member.send, self.name, tensors, send_options, list(self._joining), self.spec.timeout_s
+            )
+        ]
+        calls += [self._actor(r).__ray_call__.remote(member.receive, self.name, load) for r in members]
+        # A lost consumer's round is redone for the others: the producer notices the loss within timeout_s and
+        # waits up to timeout_s more for the survivors to ask again before it sends the round once more.
+        grace_s = 2 * self.spec.timeout_s + MARGIN_S
+        outcomes = wait_calls(calls, [self.labels[r] for r in [0, *members]], self.call_timeout_s, grace_s=grace_s)
+        if not outcomes[0].ok:
+            self.members = []
+            raise RayCallError(f"{what} failed: {outcomes[0]}", outcomes)
+        sent: Round = outcomes[0].value
+        results: list[Round | None] = [sent] + [None] * len(self.consumers)
+        for rank, outcome in zip(members, outcomes[1:]):
+            if outcome.ok:
+                results[rank] = outcome.value
+            else:
+                self._lose(rank, outcome)
+        for rank in [r for r in self._joining if r in (sent.members or [])]:
+            join, receive = self._joining.pop(rank)
+            assert receive is not None
+            label = self.labels[rank]
+            joined = wait_calls([join, receive], [label, label], self.spec.timeout_s + MARGIN_S)
+            if all(o.ok for o in joined):
+                results[rank] = joined[1].value
+                self.members.append(rank)
+                logger.info("refit group %r: %s is back from round %d", self.name, label, sent.round)
+            else:
+                self._lose(rank, next(o for o in joined if not o.ok))
+        self.members.sort()
+        return results
+
+    def await_restarts(self, timeout_s: float) -> list[int]:
+        """Wait up to ``timeout_s`` until every lost consumer's actor is back (Ray restarted it) or known gone; the
+        ranks that join at the next :meth:`refit`. For a loop that would rather wait for an engine it knows is
+        restarting than refit without it; :meth:`refit` itself never waits for a restart."""
+        if self._lost:
+            refs = list(self._lost.values())
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self._take_back()
+        return sorted(self._joining)
+
+    def _actor(self, rank: int) -> Any:
+        return self.actors[rank]
+
+    def _lose(self, rank: int, outcome: CallOutcome) -> None:
+        """Leave consumer ``rank`` out, and ask its actor (once Ray has it back, if it restarts it) for its status."""
+        logger.warning("refit group %r: %s left out (%s)", self.name, self.labels[rank], outcome.error)
+        if rank in self.members:
+            self.members.remove(rank)
+        self._lost[rank] = self._actor(rank).__ray_call__.remote(member.status, self.name)
+
+    def _take_back(self) -> None:
+        """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join."""
+        for rank, ref in list(self._lost.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue  # still restarting, or busy
+            del self._lost[rank]
+            answer = ended_call(ref, self.labels[rank])
+            if not answer.ok or answer.value != member.ABSENT:
+                why = answer.error if not answer.ok else "its actor still holds its failed session"
+                logger.warning("refit group %r: %s stays out (%s)", self.name, self.labels[rank], why)
+                continue
+            spec = replace(self.spec, rank=rank)
+            join = self._actor(rank).__ray_call__.remote(member.join, self.name, spec, self._consumer_options, True)
+            self._joining[rank] = (join, None)
+        for rank, (join, _) in list(self._joining.items()):
+            if ray.wait([join], timeout=0)[0] and not (answer := ended_call(join, self.labels[rank])).ok:
+                del self._joining[rank]  # it could not join (say, no answer in time): ask again after its status
+                self._lose(rank, answer)
 
     def close(self) -> None:
         """End the session on every actor and leave the group, all at once; safe to call twice. Raises
@@ -160,9 +297,17 @@ class RayRefitGroup:
         if self._closed:
             return
         self._closed = True
-        calls = [actor.__ray_call__.remote(member.leave, self.name) for actor in self.actors]
+        ranks = [0, *self.members]
+        calls = [self._actor(r).__ray_call__.remote(member.leave, self.name) for r in ranks]
         timeout = self.spec.timeout_s + MARGIN_S
-        raise_on_failure(wait_calls(calls, self.labels, timeout, grace_s=timeout), f"leaving group {self.name!r}")
+        outcomes = wait_calls(calls, [self.labels[r] for r in ranks], timeout, grace_s=timeout)
+        # Actors asked to join learn from the producer's close that the session is over; lost ones have no session.
+        pending = [ref for pair in self._joining.values() for ref in pair if ref is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        self._joining.clear()
+        self._lost.clear()
+        raise_on_failure(outcomes, f"leaving group {self.name!r}")
 
     def __enter__(self) -> RayRefitGroup:
         return self
