@@ -92,7 +92,8 @@ class RefitGroup:
             # With the backend gone, this is the last reference: dropping it stops the producer's store
             # server and frees the port.
             self.control.release()
-        logger.info("rank %d: left the refit group at %s", self.rank, self.spec.address)
+        # control.rank: the rank number the user gave (an elastic generation numbers its group by members).
+        logger.info("rank %d: left the refit group at %s", self.control.rank, self.spec.address)
 
     def _shutdown_group(self, *, abort: bool) -> None:
         try:
