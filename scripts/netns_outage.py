@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # netns_utils: the ranks of tests/test_netns.py
+
+from netns_utils import Rank  # noqa: E402
+
 HOSTS_SCRIPT = REPO / "scripts" / "netns_hosts.sh"
 PREFIX = "refit-out"
 PORT = 29690
@@ -46,40 +50,8 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def _start(ns: str, out: Path, args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "REFIT_APP_TOKEN": "netns-outage"}
-    with open(out, "w") as f:
-        return subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                sys.executable,
-                "-m",
-                "refit_app",
-                *args,
-                f"hydra.run.dir={out.with_suffix('')}",
-            ],
-            cwd=out.parent,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-
-def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, limit_s: float) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not re.search(pattern, out.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _error(out: Path) -> str:
-    lines = [ln for ln in out.read_text().splitlines() if ln.startswith("refit_app: error:")]
+def _error(rank: Rank) -> str:
+    lines = rank.error_lines()
     return lines[0].removeprefix("refit_app: error: ") if lines else ""
 
 
@@ -87,28 +59,26 @@ def trial(args: argparse.Namespace, outage_s: float, work: Path) -> dict:
     """One run with one outage; returns the exit statuses, the error lines and the seconds from the link's return
     to the last exit."""
     _hosts("up", "2", args.rate, PREFIX)
-    procs: list[subprocess.Popen] = []
+    ranks: list[Rank] = []
+    env = {**os.environ, "REFIT_APP_TOKEN": "netns-outage"}
     try:
         if args.rto_max_ms is not None:
             for k in (1, 2):
                 _ip("netns", "exec", f"{PREFIX}{k}", "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={args.rto_max_ms}")
         group = [f"group.port={PORT}", "group.world_size=2", f"group.timeout_s={args.timeout_s:g}"]
         run = [f"refit.rounds={args.rounds}", f"source.size={args.size}", f"refit.buffer_size_bytes={args.buffer}"]
-        outs = [work / f"producer-{outage_s:g}.log", work / f"consumer-{outage_s:g}.log"]
         # Start-up is outside the deadline under test: the consumer waits for its producer as long as start-up takes.
-        procs.append(_start(f"{PREFIX}1", outs[0], ["role=producer", "group.host=0.0.0.0", *run, *group]))
-        procs.append(
-            _start(
-                f"{PREFIX}2",
-                outs[1],
-                ["role=consumer", "group.host=10.77.0.1", "group.rank=1", "sink=verify", *group],
-            )
-        )
-        if not _wait_for(procs[0], outs[0], rf"round 2/{args.rounds}", STARTUP_LIMIT_S):
+        producer = ["role=producer", "group.host=0.0.0.0", *run, *group]
+        ranks.append(Rank(f"{PREFIX}1", work, f"producer-{outage_s:g}", *producer, env=env))
+        consumer = ["role=consumer", "group.host=10.77.0.1", "group.rank=1", "sink=verify", *group]
+        ranks.append(Rank(f"{PREFIX}2", work, f"consumer-{outage_s:g}", *consumer, env=env))
+        try:
+            ranks[0].wait_for(rf"round 2/{args.rounds}", STARTUP_LIMIT_S)
+        except AssertionError:
             return {
                 "outage_s": outage_s,
-                "codes": [p.poll() for p in procs],
-                "errors": [_error(o) for o in outs],
+                "codes": [r.proc.poll() for r in ranks],
+                "errors": [_error(r) for r in ranks],
                 "note": "never reached round 2",
             }
         cut = (
@@ -122,24 +92,22 @@ def trial(args: argparse.Namespace, outage_s: float, work: Path) -> dict:
         back = time.monotonic()
         limit = args.timeout_s * 3 + args.rounds * 30 + 60
         codes = []
-        for p in procs:
+        for r in ranks:
             try:
-                codes.append(p.wait(max(1.0, back + limit - time.monotonic())))
+                codes.append(r.proc.wait(max(1.0, back + limit - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
-        rounds = re.findall(r"round (\d+)/", outs[0].read_text())
+        rounds = re.findall(r"round (\d+)/", ranks[0].text())
         return {
             "outage_s": outage_s,
             "codes": codes,
-            "errors": [_error(o) for o in outs],
+            "errors": [_error(r) for r in ranks],
             "after_s": time.monotonic() - back,
             "rounds": int(rounds[-1]) if rounds else 0,
         }
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(10)
+        for r in ranks:
+            r.kill()
         _hosts("down", PREFIX)
 
 

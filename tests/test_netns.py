@@ -6,7 +6,6 @@ runs); skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 from conditions import NETNS_SCRIPT, needs_netns
 from mp_utils import STARTUP_LIMIT_S
+from netns_utils import Rank, hosts_sh, listed_namespaces, namespace_hosts
 
 pytestmark = [pytest.mark.netns, needs_netns]
 
@@ -31,10 +31,6 @@ PORT = 29611
 hold this port there (and the machine's own ports are untouched)."""
 
 
-def _sh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(NETNS_SCRIPT), *args], capture_output=True, text=True, timeout=60)
-
-
 @pytest.fixture(autouse=True)
 def _token(monkeypatch) -> None:
     """The recipe's hosts talk over non-loopback addresses, where a group needs a token (docs/security.md)."""
@@ -42,77 +38,12 @@ def _token(monkeypatch) -> None:
 
 
 @pytest.fixture
-def hosts(request) -> Iterator:
+def hosts() -> Iterator:
     """``hosts(n, rate)`` creates n namespace hosts (10.77.0.1..n) and returns their names; all go at the end."""
     prefix = f"rt{os.getpid() % 10000}x"
-    made = []
-
-    def make(n: int, rate: str = "none") -> list[str]:
-        result = _sh("up", str(n), rate, prefix)
-        assert result.returncode == 0, result.stderr  # needs_netns checked that this machine can
-        made.append(prefix)
-        return [f"{prefix}{k}" for k in range(1, n + 1)]
-
-    yield make
-    for p in made:
-        _sh("down", p)
-    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in leftover, leftover
-
-
-class Rank:
-    """``python -m refit_app`` in one namespace host, its output in files (a full pipe would stall it)."""
-
-    def __init__(self, ns: str, cwd: Path, name: str, *overrides: str) -> None:
-        self.name = name
-        self.out = cwd / f"{name}.out"
-        self.err = cwd / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-m",
-                    "refit_app",
-                    *overrides,
-                    f"hydra.run.dir={cwd / name}",
-                ],
-                cwd=cwd,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.out.read_text() + self.err.read_text()
-
-    def wait_for(self, pattern: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not re.search(pattern, self.text()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} never printed {pattern!r}:\n{self.text()[-3000:]}")
-            time.sleep(0.05)
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.name} still running after {timeout_s:g}s:\n{self.text()[-3000:]}") from None
-
-    def error_lines(self) -> list[str]:
-        return [line for line in self.err.read_text().splitlines() if line.startswith("refit_app: error:")]
-
-    def metrics(self) -> dict:
-        return json.loads((self.out.parent / self.name / "metrics.json").read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
+    with namespace_hosts(prefix) as make:
+        yield make
+    assert not [ns for ns in listed_namespaces() if ns.startswith(prefix)], listed_namespaces()
 
 
 def _group(world_size: int, timeout_s: float, rank: int | None = None) -> list[str]:
@@ -181,7 +112,7 @@ def test_a_partition_mid_transfer_fails_every_rank_within_the_deadline(hosts, tm
     try:
         # Both sides are past their start-up once the second round is done: cut the consumer's link then.
         producer.wait_for(r"round 2/1000", STARTUP_LIMIT_S)
-        assert _sh("link", names[1], "down").returncode == 0
+        assert hosts_sh("link", names[1], "down").returncode == 0
         cut = time.monotonic()
         codes = {r.name: r.wait(EXIT_BUDGET_S + 10) for r in (producer, consumer)}
         took = time.monotonic() - cut
@@ -214,9 +145,9 @@ def test_a_link_down_for_3s_of_a_10s_deadline_does_not_fail_the_run(hosts, tmp_p
     )
     try:
         producer.wait_for(r"round 2/20", STARTUP_LIMIT_S)
-        assert _sh("link", names[1], "down").returncode == 0
+        assert hosts_sh("link", names[1], "down").returncode == 0
         # The outage itself is the event under test: 3 s of the group.timeout_s of 10 s.
-        timer = threading.Timer(3.0, _sh, ("link", names[1], "up"))
+        timer = threading.Timer(3.0, hosts_sh, ("link", names[1], "up"))
         timer.start()
         codes = [r.wait(STARTUP_LIMIT_S) for r in (producer, consumer)]
         timer.join()
@@ -229,7 +160,7 @@ def test_a_link_down_for_3s_of_a_10s_deadline_does_not_fail_the_run(hosts, tmp_p
 
 def test_a_consumer_that_cannot_reach_the_producer_says_so(hosts, tmp_path: Path) -> None:
     names = hosts(2)
-    assert _sh("link", names[1], "down").returncode == 0
+    assert hosts_sh("link", names[1], "down").returncode == 0
     consumer = Rank(
         names[1], tmp_path, "consumer1", "role=consumer", "group.host=10.77.0.1", *_group(2, FAIL_TIMEOUT_S, 1)
     )
