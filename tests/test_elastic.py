@@ -22,6 +22,9 @@ from config_utils import refused, settings
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
 
 from refit_app.app import launch
+from refit_app.app.launch import RankOutcome
+from refit_app.app.local import NO_ROUND, combine_outcomes
+from refit_app.app.metrics import summary_line
 from refit_app.common.errors import ConfigError, PeerError, RefitError
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 
@@ -397,3 +400,23 @@ def test_local_run_lists_the_members_of_every_round(cli, tmp_path):
     for consumer in metrics["consumers"]:
         assert [r["members"] for r in consumer["rounds"]] == [[1, 2]] * 3
         assert [r["delta"] for r in consumer["rounds"]] == [False, True, True]
+
+
+def test_a_consumer_that_received_no_round_counts_as_lost_and_is_not_verified():
+    """A consumer restarted too late for the last round (role=ray, role=local) delivered nothing: the run is ok (the
+    producer completed every round), but that consumer is lost, not verified, and the summary says so."""
+    s = settings("role=local", "role.num_consumers=2", "refit.on_consumer_loss=continue")
+    rounds = [{"round": 1, "members": [1, 2], "verified": True}]
+    outcomes = [
+        RankOutcome(0, True, {"role": "producer", "rank": 0, "status": "ok", "bytes": 8, "rounds": rounds}),
+        RankOutcome(1, True, {"role": "consumer", "rank": 1, "status": "ok", "verified": True, "rounds": rounds}),
+        RankOutcome(2, True, {"role": "consumer", "rank": 2, "status": "ok", "verified": None, "rounds": []}),
+    ]
+    combined = combine_outcomes(outcomes, s, "local", {2: {"restarts": 1}})
+    first, late = combined["consumers"]
+    assert (first["status"], late["status"], late["error"], late["restarts"]) == ("ok", "failed", NO_ROUND, 1)
+    assert combined["status"] == "ok" and combined["verified"] is True
+    assert summary_line(combined).endswith(", 2 consumers (consumer 2 lost), verified"), summary_line(combined)
+    # Without continue a consumer with no round is no special case (a one-shot run always has its round).
+    one_shot = combine_outcomes(outcomes, settings("role=local", "role.num_consumers=2"), "local")
+    assert one_shot["consumers"][1]["status"] == "ok"

@@ -98,15 +98,7 @@ def test_bundles_the_cluster_cannot_place_are_one_line_within_the_deadline(clust
 @needs_ray
 def test_ctrl_c_stops_the_run_and_leaves_nothing(cluster, cli, tmp_path):
     proc = cli.start(f"ray.address={cluster}", "role=ray", "refit.rounds=100000", "sink=discard")
-    log = None
-    deadline = time.monotonic() + RAY_RUN_S
-    while time.monotonic() < deadline:  # wait for a signal of readiness: a round has ended
-        logs = list((tmp_path / "outputs").glob("*/*_ray/*.log"))
-        if logs and "round 2/" in logs[0].read_text():
-            log = logs[0]
-            break
-        time.sleep(0.5)
-    assert log is not None, "no round ended in time"
+    log = _wait_for_round(tmp_path, 2)
     os.killpg(proc._proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole foreground group
     result = proc.wait(60)
     assert result.returncode == 130, result.describe()
@@ -129,6 +121,39 @@ def test_role_ray_starts_a_local_cluster_and_stops_it(cli, tmp_path):
     left = [pid for pid in _pids() if temp in _cmdline(pid)]
     assert not left, f"processes of the run's Ray cluster left: {[_cmdline(p) for p in left]}"
     print(f"role=ray with a local cluster: {time.monotonic() - started:.1f}s", file=sys.stderr)
+
+
+@pytest.mark.ray
+@needs_ray
+def test_sigterm_to_the_whole_process_group_with_a_local_cluster_is_one_line_and_leaves_nothing(cli, tmp_path):
+    """``timeout``, ``kill -- -PGID`` and schedulers signal every process of the job: the local cluster's processes,
+    started in the driver's group, must outlive the signal until the driver has cleaned up (else its clean-up
+    waited 60 s for a GCS that was gone, and Ray ended it without the one line)."""
+    temp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    proc = cli.start("role=ray", "refit.rounds=100000", "sink=discard", env={"RAY_TMPDIR": temp})
+    log = _wait_for_round(tmp_path, 2)
+    os.killpg(proc._proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    result = proc.wait(RAY_RUN_S)
+    assert result.returncode == 143, result.describe()
+    assert_one_line_error(result, "interrupted by SIGTERM")
+    # The clean-up: kill the actors, remove the placement group, stop the cluster (each process gets a second's
+    # grace, as its SIGTERM is blocked); well under Ray's 60 s wait for a lost GCS, on two busy cores.
+    assert time.monotonic() - signalled < 45, result.describe()
+    assert load_metrics(log.parent)["status"] == "failed"
+    left = [pid for pid in _pids() if temp in _cmdline(pid)]
+    assert not left, f"processes of the run's Ray cluster left: {[_cmdline(p) for p in left]}"
+
+
+def _wait_for_round(tmp_path: Path, k: int) -> Path:
+    """The run's log, once round ``k`` has ended in it (the signal of readiness)."""
+    deadline = time.monotonic() + RAY_RUN_S
+    while time.monotonic() < deadline:
+        logs = list((tmp_path / "outputs").glob("*/*_ray/*.log"))
+        if logs and f"round {k}/" in logs[0].read_text():
+            return logs[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no round {k} ended within {RAY_RUN_S:g}s")
 
 
 def _pids() -> list[int]:

@@ -9,6 +9,7 @@ A local Ray cluster for the module, as tests/test_ray.py does; every wait has a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ ROUNDS = 8
 KILLED_IN = 3
 BACK_AT = 5
 TIMEOUT_S = 6.0
+LONE_TIMEOUT_S = 30.0
 WAIT_S = 240.0
 """A hang limit on each wait here (actors' start-up on two loaded cores included); only a hang nears it."""
 
@@ -63,18 +65,21 @@ class Engine:
     """Keeps a copy of what it received; in round ``stall_in`` it says so (a file) at its first batch and stalls
     there until it is killed."""
 
-    def __init__(self, stall_in: int | None, stall_file: str) -> None:
+    def __init__(self, stall_in: int | None, stall_file: str, fail_in: int | None = None) -> None:
         import ray
 
         self.got = {}
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.stall_in = None if self.restarted else stall_in
         self.stall_file = stall_file
+        self.fail_in = fail_in
 
     def load(self, batch, k: int) -> None:
         if k == self.stall_in:
             Path(self.stall_file).write_text("stalled")
-            time.sleep(WAIT_S)  # killed before this ends
+            time.sleep(WAIT_S)  # killed before this ends, or stalled for good
+        if k == self.fail_in:
+            raise RuntimeError(f"this engine cannot load round {k}")
         for name, t in batch:
             self.got[name] = t.clone()
 
@@ -97,10 +102,7 @@ def test_an_engine_killed_mid_transfer_is_restarted_by_ray_and_rejoins_with_a_de
     ]
 
     def kill_when_stalled() -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not stall.exists() and time.monotonic() < deadline:  # the signal: engine 3 is inside round 3
-            time.sleep(0.05)
-        ray.kill(engines[2], no_restart=False)
+        _kill_when(ray, stall, engines[2])  # engine 3, inside round 3
 
     try:
         rounds = _refit_rounds(ray, RayRefitGroup, trainer, engines, kill_when_stalled)
@@ -109,39 +111,32 @@ def test_an_engine_killed_mid_transfer_is_restarted_by_ray_and_rejoins_with_a_de
         for actor in [trainer, *engines]:
             ray.kill(actor, no_restart=True)
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
-    # Engine 3 is back at round 5 at the latest (the driver waits for it there), at 4 if Ray was quick enough.
-    back = next(r["round"] for r in rounds if r["round"] > KILLED_IN and 3 in r["members"])
-    assert back in (KILLED_IN + 1, BACK_AT), rounds
+    # Engine 3 is back in the redone round 3 where Ray restarted it within the producer's wait for the members to
+    # ask again (group.timeout_s), else at a later boundary, at 5 at the latest (the loop waits for it there).
+    back = next(r["round"] for r in rounds if r["round"] >= KILLED_IN and 3 in r["members"])
+    assert back in (KILLED_IN, KILLED_IN + 1, BACK_AT), rounds
     expected_members = [[1, 2] if KILLED_IN <= k < back else [1, 2, 3] for k in range(1, ROUNDS + 1)]
     assert [r["members"] for r in rounds] == expected_members, rounds
     assert [r["took_part"] for r in rounds] == expected_members, rounds
     assert all(all(r["verified"]) and all(r["matches"]) for r in rounds), rounds
-    # Every generation starts dense: the first round, the round redone without engine 3, and its first one back.
+    # Every generation starts dense: the first round, the round redone (without engine 3, or with it back), and
+    # engine 3's first one back.
     dense = [r["round"] for r in rounds if not any(r["delta"])]
-    assert dense == [1, KILLED_IN, back], rounds
+    assert dense == sorted({1, KILLED_IN, back}), rounds
     assert restarted is True
     _all_cpus_back(ray)
 
 
 def _refit_rounds(ray, RayRefitGroup, trainer, engines, kill_when_stalled) -> list[dict]:
     rounds = []
-    with RayRefitGroup.connect(
-        trainer,
-        engines,
-        backend="gloo",
-        timeout_s=TIMEOUT_S,
-        call_timeout_s=WAIT_S,
-        on_consumer_loss="continue",
-        producer_options={"buffer_size_bytes": 65536, "delta": "on"},
-        consumer_options={"verify": True, "mirror": True},
-    ) as group:
+    with _connect(ray, RayRefitGroup, trainer, engines) as group:
         for k in range(1, ROUNDS + 1):
             ray.get(trainer.step.remote(k), timeout=WAIT_S)
             killer = None
             if k == KILLED_IN:
                 killer = threading.Thread(target=kill_when_stalled, daemon=True)
                 killer.start()
-            if k == BACK_AT:
+            if k == BACK_AT and 3 not in group.members:
                 assert group.await_restarts(WAIT_S) == [3], "engine 3's actor did not come back"
             sent, *received = group.refit("weights", lambda actor, batch, k=k: actor.load(batch, k))
             if killer is not None:
@@ -159,6 +154,101 @@ def _refit_rounds(ray, RayRefitGroup, trainer, engines, kill_when_stalled) -> li
                 }
             )
     return rounds
+
+
+def _connect(ray, RayRefitGroup, trainer, engines, timeout_s: float = TIMEOUT_S):
+    return RayRefitGroup.connect(
+        trainer,
+        engines,
+        backend="gloo",
+        timeout_s=timeout_s,
+        call_timeout_s=WAIT_S,
+        on_consumer_loss="continue",
+        producer_options={"buffer_size_bytes": 65536, "delta": "on"},
+        consumer_options={"verify": True, "mirror": True},
+    )
+
+
+def _refit(ray, group, trainer, k: int) -> list:
+    ray.get(trainer.step.remote(k), timeout=WAIT_S)
+    return group.refit("weights", lambda actor, batch, k=k: actor.load(batch, k))
+
+
+def test_a_lone_engine_restarted_by_ray_takes_part_in_the_round_it_was_lost_in(ray_cluster, tmp_path):
+    """The driver asks a lost actor to join while the producer still waits for it to ask again: a lone engine
+    that Ray restarts in time is not 'every consumer lost'."""
+    ray = ray_cluster
+    from refit_app.integrations.ray import RayRefitGroup
+
+    stall = tmp_path / "stalled"
+    trainer = ray.remote(num_cpus=0.5)(Trainer).remote()
+    engine = ray.remote(num_cpus=0.5, max_restarts=1)(Engine).remote(2, str(stall))
+    killer = threading.Thread(target=_kill_when, args=(ray, stall, engine), daemon=True)
+    killer.start()
+    try:
+        # The producer waits up to group.timeout_s for the lost engine to ask again: time for Ray to restart it
+        # (a new worker process) on two busy cores.
+        with _connect(ray, RayRefitGroup, trainer, [engine], timeout_s=LONE_TIMEOUT_S) as group:
+            rounds = [_refit(ray, group, trainer, k) for k in (1, 2, 3)]
+            matches = ray.get(engine.matches.remote(3), timeout=WAIT_S)
+    finally:
+        killer.join(WAIT_S)
+        for actor in (trainer, engine):
+            ray.kill(actor, no_restart=True)
+    assert [sent.members for sent, _ in rounds] == [[1], [1], [1]]
+    assert all(got is not None and got.verified for _, got in rounds), rounds
+    # The round it rejoined in is dense (a new generation), the next one a delta round again.
+    assert [got.delta for _, got in rounds] == [False, False, True] and matches
+
+
+def _kill_when(ray, stall: Path, actor) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not stall.exists() and time.monotonic() < deadline:  # the signal: the engine is inside the round
+        time.sleep(0.05)
+    ray.kill(actor, no_restart=False)
+
+
+def test_a_stalled_engine_is_left_out_without_holding_the_refit_and_engines_can_join_again(ray_cluster, tmp_path):
+    """An engine stalled in its load is left out once the producer has sent the round to the others, not after
+    call_timeout_s; one whose load fails stays out; after the producer is lost, close() leaves every engine
+    ready for a new group of the same name."""
+    ray = ray_cluster
+    from refit_app.integrations.ray import RayRefitGroup
+    from refit_app.integrations.ray.calls import RayCallError
+
+    trainer = ray.remote(num_cpus=0.5)(Trainer).remote()
+    engines = [
+        ray.remote(num_cpus=0.5)(Engine).remote(None, str(tmp_path / "unused"), fail_in=2),
+        ray.remote(num_cpus=0.5)(Engine).remote(2, str(tmp_path / "stalled")),
+        ray.remote(num_cpus=0.5)(Engine).remote(None, str(tmp_path / "unused")),
+    ]
+    trainer2 = ray.remote(num_cpus=0.5)(Trainer).remote()
+    try:
+        group = _connect(ray, RayRefitGroup, trainer, engines)
+        _refit(ray, group, trainer, 1)
+        start = time.monotonic()
+        sent, *got = _refit(ray, group, trainer, 2)
+        took = time.monotonic() - start
+        assert sent.members == [3] and [g is not None for g in got] == [False, False, True], (sent, got)
+        # The stall is found at the round's deadline and the redone round waits one more for the members to ask:
+        # about 2 x group.timeout_s, where holding the refit for the stalled call would take call_timeout_s.
+        assert took < WAIT_S / 2, took
+        assert _refit(ray, group, trainer, 3)[0].members == [3]
+        ray.kill(trainer, no_restart=True)
+        with pytest.raises(RayCallError, match="producer"):
+            group.refit("weights", lambda actor, batch: actor.load(batch, 4))
+        with contextlib.suppress(RayCallError):
+            group.close()  # the producer's leave fails: it is dead
+        # The engine that failed and the one still stalled left their sessions (or will, once unstuck): the live
+        # ones join a new group of the same name.
+        with _connect(ray, RayRefitGroup, trainer2, [engines[0], engines[2]]) as again:
+            sent, *got = _refit(ray, again, trainer2, 5)
+        assert sent.members == [1, 2] and all(g.verified for g in got)
+        assert ray.get([engines[0].matches.remote(5), engines[2].matches.remote(5)], timeout=WAIT_S) == [True, True]
+    finally:
+        for actor in (trainer, trainer2, *engines):
+            ray.kill(actor, no_restart=True)
+    _all_cpus_back(ray)
 
 
 def test_role_ray_with_continue_runs_a_restarted_consumer_again(ray_cluster, cli, tmp_path):

@@ -259,10 +259,26 @@ def validate(cfg: DictConfig) -> RunSettings:
     ray = _check_ray(c) if role == "ray" else None
     if refit is not None and group is not None and refit.elastic:
         _check_elastic(c, role, group)
+    if refit is not None and group is not None:
+        _check_fault_hooks(c, refit, group)
 
     if c.errors:
         c.raise_any()
     return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name, ray=ray)
+
+
+def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec) -> None:
+    """A test hook that could never fire would let a test pass without its fault: refuse it."""
+    if refit.die_in_round is None:
+        return
+    if refit.die_rank >= group.world_size:
+        c.fail(
+            "refit.debug.die_rank",
+            refit.die_rank,
+            f"must be a consumer rank in 1..{group.world_size - 1} (group.world_size={group.world_size})",
+        )
+    if refit.rounds is not None and refit.die_in_round > refit.rounds:
+        c.fail("refit.debug.die_in_round", refit.die_in_round, f"must be a round in 1..{refit.rounds} (refit.rounds)")
 
 
 def _check_elastic(c: _Checker, role: str, group: GroupSpec) -> None:

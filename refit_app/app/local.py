@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -112,20 +113,39 @@ def run_local(s: RunSettings) -> dict[str, Any]:
     return combine_outcomes(outcomes, s, "local")
 
 
-def combine_outcomes(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
+NO_ROUND = "received no round: it joined after the producer's last round"
+"""An elastic consumer's entry in a combined run that ended without a round (restarted too late, say)."""
+
+
+def _no_round_is_lost(o: RankOutcome) -> RankOutcome:
+    """An elastic consumer that received no round delivered nothing: it counts as lost, not as a verified rank."""
+    if o.rank == 0 or not o.ok or o.value.get("rounds"):
+        return o
+    return RankOutcome(o.rank, False, error=NO_ROUND, exc_type="NoRound")
+
+
+def combine_outcomes(
+    outcomes: list[RankOutcome], s: RunSettings, role: str, per_rank: Mapping[int, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """One run's metrics from its ranks' outcomes: the producer's figures at the top level, each consumer's under
-    ``consumers``; raises :class:`LocalRunError` with them, naming the root cause, if any rank failed."""
+    ``consumers`` (with ``per_rank``'s entries added); raises :class:`LocalRunError` with them, naming the root
+    cause, if any rank failed."""
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
+    if s.refit.elastic and outcomes[0].ok:
+        outcomes = [_no_round_is_lost(o) for o in outcomes]
     metrics = [
         o.value if o.ok else {"role": role_of[o.rank], "rank": o.rank, "status": "failed", "error": o.error}
         for o in outcomes
     ]
+    for rank, extra in (per_rank or {}).items():
+        metrics[rank].update(extra)
     combined = {**metrics[0], "role": role, "consumers": metrics[1:]}
     failures = [o for o in outcomes if not o.ok]
     if failures and s.refit.elastic and outcomes[0].ok:
         # The producer completed every round with the consumers it had: the lost ones' entries say what became of
         # them, and each round's members who took part.
-        logger.warning("%s lost during the run: %s", ", ".join(rank_label(o.rank) for o in failures), failures[0].error)
+        for o in failures:
+            logger.warning("%s lost during the run: %s", rank_label(o.rank), o.error)
         failures = []
     if failures:
         # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank

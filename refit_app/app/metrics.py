@@ -457,6 +457,9 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
     consumers = metrics.get("consumers") or []
     if consumers:
         parts.append(f", {len(consumers)} consumer{'s' if len(consumers) != 1 else ''}")
+        lost = [str(c.get("rank")) for c in consumers if c.get("status") != "ok"]
+        if lost:  # an elastic run goes on without them (refit.on_consumer_loss=continue)
+            parts.append(f" ({'consumer' if len(lost) == 1 else 'consumers'} {', '.join(lost)} lost)")
     extra = metrics.get("peak_extra_bytes")
     if extra is not None:
         parts.append(f", peak {'-' if extra < 0 else '+'}{format_size(abs(extra))}")

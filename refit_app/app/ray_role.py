@@ -67,7 +67,8 @@ def run_ray(s: RunSettings) -> dict[str, Any]:
         cluster.stop()
         signals.restore()
     signals.check()  # a signal that came during the clean-up
-    return combine_outcomes(outcomes, s, "ray")
+    restarts = {rank: {"restarts": n} for rank, n in enumerate(cluster.restarts) if rank} if s.refit.elastic else None
+    return combine_outcomes(outcomes, s, "ray", restarts)
 
 
 def _import_ray() -> Any:
@@ -93,6 +94,8 @@ class _Cluster:
         self.actors: list[Any] = []
         self.gpus_per_rank = 0.0
         self.producer_address: tuple[str, int] = ("", 0)
+        self.restarts = [0] * world_size
+        """How often each rank's actor was restarted by Ray and run again (refit.on_consumer_loss=continue)."""
 
     # -- start-up -------------------------------------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class _Cluster:
             options = {"address": spec.address}
             logger.info("joining the Ray cluster at %s", spec.address)
         try:
-            with _sigterm_kept():
+            with _sigterm_kept(), _sigterm_blocked_in_children(self.local):
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, **options)
         except (ConnectionError, ValueError, RuntimeError) as e:
             where = "start a local Ray cluster" if self.local else f"join the Ray cluster at ray.address={spec.address}"
@@ -225,7 +228,7 @@ class _Cluster:
         from refit_app.integrations.ray.calls import DIED, POLL_S, TIMEOUT, CallOutcome, ended_call
 
         ray = self.ray
-        restarts = [0] * self.world_size
+        restarts = self.restarts
         outcomes: list[CallOutcome | None] = [None] * self.world_size
         pending = {launch(rank, 0): rank for rank in range(self.world_size)}
         # A consumer hears of the end within its answer wait (answer_wait_s: 2 x group.timeout_s).
@@ -251,8 +254,6 @@ class _Cluster:
                     )
                     pending[launch(rank, restarts[rank])] = rank
                     continue
-                if rank and outcome.ok and outcome.value.ok:
-                    outcome.value.value["restarts"] = restarts[rank]
                 outcomes[rank] = outcome
                 if rank == 0:
                     producer_ended = time.monotonic()
@@ -334,6 +335,24 @@ def _probe(address: str) -> None:
             f"ray.address={address}: nothing answers there ({one_line(e)}); start the cluster (ray start --head) "
             "or leave ray.address unset for a local one"
         ) from e
+
+
+@contextmanager
+def _sigterm_blocked_in_children(local: bool) -> Iterator[None]:
+    """Start a local cluster's processes (GCS, raylet, their helpers, the workers the raylet starts) with SIGTERM
+    blocked, as Ray itself starts them with SIGINT blocked. They share the driver's process group (and cgroup), so
+    a SIGTERM to all of it (``timeout``, ``kill -- -PGID``, a scheduler ending the job) would stop the GCS under the
+    driver, whose clean-up then waits 60 s for it and is ended by Ray without its one line. The driver stops them
+    itself (:meth:`_Cluster.stop`; Ray's shutdown then kills each after a second's grace). A signal mask is
+    inherited across fork and exec; the driver's own SIGTERM, pending meanwhile, arrives once it is unblocked."""
+    if not local:
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextmanager

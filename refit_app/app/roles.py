@@ -304,7 +304,8 @@ class ConsumerRounds:
         metrics = _run_metrics(self._s, self.backend, self.session.manifest, rounds, self._memories, handshake_s)
         metrics.sink = self._s.sink_name
         if self.verify:
-            metrics.verified = all(r.verified for r in rounds)
+            # Nothing received (an elastic consumer that joined after the last round) is nothing verified.
+            metrics.verified = all(r.verified for r in rounds) if rounds else None
             metrics.verified_tensors = rounds[-1].facts.get("verified_tensors") if rounds else None
         metrics.saved_to = published.get("saved_to")
         metrics.saved_files = published.get("saved_files")

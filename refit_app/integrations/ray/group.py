@@ -40,6 +40,7 @@ still holds its failed session, or one that died for good, stays out::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
@@ -48,7 +49,14 @@ from typing import Any
 import ray
 
 from refit_app.integrations.ray import member
-from refit_app.integrations.ray.calls import CallOutcome, RayCallError, ended_call, raise_on_failure, wait_calls
+from refit_app.integrations.ray.calls import (
+    POLL_S,
+    CallOutcome,
+    RayCallError,
+    ended_call,
+    raise_on_failure,
+    wait_calls,
+)
 from refit_app.protocol.session import Round
 from refit_app.transport.auth import new_run_id, new_secret
 from refit_app.transport.elastic import answer_wait_s, check_elastic
@@ -213,32 +221,44 @@ class RayRefitGroup:
     def _elastic_refit(
         self, tensors: member.TensorsFn, load: member.LoadFn, send_options: dict[str, Any], what: str
     ) -> list[Round | None]:
-        self._take_back()
-        for rank, (join, receive) in self._joining.items():
-            if receive is None:  # queued behind the join on the same actor: it runs once the actor is admitted
-                self._joining[rank] = (join, self._actor(rank).__ray_call__.remote(member.receive, self.name, load))
-        members = list(self.members)
-        calls = [
-            self.producer.__ray_call__.remote(
-                member.send, self.name, tensors, send_options, list(self._joining), self.spec.timeout_s
-            )
-        ]
-        calls += [self._actor(r).__ray_call__.remote(member.receive, self.name, load) for r in members]
-        # A lost consumer's round is redone for the others: the producer notices the loss within timeout_s and
-        # waits up to timeout_s more for the survivors to ask again before it sends the round once more.
-        grace_s = 2 * self.spec.timeout_s + MARGIN_S
-        outcomes = wait_calls(calls, [self.labels[r] for r in [0, *members]], self.call_timeout_s, grace_s=grace_s)
-        if not outcomes[0].ok:
+        self._take_back(load)
+        send = self.producer.__ray_call__.remote(
+            member.send, self.name, tensors, send_options, list(self._joining), self.spec.timeout_s
+        )
+        receives = {r: self._actor(r).__ray_call__.remote(member.receive, self.name, load) for r in self.members}
+        results: list[Round | None] = [None] * (len(self.consumers) + 1)
+        # While the producer sends, a consumer lost now is asked about at once: an actor Ray restarts in time asks
+        # to join while the producer waits (up to timeout_s) for the survivors to ask again, and takes part in the
+        # round the producer sends again. A consumer that fails or stalls never holds the refit beyond the
+        # producer's own deadlines: once its send has returned, only the round's members are waited for.
+        deadline = time.monotonic() + self.call_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.members = []
+                raise RayCallError(f"{what} failed: the producer did not answer within {self.call_timeout_s:g}s")
+            ready, _ = ray.wait([send, *receives.values()], num_returns=1, timeout=min(POLL_S, left))
+            for rank in [r for r, ref in receives.items() if ref in ready]:
+                self._settle(rank, ended_call(receives.pop(rank), self.labels[rank]), results)
+            self._take_back(load)
+            if send in ready:
+                break
+        sent_outcome = ended_call(send, self.labels[0])
+        if not sent_outcome.ok:
             self.members = []
-            raise RayCallError(f"{what} failed: {outcomes[0]}", outcomes)
-        sent: Round = outcomes[0].value
-        results: list[Round | None] = [sent] + [None] * len(self.consumers)
-        for rank, outcome in zip(members, outcomes[1:]):
-            if outcome.ok:
-                results[rank] = outcome.value
-            else:
-                self._lose(rank, outcome)
-        for rank in [r for r in self._joining if r in (sent.members or [])]:
+            raise RayCallError(f"{what} failed: {sent_outcome}", [sent_outcome])
+        sent: Round = sent_outcome.value
+        results[0] = sent
+        took_part = set(sent.members or [])
+        # The round's members completed it: their receives end within moments. Any other call still running is a
+        # consumer that stalled or was cut out of the round: it is left out.
+        waited = [r for r in receives if r in took_part]
+        outcomes = wait_calls([receives[r] for r in waited], [self.labels[r] for r in waited], self.spec.timeout_s)
+        for rank, outcome in zip(waited, outcomes):
+            self._settle(rank, outcome, results)
+        for rank in [r for r in receives if r not in took_part]:
+            self._lose(rank, CallOutcome(self.labels[rank], False, error="took no part in the round (stalled?)"))
+        for rank in [r for r in self._joining if r in took_part]:
             join, receive = self._joining.pop(rank)
             assert receive is not None
             label = self.labels[rank]
@@ -251,6 +271,13 @@ class RayRefitGroup:
                 self._lose(rank, next(o for o in joined if not o.ok))
         self.members.sort()
         return results
+
+    def _settle(self, rank: int, outcome: CallOutcome, results: list[Round | None]) -> None:
+        """A member's receive ended: its round, or it is lost."""
+        if outcome.ok:
+            results[rank] = outcome.value
+        else:
+            self._lose(rank, outcome)
 
     def await_restarts(self, timeout_s: float) -> list[int]:
         """Wait up to ``timeout_s`` until every lost consumer's actor is back (Ray restarted it) or known gone; the
@@ -272,8 +299,9 @@ class RayRefitGroup:
             self.members.remove(rank)
         self._lost[rank] = self._actor(rank).__ray_call__.remote(member.status, self.name)
 
-    def _take_back(self) -> None:
-        """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join."""
+    def _take_back(self, load: member.LoadFn | None = None) -> None:
+        """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join;
+        with ``load``, queue its receive behind the join (it runs once the producer admitted the actor)."""
         for rank, ref in list(self._lost.items()):
             if not ray.wait([ref], timeout=0)[0]:
                 continue  # still restarting, or busy
@@ -286,7 +314,9 @@ class RayRefitGroup:
             spec = replace(self.spec, rank=rank)
             join = self._actor(rank).__ray_call__.remote(member.join, self.name, spec, self._consumer_options, True)
             self._joining[rank] = (join, None)
-        for rank, (join, _) in list(self._joining.items()):
+        for rank, (join, receive) in list(self._joining.items()):
+            if load is not None and receive is None:
+                self._joining[rank] = (join, self._actor(rank).__ray_call__.remote(member.receive, self.name, load))
             if ray.wait([join], timeout=0)[0] and not (answer := ended_call(join, self.labels[rank])).ok:
                 del self._joining[rank]  # it could not join (say, no answer in time): ask again after its status
                 self._lose(rank, answer)
@@ -299,12 +329,16 @@ class RayRefitGroup:
         self._closed = True
         ranks = [0, *self.members]
         calls = [self._actor(r).__ray_call__.remote(member.leave, self.name) for r in ranks]
+        # A consumer out of the session may still hold a failed one (its own error, a stall that ended, a lost
+        # producer), which would refuse the actor a group of this name later: it leaves too, after any join or
+        # receive queued on it (an actor asked to join learns from the producer's close that the session is over).
+        # A dead actor's, or a stuck one's, is not waited for past the deadline, and is no failure of the close.
+        others = [r for r in range(1, len(self.consumers) + 1) if r not in self.members]
+        strays = [self._actor(r).__ray_call__.remote(member.leave, self.name) for r in others]
         timeout = self.spec.timeout_s + MARGIN_S
         outcomes = wait_calls(calls, [self.labels[r] for r in ranks], timeout, grace_s=timeout)
-        # Actors asked to join learn from the producer's close that the session is over; lost ones have no session.
-        pending = [ref for pair in self._joining.values() for ref in pair if ref is not None]
-        if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        if strays:
+            ray.wait(strays, num_returns=len(strays), timeout=self.spec.timeout_s)
         self._joining.clear()
         self._lost.clear()
         raise_on_failure(outcomes, f"leaving group {self.name!r}")
