@@ -27,7 +27,9 @@ ROUNDS = 8
 KILLED_IN = 3
 BACK_AT = 5
 TIMEOUT_S = 6.0
-LONE_TIMEOUT_S = 30.0
+RESTART_S = 120.0
+"""group.timeout_s where a test waits for Ray to restart an actor within the producer's wait for the members to ask
+again (a new worker process imports torch: over 30 s on two busy cores); a hang limit, not a deadline under test."""
 WAIT_S = 240.0
 """A hang limit on each wait here (actors' start-up on two loaded cores included); only a hang nears it."""
 
@@ -188,7 +190,7 @@ def test_a_lone_engine_restarted_by_ray_takes_part_in_the_round_it_was_lost_in(r
     try:
         # The producer waits up to group.timeout_s for the lost engine to ask again: time for Ray to restart it
         # (a new worker process) on two busy cores.
-        with _connect(ray, RayRefitGroup, trainer, [engine], timeout_s=LONE_TIMEOUT_S) as group:
+        with _connect(ray, RayRefitGroup, trainer, [engine], timeout_s=RESTART_S) as group:
             rounds = [_refit(ray, group, trainer, k) for k in (1, 2, 3)]
             matches = ray.get(engine.matches.remote(3), timeout=WAIT_S)
     finally:
@@ -259,24 +261,31 @@ def test_role_ray_with_continue_runs_a_restarted_consumer_again(ray_cluster, cli
         "group.world_size=4",
         "refit.rounds=6",
         "refit.on_consumer_loss=continue",
-        f"group.timeout_s={TIMEOUT_S:g}",
+        # After the loss the producer waits up to group.timeout_s for the members to ask to go on: time for Ray to
+        # restart the lost consumer's actor (a new worker process that imports torch: tens of seconds on two busy
+        # cores), which then takes part in the redone round. Not a deadline under test: a hang limit.
+        f"group.timeout_s={RESTART_S:g}",
         "ray.cpus_per_rank=0.5",
         "refit.debug.die_in_round=3",
         "refit.debug.die_rank=2",
-        timeout_s=WAIT_S + 60,
+        "refit.delta=on",
+        timeout_s=WAIT_S + 2 * RESTART_S,
     )
     assert_ok(result)
     assert "consumer 2: its actor died" in result.stdout + result.stderr, result.describe()
     metrics = load_metrics(run_dir(tmp_path, "ray"))
     assert metrics["status"] == "ok" and metrics["rounds_done"] == 6
     members = [r["members"] for r in metrics["rounds"]]
-    # Ray restarts an actor in a second or two: rank 2 is back in the redone round 3, or at a later boundary.
-    assert members[:2] == [[1, 2, 3]] * 2 and members[-1] == [1, 2, 3], members
+    # Rank 2 is back in the redone round 3: Ray restarted it within the producer's wait for the members.
+    assert members == [[1, 2, 3]] * 6, members
     consumers = {c["rank"]: c for c in metrics["consumers"]}
     assert all(consumers[r]["status"] == "ok" and consumers[r]["verified"] for r in (1, 2, 3)), consumers
     assert [consumers[r]["restarts"] for r in (1, 2, 3)] == [0, 1, 0]
     back = [r["round"] for r in consumers[2]["rounds"]]
-    assert back == list(range(KILLED_IN, 7)) or (back[0] > KILLED_IN and back == list(range(back[0], 7))), back
+    assert back == list(range(KILLED_IN, 7)), back
+    # Every generation starts dense: the survivors' and the restarted one's round 3 alike; deltas resume after.
+    assert [r["delta"] for r in consumers[2]["rounds"]] == [False, True, True, True]
+    assert [r["delta"] for r in consumers[1]["rounds"]] == [False, True, False, True, True, True]
     assert [r["round"] for r in consumers[1]["rounds"]] == list(range(1, 7))
     assert all(r["verified"] for c in consumers.values() for r in c["rounds"])
     _all_cpus_back(ray_cluster)

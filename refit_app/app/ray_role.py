@@ -32,6 +32,7 @@ from typing import Any
 from refit_app.app.config import RaySpec, RunSettings
 from refit_app.app.launch import DeferredSignals, RankOutcome, outcome_of
 from refit_app.app.local import (
+    NO_ROUND,
     check_source_early,
     combine_outcomes,
     rank_label,
@@ -223,14 +224,14 @@ class _Cluster:
         self, s: RunSettings, launch: Callable[[int, int], Any], labels: list[str], signals: DeferredSignals
     ) -> list[Any]:
         """Every rank's run under refit.on_consumer_loss=continue: a consumer whose actor died is run again once
-        Ray has restarted it (up to ray.max_restarts times; the call waits in Ray's queue meanwhile) and rejoins
-        at a round boundary. Once the producer's run has ended, the others get the time to hear it and end."""
+        Ray has restarted it (up to ray.max_restarts times) and rejoins at a round boundary. Once the producer's run
+        has ended, the others get the time to hear it and end."""
         from refit_app.integrations.ray.calls import DIED, POLL_S, TIMEOUT, CallOutcome, ended_call
 
         ray = self.ray
         restarts = self.restarts
         outcomes: list[CallOutcome | None] = [None] * self.world_size
-        pending = {launch(rank, 0): rank for rank in range(self.world_size)}
+        pending: dict[Any, tuple[int, str]] = {launch(rank, 0): (rank, "run") for rank in range(self.world_size)}
         # A consumer hears of the end within its answer wait (answer_wait_s: 2 x group.timeout_s).
         grace_s = RAY_EXIT_GRACE_S + 2 * s.group.timeout_s
         producer_ended: float | None = None
@@ -240,8 +241,16 @@ class _Cluster:
                 break
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                rank = pending.pop(ref)
+                rank, kind = pending.pop(ref)
                 outcome = ended_call(ref, labels[rank])
+                if kind == "back":  # the restarted actor answers (or Ray gave up on it): run the rank again
+                    if not outcome.ok:
+                        outcomes[rank] = outcome
+                    elif producer_ended is not None:
+                        outcomes[rank] = CallOutcome(labels[rank], False, error=NO_ROUND, exc_type="NoRound")
+                    else:
+                        pending[launch(rank, restarts[rank])] = (rank, "run")
+                    continue
                 died = not outcome.ok and outcome.exc_type == DIED
                 if rank and died and producer_ended is None and restarts[rank] < self.spec.max_restarts:
                     restarts[rank] += 1
@@ -252,12 +261,14 @@ class _Cluster:
                         restarts[rank],
                         self.spec.max_restarts,
                     )
-                    pending[launch(rank, restarts[rank])] = rank
+                    # A call sent while the actor restarts fails at once ("temporarily unavailable"); this one is
+                    # retried by Ray until the actor is back, or has died for good.
+                    pending[self.actors[rank].start.options(max_task_retries=-1).remote()] = (rank, "back")
                     continue
                 outcomes[rank] = outcome
                 if rank == 0:
                     producer_ended = time.monotonic()
-        for rank in pending.values():
+        for rank, _ in pending.values():
             outcomes[rank] = CallOutcome(
                 labels[rank],
                 False,

@@ -149,11 +149,13 @@ class RayRefitGroup:
             raise ValueError(f"on_consumer_loss={on_consumer_loss!r}: choose one of {', '.join(ON_CONSUMER_LOSS)}")
         elastic = on_consumer_loss == "continue"
         labels = ["producer"] + [f"consumer {k}" for k in range(1, len(consumers) + 1)]
-        # The first call to an actor waits for it to start (its process, its imports: over 60 s on two busy cores),
-        # so it has the calls' deadline, not the group's.
-        (address,) = raise_on_failure(
-            wait_calls([producer.__ray_call__.remote(member.node_address)], labels[:1], call_timeout_s),
-            "asking the producer's actor for its address",
+        # The first call to an actor waits for it to start (its process, and refit_app's and torch's imports: over
+        # 60 s on two busy cores), so it has the calls' deadline, not the group's: every actor is ready before the
+        # group's deadlines start (the producer's wait for its consumers would otherwise count their start-up).
+        calls = [producer.__ray_call__.remote(member.node_address)]
+        calls += [c.__ray_call__.remote(member.status, name) for c in consumers]
+        address, *_ = raise_on_failure(
+            wait_calls(calls, labels, call_timeout_s), "asking the actors whether they are ready"
         )
         host, port = address
         spec = GroupSpec(
@@ -297,7 +299,10 @@ class RayRefitGroup:
         logger.warning("refit group %r: %s left out (%s)", self.name, self.labels[rank], outcome.error)
         if rank in self.members:
             self.members.remove(rank)
-        self._lost[rank] = self._actor(rank).__ray_call__.remote(member.status, self.name)
+        # Retried by Ray while the actor restarts (a call sent then fails at once, "temporarily unavailable"); it
+        # ends once the actor is back, or has died for good.
+        status = self._actor(rank).__ray_call__.options(max_task_retries=-1)
+        self._lost[rank] = status.remote(member.status, self.name)
 
     def _take_back(self, load: member.LoadFn | None = None) -> None:
         """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join;
