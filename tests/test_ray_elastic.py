@@ -82,6 +82,7 @@ class Engine:
             time.sleep(WAIT_S)  # killed before this ends, or stalled for good
         if k == self.fail_in:
             raise RuntimeError(f"this engine cannot load round {k}")
+        self.loaded_by = k  # whose load the round went to: a rejoiner's must be the refit's own
         for name, t in batch:
             self.got[name] = t.clone()
 
@@ -89,7 +90,8 @@ class Engine:
         import torch
 
         expected = dict(_weights(k))
-        return self.got.keys() == expected.keys() and all(torch.equal(self.got[n], expected[n]) for n in expected)
+        same = self.got.keys() == expected.keys() and all(torch.equal(self.got[n], expected[n]) for n in expected)
+        return same and getattr(self, "loaded_by", None) == k
 
 
 def test_an_engine_killed_mid_transfer_is_restarted_by_ray_and_rejoins_with_a_dense_round(ray_cluster, tmp_path):

@@ -26,15 +26,17 @@ reports the failure that caused the others.
 
 With ``on_consumer_loss="continue"`` the actors run elastic sessions (:mod:`refit_app.protocol.elastic`) instead:
 a consumer lost in a refit (its actor died, or Ray killed it) is left out of that refit's result, which the others
-complete; the driver then asks the lost actor whether it is back. An actor Ray restarted (``max_restarts``; or
+complete; the driver asks the lost actor at once whether it is back. An actor Ray restarted (``max_restarts``; or
 ``ray.kill(actor, no_restart=False)``) is a fresh process that holds no group: it is asked to join again, with its
-rank, the run's id and token, and takes part from the next refit, which is dense. A lost actor that is alive and
-still holds its failed session, or one that died for good, stays out::
+rank, the run's id and token, and takes part in the round its producer sends again, if it asks in time, else from
+the next refit; its first round is dense. A lost actor that is alive and still holds its failed session, or one
+that died for good, stays out::
 
-    refit k:   send + receives          consumer 2's actor dies -> refit k done by the producer, 1 and 3
-               status(2) launched       (queued by Ray until the actor is back)
-    refit k+1: status(2) answered ABSENT -> join(2) + receive(2) launched, the producer waits for its request
-               send + receives          consumer 2 back, from a dense round
+    refit k:  send + receives           consumer 2's actor dies mid-round
+              status(2)                 retried by Ray until the actor is back (or gone for good)
+              status(2) says ABSENT  -> join(2); the producer, waiting for the members to ask again, admits it
+              join(2) returns        -> receive(2) with refit k's load: round k again, dense, with consumers 1, 2, 3
+    (a restart slower than the producer's wait: round k without consumer 2, which is admitted at refit k+1)
 """
 
 from __future__ import annotations
@@ -261,16 +263,17 @@ class RayRefitGroup:
         for rank in [r for r in receives if r not in took_part]:
             self._lose(rank, CallOutcome(self.labels[rank], False, error="took no part in the round (stalled?)"))
         for rank in [r for r in self._joining if r in took_part]:
-            join, receive = self._joining.pop(rank)
+            # It took part: it was admitted, and its receive launched (it received the round).
+            _, receive = self._joining.pop(rank)
             assert receive is not None
             label = self.labels[rank]
-            joined = wait_calls([join, receive], [label, label], self.spec.timeout_s + MARGIN_S)
-            if all(o.ok for o in joined):
-                results[rank] = joined[1].value
+            (received,) = wait_calls([receive], [label], self.spec.timeout_s + MARGIN_S)
+            if received.ok:
+                results[rank] = received.value
                 self.members.append(rank)
                 logger.info("refit group %r: %s is back from round %d", self.name, label, sent.round)
             else:
-                self._lose(rank, next(o for o in joined if not o.ok))
+                self._lose(rank, received)
         self.members.sort()
         return results
 
@@ -306,7 +309,8 @@ class RayRefitGroup:
 
     def _take_back(self, load: member.LoadFn | None = None) -> None:
         """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join;
-        with ``load``, queue its receive behind the join (it runs once the producer admitted the actor)."""
+        with ``load`` (inside a refit), launch the receive of each one the producer has admitted since: its first
+        round is this refit's, so it gets this refit's ``load``, never an earlier one's."""
         for rank, ref in list(self._lost.items()):
             if not ray.wait([ref], timeout=0)[0]:
                 continue  # still restarting, or busy
@@ -320,11 +324,14 @@ class RayRefitGroup:
             join = self._actor(rank).__ray_call__.remote(member.join, self.name, spec, self._consumer_options, True)
             self._joining[rank] = (join, None)
         for rank, (join, receive) in list(self._joining.items()):
-            if load is not None and receive is None:
-                self._joining[rank] = (join, self._actor(rank).__ray_call__.remote(member.receive, self.name, load))
-            if ray.wait([join], timeout=0)[0] and not (answer := ended_call(join, self.labels[rank])).ok:
+            if receive is not None or not ray.wait([join], timeout=0)[0]:
+                continue  # receiving already, or not admitted yet (the producer admits at a round boundary)
+            answer = ended_call(join, self.labels[rank])
+            if not answer.ok:
                 del self._joining[rank]  # it could not join (say, no answer in time): ask again after its status
                 self._lose(rank, answer)
+            elif load is not None:
+                self._joining[rank] = (join, self._actor(rank).__ray_call__.remote(member.receive, self.name, load))
 
     def close(self) -> None:
         """End the session on every actor and leave the group, all at once; safe to call twice. Raises
