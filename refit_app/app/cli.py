@@ -88,7 +88,7 @@ def run_with_one_line_errors(main_fn: Callable[[], Any]) -> None:
     if status == 0:
         gate.release()
         return
-    line = describe_failure(gate.exception, gate.held_text(), sys.argv[1:])
+    line = _capped(describe_failure(gate.exception, gate.held_text(), sys.argv[1:]))
     gate.target.write(f"{PROG}: error: {line}\n")
     gate.target.flush()
     raise SystemExit(status if status > 128 else 1)
@@ -265,6 +265,18 @@ def _from_text(report: str) -> str:
 
 def _first_line(text: str) -> str:
     return next((line for line in text.splitlines() if line.strip()), text)
+
+
+MAX_LINE_CHARS = 2000
+"""The longest error line the application prints. Lists in messages are capped where they are made (``some_of``);
+this is the net under a message that still grew with its input, so a terminal or a log never gets a line of
+megabytes."""
+
+
+def _capped(line: str) -> str:
+    if len(line) <= MAX_LINE_CHARS:
+        return line
+    return f"{line[: MAX_LINE_CHARS - 40]}... ({len(line) - MAX_LINE_CHARS + 40} more characters)"
 
 
 def _squeeze(text: str) -> str:

@@ -36,6 +36,7 @@ from refit_app.transport.spec import (
     DEFAULT_ON_CONSUMER_LOSS,
     DEFAULT_PORT,
     MAX_TIMEOUT_S,
+    MAX_WORLD_SIZE,
     ON_CONSUMER_LOSS,
     GroupSpec,
     elastic_problem,
@@ -244,8 +245,12 @@ def validate(cfg: DictConfig) -> RunSettings:
 
     role = c.option("role", "name")
     num_consumers = c.get("role.num_consumers") if role == "local" else None
-    if role == "local" and num_consumers is not _ABSENT and not (is_int(num_consumers) and num_consumers >= 1):
-        c.fail("role.num_consumers", num_consumers, "must be an integer >= 1")
+    if (
+        role == "local"
+        and num_consumers is not _ABSENT
+        and not (is_int(num_consumers) and 1 <= num_consumers < MAX_WORLD_SIZE)
+    ):
+        c.fail("role.num_consumers", num_consumers, f"must be an integer in 1..{MAX_WORLD_SIZE - 1}")
 
     refit = _check_refit(c)
     group = _check_group(c, role, num_consumers)
@@ -354,7 +359,7 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
     world_size, rank = values["world_size"], values["rank"]
     if role == "local":
         # A local run starts every rank itself, so the group's shape follows from role.num_consumers.
-        expected = 1 + num_consumers if is_int(num_consumers) else None
+        expected = 1 + num_consumers if is_int(num_consumers) and 1 <= num_consumers < MAX_WORLD_SIZE else None
         if world_size not in (None, expected):
             c.fail(
                 "group.world_size",

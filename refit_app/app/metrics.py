@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from refit_app.common.errors import some_of
 from refit_app.common.files import write_atomic
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 
@@ -459,7 +460,7 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         parts.append(f", {len(consumers)} consumer{'s' if len(consumers) != 1 else ''}")
         lost = [str(c.get("rank")) for c in consumers if c.get("status") != "ok"]
         if lost:  # an elastic run goes on without them (refit.on_consumer_loss=continue)
-            parts.append(f" ({'consumer' if len(lost) == 1 else 'consumers'} {', '.join(lost)} lost)")
+            parts.append(f" ({'consumer' if len(lost) == 1 else 'consumers'} {some_of(lost)} lost)")
     extra = metrics.get("peak_extra_bytes")
     if extra is not None:
         parts.append(f", peak {'-' if extra < 0 else '+'}{format_size(abs(extra))}")

@@ -23,6 +23,9 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _HINT = "use an integer number of bytes or a size like 256MiB, 1GiB, 64MB"
+MAX_SIZE = 2**63 - 1
+"""The largest byte count a size may be: torch, numpy and the C kernel count bytes in signed 64-bit integers, so a
+larger one would fail deep inside a rank (OverflowError) instead of here, naming the key."""
 
 
 def parse_size(text: str | int, key: str = "size") -> int:
@@ -34,7 +37,7 @@ def parse_size(text: str | int, key: str = "size") -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         if text <= 0:
             raise ConfigError(f"{key}: {text} is not a size (it must be more than 0 bytes); {_HINT}")
-        return text
+        return _bounded(text, str(text), key)
     if not isinstance(text, str):
         raise ConfigError(f"{key}: {text!r} is not a size; {_HINT}")
     match = _SIZE_RE.match(text)
@@ -48,6 +51,12 @@ def parse_size(text: str | int, key: str = "size") -> int:
     value = int(Decimal(number) * _UNITS[unit])
     if value <= 0:
         raise ConfigError(f"{key}: {text!r} is not a size (it must be more than 0 bytes); {_HINT}")
+    return _bounded(value, repr(text), key)
+
+
+def _bounded(value: int, shown: str, key: str) -> int:
+    if value > MAX_SIZE:
+        raise ConfigError(f"{key}: {shown} is more bytes than any size can be (at most {MAX_SIZE}, 8 EiB); {_HINT}")
     return value
 
 

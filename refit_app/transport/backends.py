@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_app.common.errors import ConfigError, PeerError
+from refit_app.common.errors import ConfigError, PeerError, some_of
 from refit_app.packed_tensor import Work
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, Poller, ranks_text
@@ -210,11 +210,11 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     # A rank that reports no topology predates the setting and broadcasts along the tree.
     topologies = {r: info.get("topology", DEFAULT_TOPOLOGY) for r, info in sorted(infos.items())}
     if len(set(topologies.values())) > 1:
-        listed = ", ".join(f"rank {r} {t!r}" for r, t in topologies.items())
+        listed = some_of([f"rank {r} {t!r}" for r, t in topologies.items()])
         raise ConfigError(f"group.topology differs between ranks ({listed}); set the same group.topology on every rank")
     explicit = {r: info["backend"] for r, info in sorted(infos.items()) if info["backend"] != "auto"}
     if len(set(explicit.values())) > 1:
-        listed = ", ".join(f"rank {r} {b!r}" for r, b in explicit.items())
+        listed = some_of([f"rank {r} {b!r}" for r, b in explicit.items()])
         raise ConfigError(
             f"group.backend differs between ranks ({listed}); set the same group.backend on every rank, "
             "or 'auto' on all but one"

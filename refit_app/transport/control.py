@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from refit_app.common.errors import PeerError, RefitError, one_line
+from refit_app.common.errors import PeerError, RefitError, one_line, some_of
 from refit_app.transport.auth import RecordError, RunAuth, need
 from refit_app.transport.spec import PRODUCER_RANK
 
@@ -127,7 +127,8 @@ class DeadlineStore:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+    """``rank 3``, ``ranks 1, 2``, or for a large group ``ranks 1, 2, 3, 4, 5 and 99994 more``: one readable line."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + some_of([str(r) for r in ranks])
 
 
 class Control:

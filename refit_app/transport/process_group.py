@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_app.common.errors import ConfigError, PeerError
+from refit_app.common.errors import ConfigError, PeerError, some_of
 from refit_app.transport.backends import TorchBroadcastGroup
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, DeadlineStore
@@ -109,7 +109,7 @@ def _agree_on_topology(store: Any, rank: int, world_size: int, topology: str, ti
                 "runs on every rank of the group)"
             ) from e
     if len(set(seen.values())) > 1:
-        listed = ", ".join(f"rank {r} {t!r}" for r, t in sorted(seen.items()))
+        listed = some_of([f"rank {r} {t!r}" for r, t in sorted(seen.items())])
         raise ConfigError(
             f"from_process_group's topology differs between ranks ({listed}); pass the same on every rank"
         )

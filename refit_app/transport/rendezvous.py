@@ -286,6 +286,8 @@ def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any
     if not all(isinstance(v, (str, bool, int, type(None))) for v in caps.values()):
         raise RecordError("has capabilities that are not plain values")
     need(doc, "producer_address", str)
+    if not isinstance(doc.get("refused", ""), str):
+        raise RecordError("has a refusal that is not text")
     return doc
 
 
@@ -345,6 +347,20 @@ def _why_not_joined(pending: list[int], refused: int, spec: GroupSpec) -> PeerEr
     )
 
 
+def _refused_greeting(rank: int, why: str, store: dist.Store, auth: RunAuth, spec: GroupSpec) -> PeerError:
+    """What the producer says when one of its consumers refused the greeting: its own was replaced if it no longer
+    checks with the run's key (a client wrote the public key), else the consumer's settings differ."""
+    try:
+        auth.open("hello", store.get(_K_HELLO))
+        replaced = ""
+    except (RecordError, dist.DistError):
+        replaced = (
+            "; this producer's greeting was overwritten by a client that is not one of this run's ranks: keep "
+            "group.port off untrusted networks and start the refit again"
+        )
+    return PeerError(f"consumer rank {rank} refused the greeting it read at {spec.address} ({why}){replaced}")
+
+
 def producer_checkin(
     store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, deadline: float
 ) -> tuple[str, str]:
@@ -377,6 +393,11 @@ def producer_checkin(
                 auth.distrust("a check-in", spec.address, e)
                 continue
             rank = doc["rank"]
+            if doc.get("refused"):
+                # Signed with this run's key: one of this run's consumers, which read a greeting it could not
+                # believe and has exited. Waiting for it would end in "did not join" at the deadline.
+                refusal = _refused_greeting(rank, doc["refused"], store, auth, spec)
+                raise fail_rendezvous(rstore, auth, refusal, spec.address)
             if rank in records:
                 if records[rank] != doc:  # the same record again is a replay, and harmless
                     raise fail_rendezvous(rstore, auth, _claimed_twice(rank, spec.world_size, auth), spec.address)
@@ -469,7 +490,7 @@ def await_producer(
     problem = _greeting_problem(auth, raw, signed, spec.address)
     if problem is not None:
         # Left where the producer looks, so that it can say why this rank never joined.
-        _leave_untrusted_checkin(store, auth, spec)
+        _leave_untrusted_checkin(store, auth, spec, problem)
         raise ConfigError(f"{problem}; set the same group.token (or {TOKEN_ENV}) on every rank")
     if hello.get("elastic", False) is not elastic:
         # Either way the two would wait for each other in different places until a deadline: say why now.
@@ -502,17 +523,22 @@ def _greeting_problem(auth: RunAuth, raw: bytes, signed: bool, where: str) -> st
     return None
 
 
-def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route, *, trusted: bool = True) -> None:
-    area = _checkin_area(auth, trusted)
+def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route, *, refused: str = "") -> None:
+    """``refused``: why this consumer could not believe the greeting; its check-in then goes to the public area,
+    and where it is signed with the run's key after all (a stranger copied the real greeting unsigned), the
+    producer reads the reason instead of counting the rank as joined."""
+    area = _checkin_area(auth, trusted=not refused)
     n = store.add(_k_count(area), 1)
     record = {"rank": spec.rank, "run_id": auth.run_id, "caps": capabilities(spec), "producer_address": route.producer}
+    if refused:
+        record["refused"] = refused
     store.set(_k_slot(area, n), auth.seal("checkin", record))
 
 
-def _leave_untrusted_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec) -> None:
+def _leave_untrusted_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, why: str) -> None:
     """Best effort: the public area's counter is anyone's to break, and the caller is about to raise its reason."""
     try:
-        _write_checkin(store, auth, spec, Route("", ""), trusted=False)
+        _write_checkin(store, auth, spec, Route("", ""), refused=why)
     except dist.DistError as e:
         logger.debug("rank %d: could not leave a check-in at %s: %s", spec.rank, spec.address, one_line(e))
 

@@ -63,6 +63,10 @@ MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """group.timeout_s's bounds: below a millisecond c10d's clients round it to no deadline at all, and a deadline past a
 week (or infinite) is a hang by another name."""
+MAX_WORLD_SIZE = 1024
+"""The most ranks a refit group may have. Every consumer holds a connection to the producer's store and, on gloo, to
+its neighbours in the broadcast tree; far past a thousand a typo (an extra zero) is likelier than a deployment, and
+it would otherwise wait a whole group.timeout_s for ranks that never come."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,11 @@ class GroupSpec:
             p.fail("group.host", self.host, "must be the producer's host name or IP address")
         if self.port is not None and not (is_int(self.port) and 1 <= self.port <= 65535):
             p.fail("group.port", self.port, "must be a port number in 1..65535")
-        if not (is_int(self.world_size) and self.world_size >= 2):
+        if not (is_int(self.world_size) and 2 <= self.world_size <= MAX_WORLD_SIZE):
             p.fail(
-                "group.world_size", self.world_size, "must be an integer >= 2 (the producer and at least one consumer)"
+                "group.world_size",
+                self.world_size,
+                f"must be an integer in 2..{MAX_WORLD_SIZE} (the producer and at least one consumer)",
             )
         elif not (is_int(self.rank) and 0 <= self.rank < self.world_size):
             p.fail("group.rank", self.rank, f"must be in 0..{self.world_size - 1} (0 is the producer)")
