@@ -102,7 +102,9 @@ def test_lists_of_ranks_in_error_lines_are_capped():
 
 def test_a_producer_of_the_largest_group_names_its_missing_ranks_in_a_short_line(cli, tmp_path):
     """Before: one line of 689,047 characters naming ranks 1..99999."""
-    result = cli("role=producer", f"group.world_size={MAX_WORLD_SIZE}", "group.timeout_s=1", f"group.port={free_port()}")
+    result = cli(
+        "role=producer", f"group.world_size={MAX_WORLD_SIZE}", "group.timeout_s=1", f"group.port={free_port()}"
+    )
     assert result.returncode == 1, result.describe()
     lines = result.stderr_lines()
     assert lines[-1].startswith("refit_app: error: ranks 1, 2, 3, 4, 5 and 1018 more did not join"), lines[-1]
