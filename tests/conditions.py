@@ -134,6 +134,17 @@ def _netns() -> str | None:
     return (result.stderr.strip() or f"{NETNS_SCRIPT.name} check exited {result.returncode}") + " (CI runs as root)"
 
 
+def _asan() -> str | None:
+    """gcc and its AddressSanitizer runtime (Debian's gcc-12 brings libasan8 and libubsan1 through libgcc-12-dev)."""
+    try:
+        found = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False)
+    except OSError:
+        return "needs gcc (to build the delta kernel with AddressSanitizer); none on PATH"
+    if not Path(found.stdout.strip()).is_absolute():
+        return "gcc has no AddressSanitizer runtime here (libasan.so); on Debian: apt-get install libasan8 libubsan1"
+    return None
+
+
 def _linux_proc() -> str | None:
     return None if Path("/proc/self/status").exists() else "peak memory needs Linux /proc"
 
@@ -199,6 +210,7 @@ NO_CUDA = Need("no cuda", _no_cuda)
 NETNS = Need("network namespaces", _netns)
 VLLM = Need("vllm", _module("vllm", "its own venv (bash scripts/ci_vllm.sh, never the main one)"))
 LINUX_PROC = Need("/proc", _linux_proc)
+ASAN = Need("gcc with AddressSanitizer", _asan)
 OUTWARD_IPV4 = Need("an outward IPv4 address", _outward_ipv4)
 CRC32C = Need("crc32c", _module("crc32c", "`pip install crc32c` (optional: a faster checksum)"))
 
@@ -229,6 +241,8 @@ needs_netns = NETNS.mark
 """Ranks in Linux network namespaces (``scripts/netns_hosts.sh``): root or CAP_NET_ADMIN + CAP_SYS_ADMIN."""
 needs_vllm = VLLM.mark
 needs_linux_proc = LINUX_PROC.mark
+needs_asan = ASAN.mark
+"""Builds a C extension with ``-fsanitize=address,undefined`` and runs it under ``LD_PRELOAD=libasan.so``."""
 needs_outward_ipv4 = OUTWARD_IPV4.mark
 needs_crc32c = CRC32C.mark
 needs_transformers = TRANSFORMERS.mark

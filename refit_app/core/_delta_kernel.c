@@ -202,7 +202,7 @@ static PyObject *diff(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "new and old must have the same length, a multiple of 8 and of the itemsize");
         goto done;
     }
-    if (pb.len < (n / itemsize) * 8 || vb.len < n) {
+    if (pb.len / 8 < n / itemsize || vb.len < n) {
         PyErr_Format(PyExc_ValueError, "positions or values are too small for %zd bytes", n);
         goto done;
     }
@@ -264,7 +264,8 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     if (get_buffer(val_obj, &vb, 0, "values") < 0) { PyBuffer_Release(&tb); PyBuffer_Release(&pb); return NULL; }
     PyObject *result = NULL;
     Py_ssize_t count = pb.len / 8, numel = tb.len / itemsize;
-    if (pb.len % 8 || vb.len != count * itemsize) {
+    /* Divided, not multiplied: a huge itemsize must not wrap count * itemsize onto vb.len. */
+    if (pb.len % 8 || vb.len % itemsize || vb.len / itemsize != count) {
         PyErr_SetString(PyExc_ValueError, "values must hold itemsize bytes per position");
         goto done;
     }
@@ -305,7 +306,8 @@ done:
  * unchanged elements since the previous one (a gap of the width's maximum is escaped: its value is the next of
  * ``escapes`` u64 words after the gaps, which start at count * width rounded up to 8), and the change's value, the
  * next ``itemsize`` bytes of values, written there. The whole section is checked first (the escapes it holds, the
- * last position inside target): a corrupt record fails without writing anything. The same as decoding with
+ * last position inside target; count and escapes against the tensor and the section before any size is computed
+ * from them): a corrupt record fails without reading outside its buffers or writing anything. The same as decoding with
  * refit_app.core.delta.decode_positions and then scatter, without the int64 positions in between. */
 static PyObject *apply_gaps(PyObject *self, PyObject *args) {
     PyObject *tgt_obj, *sec_obj, *val_obj;
@@ -321,13 +323,27 @@ static PyObject *apply_gaps(PyObject *self, PyObject *args) {
     if (get_buffer(sec_obj, &sb, 0, "section") < 0) { PyBuffer_Release(&tb); return NULL; }
     if (get_buffer(val_obj, &vb, 0, "values") < 0) { PyBuffer_Release(&tb); PyBuffer_Release(&sb); return NULL; }
     PyObject *result = NULL;
-    const Py_ssize_t numel = tb.len / itemsize, at = (count * width + 7) / 8 * 8;
+    const Py_ssize_t numel = tb.len / itemsize;
     const uint64_t limit = width == 1 ? 0xFF : 0xFFFF;
+    /* count and escapes come from a record's header: each is bounded before it is multiplied, so that a forged one
+     * (count 2^62 with 16-bit gaps, escapes 2^61) cannot wrap a size check and let the loops read past the section.
+     * After these, count * itemsize <= tb.len and count * width <= sb.len: no product below overflows. */
+    if (count > numel || escapes > count) {
+        PyErr_Format(PyExc_ValueError, "a record of %zd changes and %zd escapes does not fit a tensor of %zd elements",
+                     count, escapes, numel);
+        goto done;
+    }
     if (vb.len != count * itemsize) {
         PyErr_SetString(PyExc_ValueError, "values must hold itemsize bytes per change");
         goto done;
     }
-    if (sb.len < count * width || (escapes && sb.len < at + 8 * escapes)) {
+    Py_ssize_t at = 0; /* where the escapes start: after the gaps, padded to 8 */
+    int short_section = count > sb.len / width;
+    if (!short_section && escapes) {
+        at = (count * width + 7) / 8 * 8;
+        short_section = at > sb.len || escapes > (sb.len - at) / 8;
+    }
+    if (short_section) {
         PyErr_Format(PyExc_ValueError, "a positions section of %zd bytes is too short for %zd changes and %zd escapes",
                      sb.len, count, escapes);
         goto done;
@@ -339,7 +355,9 @@ static PyObject *apply_gaps(PyObject *self, PyObject *args) {
         int bad = 0;
         Py_ssize_t seen = 0;
         Py_BEGIN_ALLOW_THREADS
-        /* The check: every escape accounted for, every position (the gaps' running sum) inside the target. */
+        /* The check: every escape accounted for, every position (the gaps' running sum) inside the target. Gaps are
+         * unsigned and each below numel, so the sum never wraps and positions strictly increase: an escaped
+         * 2^64 - 10, which as an int64 would step 10 back, is refused here. */
         uint64_t next = 0; /* the position of the next change if its gap were 0 */
         for (Py_ssize_t k = 0; k < count && !bad; k++) {
             uint64_t gap = width == 1 ? gaps[k] : (uint64_t)gaps[2 * k] | (uint64_t)gaps[2 * k + 1] << 8;

@@ -328,25 +328,94 @@ def raw_positions_nbytes(encoding: int, count: int, escapes: int, numel: int) ->
     return (padded(count * width) + 8 * escapes) if escapes else count * width
 
 
+def check_header(
+    encoding: int,
+    flags: int,
+    count: int,
+    escapes: int,
+    positions_nbytes: int,
+    values_nbytes: int,
+    numel: int,
+    itemsize: int,
+) -> None:
+    """ValueError, saying which field is wrong, where a record's header cannot describe changes of a tensor of
+    ``numel`` elements of ``itemsize`` bytes. The receiver calls this before it reads or allocates anything by the
+    header's sizes: a corrupt header (a count of 2^62) is refused instead of asking numpy for 2^62 bytes."""
+    if encoding not in ENCODING_NAMES:
+        raise ValueError(f"unknown encoding {encoding} (known: {sorted(ENCODING_NAMES)})")
+    if flags & ~ZSTD or (flags and encoding == DENSE):
+        raise ValueError(f"flags {flags:#x} are not valid for encoding {ENCODING_NAMES[encoding]}")
+    if encoding == DENSE:
+        if count != numel or escapes or positions_nbytes:
+            raise ValueError(
+                f"a dense record has {count} changes, {escapes} escapes and {positions_nbytes} positions bytes; "
+                f"it must have {numel}, 0 and 0"
+            )
+        want_values = numel * itemsize
+    else:
+        _check_counts(encoding, count, escapes, numel)
+        raw = raw_positions_nbytes(encoding, count, escapes, numel)
+        # zstd is kept only where it saves ZSTD_MIN_SAVING, so compressed positions are never longer than raw ones.
+        if not (0 < positions_nbytes <= raw if flags & ZSTD else positions_nbytes == raw):
+            raise ValueError(
+                f"{positions_nbytes} positions bytes for {count} changes and {escapes} escapes as "
+                f"{ENCODING_NAMES[encoding]}{' (zstd)' if flags & ZSTD else ''}: "
+                f"{'at most ' if flags & ZSTD else ''}{raw} expected"
+            )
+        want_values = count * itemsize
+    if values_nbytes != want_values:
+        raise ValueError(f"{values_nbytes} value bytes for {count} of {numel} elements: {want_values} expected")
+
+
+def _check_counts(encoding: int, count: int, escapes: int, numel: int) -> None:
+    """ValueError unless ``encoding`` encodes positions and ``count``, ``escapes`` can describe changes of ``numel``
+    elements. Checked before any size is computed from them: a forged count must not make a slice or an allocation
+    that large."""
+    if encoding not in (BITMASK, *_GAP_LIMIT):
+        raise ValueError(f"encoding {encoding} does not encode positions (bitmask, gaps8 or gaps16 do)")
+    if not 0 <= count <= numel or not 0 <= escapes <= (count if encoding in _GAP_LIMIT else 0):
+        raise ValueError(
+            f"a record of {count} changes and {escapes} escapes does not fit a tensor of {numel} elements "
+            "(at most one change per element, one escape per change, none in a bitmask)"
+        )
+
+
+_NO_OVERFLOW_NUMEL = 3_037_000_499
+"""Below this many elements (the square root of 2^63), ``count <= numel`` gaps each below ``numel`` sum to less than
+2^63: their int64 running sum cannot wrap, so positions strictly increase without a check of their order."""
+
+
 def decode_positions(encoding: int, section: np.ndarray, count: int, escapes: int, numel: int) -> np.ndarray:
     """The ascending int64 element indices a positions section encodes; ValueError where it is inconsistent (so a
     corrupt record is refused, never applied at wrong places)."""
+    _check_counts(encoding, count, escapes, numel)
     if encoding == BITMASK:
-        bits = np.unpackbits(section[: (numel + 7) // 8], bitorder="little")[:numel]
-        positions = np.flatnonzero(bits)
-    elif encoding in _GAP_LIMIT:
+        nbytes = (numel + 7) // 8
+        if section.size < nbytes:
+            raise ValueError(f"a bitmask of {section.size} bytes is too short for {numel} elements")
+        positions = np.flatnonzero(np.unpackbits(section[:nbytes], bitorder="little")[:numel])
+    else:
         limit, dtype = _GAP_LIMIT[encoding], _GAP_DTYPE[encoding]
         width = dtype.itemsize
+        at = padded(count * width) if escapes else count * width
+        if section.size < at + 8 * escapes:
+            raise ValueError(
+                f"a positions section of {section.size} bytes is too short for {count} changes and {escapes} escapes"
+            )
         gaps = section[: count * width].view(dtype).astype(np.int64)
         escaped = np.flatnonzero(gaps == limit)
         if escaped.size != escapes:
             raise ValueError(f"{escaped.size} escaped gaps where the record says {escapes}")
         if escapes:
-            at = padded(count * width)
-            gaps[escaped] = section[at : at + 8 * escapes].view("<u8").astype(np.int64)
+            words = section[at : at + 8 * escapes].view("<u8")
+            # An escaped gap is a u64: one of 2^63 or more would turn negative as an int64 and move the position
+            # back (2^64 - 10 by ten), and numpy would write there, or wrap a negative index, without a word.
+            if int(words.max()) >= numel:
+                raise ValueError(f"an escaped gap of {int(words.max())} in a tensor of {numel} elements")
+            gaps[escaped] = words.astype(np.int64)
         positions = np.cumsum(gaps + 1) - 1
-    else:
-        raise ValueError(f"unknown delta encoding {encoding}")
+        if numel > _NO_OVERFLOW_NUMEL and count > 1 and not np.all(positions[1:] > positions[:-1]):
+            raise ValueError(f"the positions of a record of {count} changes overflow")
     if positions.size != count or (count and (positions[0] < 0 or positions[-1] >= numel)):
         raise ValueError(f"the positions of a record of {count} changes do not fit a tensor of {numel} elements")
     return positions
@@ -360,6 +429,9 @@ def apply_record(
     kernel's one pass where it was built (decoding to int64 positions first cost the consumer two thirds as much as
     applying them)."""
     numel = target.size // itemsize
+    _check_counts(encoding, count, escapes, numel)
+    if values.size != count * itemsize:
+        raise ValueError(f"{values.size} value bytes for {count} changes of {itemsize}-byte elements")
     if encoding in _GAP_LIMIT and kernel is not None and target.flags.c_contiguous and target.flags.writeable:
         kernel.apply_gaps(target, section, _GAP_DTYPE[encoding].itemsize, count, escapes, values, itemsize)
         return
@@ -368,10 +440,16 @@ def apply_record(
 
 def apply(target: np.ndarray, positions: np.ndarray, values: np.ndarray, itemsize: int) -> None:
     """Write ``values`` (uint8, ``itemsize`` bytes per position) at ``positions`` of ``target`` (a tensor's uint8
-    bytes, writable)."""
+    bytes, writable); ValueError, before anything is written, where a position lies outside ``target`` (numpy
+    would wrap a negative one to the end) or the values do not match the positions."""
     if kernel is not None and target.flags.c_contiguous and target.flags.writeable:
         kernel.scatter(target, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values), itemsize)
         return
+    numel = target.size // itemsize
+    if values.size != positions.size * itemsize:
+        raise ValueError(f"{values.size} value bytes for {positions.size} positions of {itemsize}-byte elements")
+    if positions.size and (positions.min() < 0 or positions.max() >= numel):
+        raise ValueError(f"a position lies outside the target of {numel} elements")
     if itemsize in _UINT:
         target.view(_UINT[itemsize])[positions] = values.view(_UINT[itemsize])
     else:

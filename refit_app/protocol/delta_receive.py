@@ -277,19 +277,18 @@ class _RecordReader:
                 while True:
                     yield
                     raise HandshakeError("the producer's delta stream goes on after its end record")
-            if not last < index < len(metas) or encoding not in codec.ENCODING_NAMES:
+            if not last < index < len(metas):
                 raise HandshakeError(
-                    f"a delta record for tensor {index} (after {last}) with encoding {encoding}: the "
-                    "producer's stream is not in step with this consumer's manifest"
+                    f"a delta record for tensor {index} (after {last}, of {len(metas)}): the producer's stream is "
+                    "not in step with this consumer's manifest"
                 )
             meta = metas[index]
             itemsize, numel = meta.dtype.itemsize, meta.numel
-            want_values = numel * itemsize if encoding == codec.DENSE else count * itemsize
-            if values_nbytes != want_values or count > numel:
-                raise HandshakeError(
-                    f"the delta record of {meta.name!r} carries {values_nbytes} value bytes for "
-                    f"{count} of {numel} elements"
-                )
+            # Every size in the header is checked against the tensor before the reads below allocate by it.
+            try:
+                codec.check_header(encoding, flags, count, escapes, pos_nbytes, values_nbytes, numel, itemsize)
+            except ValueError as e:
+                raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
             self._final_upto = index  # every tensor before this one has no record this round: final
             target = self._targets[index] if self._targets is not None else None
             positions = section = None
@@ -300,7 +299,8 @@ class _RecordReader:
                 section = yield from self._read(codec.padded(pos_nbytes))
                 section = section[:pos_nbytes]
                 if flags & codec.ZSTD:
-                    section = self._decompress(section, codec.raw_positions_nbytes(encoding, count, escapes, numel))
+                    raw_nbytes = codec.raw_positions_nbytes(encoding, count, escapes, numel)
+                    section = self._decompress(section, raw_nbytes, meta.name)
                 if not on_host:
                     try:
                         positions = codec.decode_positions(encoding, section, count, escapes, numel)
@@ -344,7 +344,7 @@ class _RecordReader:
             self._final_upto = index + 1
             last = index
 
-    def _decompress(self, section: np.ndarray, raw_nbytes: int) -> np.ndarray:
+    def _decompress(self, section: np.ndarray, raw_nbytes: int, name: str) -> np.ndarray:
         if self._decompressor is None:
             import zstandard
 
@@ -352,7 +352,11 @@ class _RecordReader:
         try:
             data = self._decompressor.decompress(section.tobytes(), max_output_size=raw_nbytes)
         except Exception as e:
-            raise HandshakeError(f"a delta record's compressed positions do not decompress: {e}") from e
+            raise HandshakeError(
+                f"the delta record of {name!r}: its compressed positions do not decompress: {e}"
+            ) from e
         if len(data) != raw_nbytes:
-            raise HandshakeError(f"a delta record's positions decompress to {len(data)} bytes, not {raw_nbytes}")
+            raise HandshakeError(
+                f"the delta record of {name!r}: its positions decompress to {len(data)} bytes, not {raw_nbytes}"
+            )
         return np.frombuffer(data, dtype=np.uint8)
