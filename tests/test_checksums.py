@@ -82,3 +82,17 @@ def test_a_consumer_without_the_producers_algorithm_refuses_at_the_handshake():
     for outcome in outcomes:
         assert isinstance(outcome, RankFailure), outcome
         assert "checksums with xxh3_64, which this host cannot compute: pip install xxhash" in outcome.message, outcome
+
+
+def test_checksum_all_equals_each_buffers_own_checksum_on_two_threads():
+    # A list large enough for two threads, with buffers of one piece, of several and of none, so that the split
+    # between the threads falls inside a large buffer's pieces.
+    from refit_app.protocol.checksum import PIECE_BYTES, checksum_all, checksum_function
+
+    g = torch.Generator().manual_seed(0)
+    sizes = (0, 17, 3 << 20, PIECE_BYTES + 1, 4 * PIECE_BYTES + 3, 5)
+    buffers = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy() for n in sizes]
+    for name in available_algorithms():
+        want = [checksum_function(name)(b) for b in buffers]
+        assert checksum_all(name, buffers) == want, name
+        assert checksum_all(name, buffers[:3]) == want[:3], name  # under the two-thread size: one thread

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +55,8 @@ FALLBACK_ALGORITHM = "crc32"
 _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-hash")
 _PARALLEL_MIN_PIECES = 4
 """A tensor of at least this many pieces is hashed on two threads (a thread's start costs more than a piece)."""
+_PARALLEL_MIN_BYTES = 4 << 20
+"""Buffers of at least this many bytes in all are hashed on two threads by :func:`checksum_all`."""
 
 
 @functools.cache
@@ -100,6 +102,48 @@ def checksum_function(name: str) -> ChecksumFunction:
             f"the producer checksums with {name}, which this host cannot compute: pip install {_ALGORITHMS[name][2]}"
         )
     return function
+
+
+def checksum_all(name: str, buffers: Sequence[Any]) -> list[int]:
+    """``checksum_function(name)`` of each host buffer, on two threads: the buffers (a large one as its 16 MiB
+    pieces, for ``xxh3_64_16mib``) are split into two runs of about equal bytes, the second hashed on the helper
+    thread. A model of many tensors under 64 MiB, which :func:`checksum_function` hashes on one thread each, takes
+    about half the time this way."""
+    function = checksum_function(name)
+    views = [memoryview(b).cast("B") for b in buffers]
+    pieced = name == PIECED
+    unit_function = _load("xxh3_64") if pieced else function
+    assert unit_function is not None  # xxh3_64_16mib and xxh3_64 come from the same package
+    # Units of work: (buffer, start, stop); a pieced buffer over one piece is one unit per piece.
+    units = []
+    for i, view in enumerate(views):
+        n = view.nbytes
+        if pieced and n > PIECE_BYTES:
+            units += [(i, at, min(at + PIECE_BYTES, n)) for at in range(0, n, PIECE_BYTES)]
+        else:
+            units.append((i, 0, n))
+    total = sum(stop - start for _, start, stop in units)
+
+    def digests(part: list[tuple[int, int, int]]) -> list[int]:
+        return [unit_function(views[i][start:stop]) for i, start, stop in part]
+
+    cut = len(units)
+    if total >= _PARALLEL_MIN_BYTES:
+        done, cut = 0, 0
+        while cut < len(units) and done < total // 2:
+            done += units[cut][2] - units[cut][1]
+            cut += 1
+    second = _HELPER.submit(digests, units[cut:]) if cut < len(units) else None
+    values = digests(units[:cut]) + (second.result() if second is not None else [])
+    if not pieced:
+        return values
+    out: list[list[int]] = [[] for _ in views]
+    for (i, _, _), value in zip(units, values):
+        out[i].append(value)
+    return [
+        parts[0] if views[i].nbytes <= PIECE_BYTES else unit_function(b"".join(struct.pack("<Q", d) for d in parts))
+        for i, parts in enumerate(out)
+    ]
 
 
 def split_point(name: str, nbytes: int) -> int | None:

@@ -71,6 +71,13 @@ class ConsumerSession(Session):
             where :meth:`receive`'s ``targets`` do not hold the tensors. With ``mirror`` too, the copy is patched
             first and each change carries it (:attr:`~refit_app.protocol.delta.TensorDelta.mirror`): for an engine
             that must reload some tensors whole, with their unchanged neighbours.
+        check_base: before claiming the tensors it holds (``targets`` or the mirror) as a delta round's base, check
+            that their bytes are still the round's: their per-tensor checksums, taken as each round's data is in
+            (the producer's, where the round carried them), against a fresh hash of the tensors, on two threads. A
+            write torch's version counter does not see (``t.data.copy_``, as vLLM's ``default_weight_loader`` does,
+            or through ``t.numpy()``) then gets a dense round instead of a delta onto other bytes. False trusts
+            the version counter alone, saving one read of the model per round (two without checksums): only for an
+            engine that never writes those tensors by other means.
 
     A consumer that holds no tensors the producer could send a delta against (no mirror, no targets, not
     accepting deltas, or verifying without tensors to verify) gets dense rounds only. Construct it on every rank
@@ -90,6 +97,7 @@ class ConsumerSession(Session):
         mirror: bool = False,
         accept_deltas: bool = False,
         rounds: int | None = None,
+        check_base: bool = True,
     ) -> None:
         super().__init__(group)
         if group.rank == PRODUCER_RANK:
@@ -105,8 +113,9 @@ class ConsumerSession(Session):
         self.last_round: Round | None = None
         """The round :meth:`receive` finished last (for the iterator form, once it is exhausted)."""
         self._delta_on, _, _ = self._exchange_needs(False, verify, probe_tokens)
-        # The copy is kept only where the producer may send deltas: dense rounds need none.
-        self._delta = ConsumerDelta(mirror=mirror and self._delta_on)
+        # The copy is kept, and the tensors fingerprinted, only where the producer may send deltas: dense rounds
+        # claim no base.
+        self._delta = ConsumerDelta(mirror=mirror and self._delta_on, check_base=check_base and self._delta_on)
         self._plain = False
         """This round is plain (:data:`~refit_app.protocol.rounds.PLAIN`)."""
         self.regroup_to = 0
@@ -408,6 +417,8 @@ class ConsumerSession(Session):
         k = result.round
         manifest = self.manifest
         assert manifest is not None
+        kept = not (self._plain and self._delta.mirror)
+        fingerprint = None
         try:
             if manifest.checksums:
                 result.checksums = recv_checksums(self.group, len(manifest.tensors))
@@ -416,13 +427,19 @@ class ConsumerSession(Session):
             if self._verifier is not None:
                 result.facts.update(self._verifier.verdict(result.checksums))
                 result.verified = True
+            if self._delta_on and kept:
+                # Taken before on_round_end: the base claimed next round is what the round wrote, so a write
+                # there (or later) is caught by the next round's check, not recorded as the base.
+                fingerprint = self._delta.fingerprint(
+                    targets, checksums=result.checksums, algorithm=manifest.checksum_algorithm
+                )
             if on_round_end is not None:
                 result.facts.update(on_round_end(result) or {})
         except BaseException as e:
             self._fail(k, e)
         finish(self.group, None)
         self.rounds += 1
-        self._delta.completed(k, targets, kept=not (self._plain and self._delta.mirror))
+        self._delta.completed(k, targets, kept=kept, fingerprint=fingerprint)
         self.last_round = result
         return result
 

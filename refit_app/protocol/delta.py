@@ -2,10 +2,11 @@
 
 A producer session with ``delta="on"`` or ``"auto"`` keeps an :class:`~refit_app.core.image.Image` of the bytes it
 sent last (one host copy of the sent model). Before each round every consumer says which round its tensors hold
-(:meth:`ConsumerDelta.held`): 0 when it holds nothing it can vouch for (a fresh consumer, tensors written to since,
-another set of tensors). The round is a delta round only when the manifest is unchanged and every consumer holds
-the round the snapshot holds; it then names that round as its base. Otherwise it is dense, and the producer packs
-each tensor into the snapshot as it sends it (the copy it would make into a send buffer anyway).
+(:meth:`ConsumerDelta.held`): 0 when it holds nothing it can vouch for by its bytes (a fresh consumer, tensors
+written since by any means, another set of tensors). The round is a delta round only when the manifest is unchanged
+and every consumer holds the round the snapshot holds; it then names that round as its base. Otherwise it is dense,
+and the producer packs each tensor into the snapshot as it sends it (the copy it would make into a send buffer
+anyway).
 
 A delta round is a stream of records (:mod:`refit_app.core.delta`, :mod:`refit_app.core.stream`): each tensor is
 compared with its snapshot slice block by block, hashed in the same pass where a consumer verifies, and its

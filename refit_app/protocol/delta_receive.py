@@ -6,19 +6,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from refit_app.common.errors import HandshakeError
+from refit_app.common.errors import HandshakeError, some_of
 from refit_app.core import delta as codec
 from refit_app.core.chunks import Chunk
 from refit_app.core.group import BroadcastGroup
 from refit_app.core.image import Image, receive_image
 from refit_app.core.meta import TensorMeta
 from refit_app.core.stream import HEADER_BYTES, Buffers, receive_stream
-from refit_app.core.wire import tensor_bytes
+from refit_app.core.wire import host_bytes, tensor_bytes
+from refit_app.protocol.checksum import available_algorithms, checksum_all, checksum_function, default_algorithm
 from refit_app.protocol.delta import DeltaStats, TensorDelta, apply_positions
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,15 @@ class Target:
             )
 
 
+class Fingerprint(NamedTuple):
+    """What a consumer's tensors held as a round's data was in: their identity and versions (a cheap first check),
+    and their per-tensor checksums in ``algorithm`` (None: not checked, ``check_base=False``)."""
+
+    identity: Any
+    algorithm: str = ""
+    checksums: list[int] | None = None
+
+
 class ConsumerDelta:
     """A consumer session's side of delta rounds: which round its tensors hold, and applying records to them.
 
@@ -68,48 +78,110 @@ class ConsumerDelta:
     caller's ``targets`` are patched, or, with neither, each change goes to the callback as a
     :class:`TensorDelta`. A mirror can hand out the changes too (each :class:`TensorDelta` then carries the copy,
     :class:`MirrorViews`).
+
+    ``check_base``: vouch for the held tensors by their checksums before claiming them as a delta round's base
+    (:meth:`held`); False trusts torch's version counter alone, for an engine that never writes them by other
+    means.
     """
 
-    def __init__(self, *, mirror: bool) -> None:
+    def __init__(self, *, mirror: bool, check_base: bool = True) -> None:
         self.mirror = mirror
+        self.check_base = check_base
         self.image: Image | None = None
         self.views: MirrorViews | None = None
         self.held_round = 0
-        self._fingerprint: Any = None
+        self._metas: list[TensorMeta] = []
+        self._fingerprint: Fingerprint | None = None
         self.buffers = Buffers()
 
     def reset(self, metas: list[TensorMeta]) -> None:
         self.held_round = 0
+        self._metas = metas
+        self._fingerprint = None
         if self.mirror:
             self.image = self.views = None
             self.image = Image(metas)
             self.views = MirrorViews(self.image)
 
     def held(self, targets: Mapping[str, torch.Tensor] | None) -> int:
-        """The round this consumer's tensors hold, or 0 where it cannot vouch for them."""
-        if self.held_round and self._fingerprint != self._take_fingerprint(targets):
-            logger.info(
-                "the tensors changed since round %d (written to, or others given): asking for a dense round",
-                self.held_round,
-            )
+        """The round this consumer's tensors hold, or 0 where it cannot vouch for them: it vouches by their bytes
+        (their checksums equal those of the round they held), not by torch's version counter alone, which misses
+        writes through ``t.data`` (vLLM's ``default_weight_loader``) or ``t.numpy()``; a delta applied to other
+        bytes than its base's would leave wrong weights, or, verified, fail the run."""
+        if not self.held_round:
+            return 0
+        fingerprint = self._fingerprint
+        reason = ""
+        if fingerprint is None or fingerprint.identity != self._identity(targets):
+            reason = "written to in place, or other tensors given"
+        elif fingerprint.checksums is not None:
+            now = self._checksums(fingerprint.algorithm, targets)
+            differ = [m.name for m, a, b in zip(self._metas, now, fingerprint.checksums) if a != b]
+            if differ:
+                reason = f"the bytes of {some_of([repr(n) for n in differ])} changed, unseen by torch's version counter"
+        if reason:
+            logger.info("the tensors changed since round %d (%s): asking for a dense round", self.held_round, reason)
             self.held_round = 0
         return self.held_round
 
-    def completed(self, round_index: int, targets: Mapping[str, torch.Tensor] | None, *, kept: bool = True) -> None:
-        """The round ended everywhere: the tensors now hold it (``kept=False``: a plain round passed the copy by)."""
+    def fingerprint(
+        self,
+        targets: Mapping[str, torch.Tensor] | None,
+        *,
+        checksums: list[int] | None = None,
+        algorithm: str | None = None,
+    ) -> Fingerprint:
+        """What the tensors hold as the round's data is in, to vouch for them as the next round's base.
+
+        ``checksums``: the producer's per-tensor checksums of this round, in ``algorithm``, where the round carried
+        them: the tensors must then hold exactly the producer's bytes to be claimed (no hashing here); else the
+        tensors are hashed now, on two threads."""
+        identity = self._identity(targets)
+        if not self.check_base or identity is None:
+            return Fingerprint(identity)
+        if checksums is None or algorithm not in available_algorithms() or len(checksums) != len(self._metas):
+            algorithm = default_algorithm()
+            checksums = self._checksums(algorithm, targets)
+        return Fingerprint(identity, algorithm, list(checksums))
+
+    def completed(
+        self,
+        round_index: int,
+        targets: Mapping[str, torch.Tensor] | None,
+        *,
+        kept: bool = True,
+        fingerprint: Fingerprint | None = None,
+    ) -> None:
+        """The round ended everywhere: the tensors now hold it (``kept=False``: a plain round passed the copy by).
+        ``fingerprint``: :meth:`fingerprint` taken as its data was in (default: now)."""
         self.held_round = round_index if kept else 0
-        self._fingerprint = self._take_fingerprint(targets)
+        self._fingerprint = None
+        if self.held_round:
+            self._fingerprint = fingerprint if fingerprint is not None else self.fingerprint(targets)
 
     def failed(self) -> None:
         self.held_round = 0
+        self._fingerprint = None
 
-    def _take_fingerprint(self, targets: Mapping[str, torch.Tensor] | None) -> Any:
-        # torch bumps a tensor's version on every in-place write through it or any view of it.
+    def _identity(self, targets: Mapping[str, torch.Tensor] | None) -> Any:
+        # torch bumps a tensor's version on every in-place write through it or any view of it: a cheap first check.
         if self.image is not None:
             return ("mirror", id(self.image), self.image.buffer._version)
         if targets is not None:
             return tuple((name, t.data_ptr(), t._version) for name, t in targets.items())
         return None
+
+    def _checksums(self, algorithm: str, targets: Mapping[str, torch.Tensor] | None) -> list[int]:
+        """Each manifest tensor's checksum as held (the mirror's slice, or its target), in manifest order."""
+        if self.image is not None:
+            return checksum_all(algorithm, [self.image.tensor_bytes(i) for i in range(len(self._metas))])
+        assert targets is not None
+        held = [targets[m.name] for m in self._metas]
+        if all(t.device.type == "cpu" for t in held):
+            return checksum_all(algorithm, [host_bytes(t) for t in held])
+        # Device tensors are copied to the host one at a time: never a second copy of the model there.
+        function = checksum_function(algorithm)
+        return [function(host_bytes(t)) for t in held]
 
     def targets_for(self, metas: list[TensorMeta], targets: Mapping[str, torch.Tensor] | None) -> list[Target] | None:
         """Each manifest tensor's target, checked (every one present, with its shape and dtype, contiguous)."""
