@@ -19,7 +19,8 @@ from refit_app.app.schema import GROUP_SCHEMAS
 from refit_app.checkpoint.layout import CONFIG_FILE_NAME
 from refit_app.common.checks import Problems, is_int, show
 from refit_app.common.errors import ConfigError, one_line
-from refit_app.common.sizes import parse_size
+from refit_app.common.memory import memory_problem
+from refit_app.common.sizes import format_size, parse_size
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS
 from refit_app.integrations.ray.defaults import (
     DEFAULT_CPUS_PER_RANK,
@@ -35,6 +36,7 @@ from refit_app.transport.spec import (
     DEFAULT_HOST,
     DEFAULT_ON_CONSUMER_LOSS,
     DEFAULT_PORT,
+    DERIVED_FIELDS,
     MAX_TIMEOUT_S,
     MAX_WORLD_SIZE,
     ON_CONSUMER_LOSS,
@@ -266,6 +268,8 @@ def validate(cfg: DictConfig) -> RunSettings:
         _check_elastic(c, role, group)
     if refit is not None and group is not None:
         _check_fault_hooks(c, refit, group)
+        if role in ("local", "producer"):
+            group = _check_shm_ring(c, refit, group)
 
     if c.errors:
         c.raise_any()
@@ -284,6 +288,23 @@ def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec) -> None:
         )
     if refit.rounds is not None and refit.die_in_round > refit.rounds:
         c.fail("refit.debug.die_in_round", refit.die_in_round, f"must be a round in 1..{refit.rounds} (refit.rounds)")
+
+
+def _check_shm_ring(c: _Checker, refit: RefitSpec, group: GroupSpec) -> GroupSpec:
+    """The producer's shared-memory ring, refused here (naming the app's keys) where ``group.backend=shm`` would
+    not fit it in this host's memory; the rendezvous checks it again for ``auto``, which then takes gloo."""
+    if refit.buffer_size_bytes is None:
+        return group  # the library's default target: a small share of memory, checked segment by segment
+    ring = refit.num_buffers * refit.buffer_size_bytes
+    if group.backend == "shm" and (problem := memory_problem(ring)) is not None:
+        c.fail(
+            "refit.buffer_size_bytes",
+            c.get("refit.buffer_size_bytes"),
+            f"group.backend=shm allocates refit.num_buffers={refit.num_buffers} x "
+            f"{format_size(refit.buffer_size_bytes)} of shared memory in full, and {problem}; lower "
+            "refit.buffer_size_bytes or refit.num_buffers, or use group.backend=gloo",
+        )
+    return dataclasses.replace(group, shm_ring_bytes=ring)
 
 
 def _check_elastic(c: _Checker, role: str, group: GroupSpec) -> None:
@@ -350,9 +371,10 @@ def _size(c: _Checker, key: str) -> int | None:
 
 def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
     """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
-    # Every field of GroupSpec comes from the key of the same name: a new group knob is a schema field and a
-    # GroupSpec field (with its rule), nothing here.
-    values = {f.name: c.get(f"group.{f.name}") for f in dataclasses.fields(GroupSpec)}
+    # Every field of GroupSpec but the derived ones comes from the key of the same name: a new group knob is a
+    # schema field and a GroupSpec field (with its rule), nothing here.
+    names = [f.name for f in dataclasses.fields(GroupSpec) if f.name not in DERIVED_FIELDS]
+    values = {name: c.get(f"group.{name}") for name in names}
     if _ABSENT in values.values() or role is _ABSENT:
         # Which ranks are valid depends on the role; its own error already tells the user what to fix.
         return None

@@ -35,7 +35,7 @@ from refit_app.packed_tensor import Work
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, Poller, ranks_text
 from refit_app.transport.shm import ShmConsumerGroup, ShmProducerGroup, make_shm_group
-from refit_app.transport.shm_segments import host_identity, shm_supported
+from refit_app.transport.shm_segments import SHM_MEMORY_FIX, host_identity, shm_memory_problem, shm_supported
 from refit_app.transport.spec import DEFAULT_TOPOLOGY, PRODUCER_RANK, GroupSpec
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
@@ -198,11 +198,22 @@ def _elsewhere(infos: dict[int, dict[str, Any]]) -> list[int]:
     return [r for r, info in sorted(infos.items()) if not here or info.get("host") != here]
 
 
-def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
+def shm_ring_problem(spec: GroupSpec) -> str | None:
+    """Why the producer's ring (``spec.shm_ring_bytes``) would not fit this host's memory; None: it fits, or its
+    size is not known here."""
+    if spec.shm_ring_bytes is None:
+        return None
+    return shm_memory_problem(spec.shm_ring_bytes)
+
+
+def resolve_backend(infos: dict[int, dict[str, Any]], ring_problem: str | None = None) -> str:
     """One backend for every rank, or a ConfigError naming the ranks that disagree (on the backend or on
     ``group.topology``) or lack what it needs. ``auto``: ``shm`` where every rank reports the producer's host
     (unless every rank has a GPU: NCCL, see :data:`AUTO_SHM_ON_CUDA`), NCCL where every rank has a GPU, else gloo;
     gloo under ``topology=chain``. A rank on another host keeps every rank on the socket path.
+
+    ``ring_problem``: why the producer's ring of host memory would not fit (:func:`shm_ring_problem`); ``shm``
+    on the host is then refused and ``auto`` takes gloo. Decided here, before any rank has allocated a segment.
 
     Also valid on a partial set of ranks: adding ranks can only add problems, so the producer calls it as
     each consumer checks in and stops at the first conflict instead of waiting for the rest.
@@ -225,7 +236,7 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
     else:
         relay = "chain" in topologies.values()  # chain runs on gloo only (GroupSpec refuses an explicit NCCL)
         gpus = all(info["cuda"] for info in infos.values())
-        if not relay and not elsewhere and (AUTO_SHM_ON_CUDA or not gpus):
+        if not relay and not elsewhere and (AUTO_SHM_ON_CUDA or not gpus) and (gpus or ring_problem is None):
             backend = "shm"
         else:
             backend = "nccl" if not relay and gpus else "gloo"
@@ -236,6 +247,12 @@ def resolve_backend(infos: dict[int, dict[str, Any]]) -> str:
             "shared memory there); use gloo, or auto to choose"
         )
     no_gpu = [r for r, info in sorted(infos.items()) if not info["cuda"]]
+    # With a GPU on every rank the segments are device memory (CUDA IPC), which torch bounds itself.
+    if backend == "shm" and ring_problem is not None and no_gpu:
+        raise ConfigError(
+            f"group.backend=shm: the producer's ring of shared segments (num_buffers x buffer_size_bytes): "
+            f"{ring_problem}; {SHM_MEMORY_FIX}"
+        )
     if backend in ("nccl", "pynccl") and no_gpu:
         raise ConfigError(
             f"group.backend={backend} needs a CUDA GPU on every rank, but {ranks_text(no_gpu)} has none; use gloo"

@@ -47,7 +47,7 @@ from refit_app.transport.auth import (
     new_run_id,
     new_secret,
 )
-from refit_app.transport.backends import capabilities, resolve_backend
+from refit_app.transport.backends import capabilities, resolve_backend, shm_ring_problem
 from refit_app.transport.control import Poller, ranks_text
 from refit_app.transport.spec import BACKENDS, PRODUCER_RANK, GroupSpec
 
@@ -382,6 +382,7 @@ def producer_checkin(
         auth.run_id,
         auth.run_id,
     )
+    ring_problem = shm_ring_problem(spec) if spec.backend in ("auto", "shm") else None
     poller = Poller()
     while pending:
         _raise_if_settled(rstore, auth, spec)
@@ -407,7 +408,7 @@ def producer_checkin(
             pending.remove(rank)
             logger.info("rank 0: consumer rank %d checked in", rank)
             try:
-                resolve_backend(infos)
+                resolve_backend(infos, ring_problem)
             except ConfigError as e:
                 raise fail_rendezvous(rstore, auth, e, spec.address) from None
         if not pending:
@@ -416,9 +417,11 @@ def producer_checkin(
             raise fail_rendezvous(rstore, auth, _why_not_joined(pending, refused, spec), spec.address)
         poller.sleep(deadline)
     try:
-        backend = resolve_backend(infos)
+        backend = resolve_backend(infos, ring_problem)
     except ConfigError as e:
         raise fail_rendezvous(rstore, auth, e, spec.address) from None
+    if ring_problem is not None and backend != "shm" and resolve_backend(infos) == "shm":
+        logger.warning("rank 0: group.backend=auto takes gloo rather than shm: the ring's %s", ring_problem)
     earlier = _settle(rstore, auth, auth.seal("outcome", {"ok": True, "backend": backend}), spec.address)
     if earlier is not None:
         raise _outcome_error(earlier) if not earlier["ok"] else PeerError("the rendezvous succeeded twice")

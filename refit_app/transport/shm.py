@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import select
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -33,7 +34,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from refit_app.common.errors import PeerError, one_line
+from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.core.wire import tensor_bytes
 from refit_app.transport.auth import RecordError, need
 from refit_app.transport.control import Control, Poller
@@ -58,7 +59,7 @@ from refit_app.transport.shm_link import (
     listen,
     remaining_ms,
 )
-from refit_app.transport.shm_segments import HostSegment
+from refit_app.transport.shm_segments import SHM_MEMORY_FIX, HostSegment, round_up, shm_memory_problem
 from refit_app.transport.spec import PRODUCER_RANK, GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class ShmProducerGroup:
         self._lock = threading.RLock()
         self._seq = 0
         self._made = 0
+        self._committed = 0
+        """Bytes of host segments made and not yet given up: what a new one is checked against memory with."""
         self._ring: dict[int, Segment] = {}
         self._staging: list[Segment] = []
         self._spares: list[Segment] = []
@@ -160,7 +163,7 @@ class ShmProducerGroup:
                 self._wait_idle(seg)
                 if not seg.retired and seg.nbytes >= nbytes:
                     return seg.tensor
-            fresh = self._fresh(max(nbytes, keep))
+            fresh = self._fresh(max(nbytes, keep), "a packed buffer (buffer_size_bytes, or a tensor larger than it)")
             if keep:
                 assert seg is not None
                 copy_bytes(fresh.tensor[:keep], seg.tensor[:keep])
@@ -176,7 +179,7 @@ class ShmProducerGroup:
         for link in self._links.values():
             link.close()
         for seg in self._segments():
-            seg.close()
+            self._close(seg)
         self._ring, self._staging, self._spares, self._retired, self._pending = {}, [], [], {}, {}
         if self._broken is None:
             self._broken = PeerError("the refit group was closed")
@@ -241,7 +244,7 @@ class ShmProducerGroup:
                 self._staging.remove(smallest)
                 self._drop(smallest)
             if len(self._staging) < STAGING_SEGMENTS:
-                seg = self._fresh(max(STAGING_MIN_BYTES, 1 << (nbytes - 1).bit_length()))
+                seg = self._fresh(max(STAGING_MIN_BYTES, 1 << (nbytes - 1).bit_length()), "a staging segment")
                 self._staging.append(seg)
                 return seg
             oldest = min(self._staging, key=lambda s: s.latest_seq)
@@ -253,14 +256,24 @@ class ShmProducerGroup:
     def _segments(self) -> list[Segment]:
         return [*self._ring.values(), *self._staging, *self._spares, *self._retired.values()]
 
-    def _fresh(self, nbytes: int) -> Segment:
+    def _fresh(self, nbytes: int, what: str) -> Segment:
         fits = [s for s in self._spares if s.nbytes >= nbytes]
         if fits:
             seg = min(fits, key=lambda s: s.nbytes)
             self._spares.remove(seg)
             return seg
+        if self._cuda:
+            self._made += 1
+            return CudaSegment(self._made, nbytes, self.device)
+        # Checked before the pages are allocated, which happens in full at once: past the host's memory the OOM
+        # killer, not this process, would end it (and may pick another process first).
+        problem = shm_memory_problem(round_up(nbytes), self._committed)
+        if problem is not None:
+            raise ConfigError(f"group.backend=shm: {what}: {problem}; {SHM_MEMORY_FIX}")
         self._made += 1
-        return CudaSegment(self._made, nbytes, self.device) if self._cuda else HostSegment(self._made, nbytes)
+        seg = HostSegment(self._made, nbytes)
+        self._committed += seg.nbytes
+        return seg
 
     def _leave(self, seg: Segment) -> None:
         """``seg`` left the ring or staging: a spare if nobody reads it, else retired until they are done."""
@@ -282,6 +295,11 @@ class ShmProducerGroup:
         for r in sorted(seg.sent_to):
             if not self._links[r].closed:
                 self._send(r, FORGET, 0, seg.id)
+        self._close(seg)
+
+    def _close(self, seg: Segment) -> None:
+        if seg.fd is not None and not self._cuda:
+            self._committed -= seg.nbytes
         seg.close()
 
     def _wait_idle(self, seg: Segment) -> None:
@@ -440,7 +458,9 @@ def make_shm_group(store: dist.Store, spec: GroupSpec, control: Control) -> ShmP
     key = auth.hide(_K_ADDRESS)
     cuda_here = torch.cuda.is_available()
     if spec.rank == PRODUCER_RANK:
-        listener, name = listen(auth)
+        # Every consumer may connect at once: a smaller queue made those beyond it fail (they retry, see
+        # shm_link._connect, but each retry costs them time).
+        listener, name = listen(auth, max(spec.world_size, socket.SOMAXCONN))
         try:
             store.set(key, auth.seal("shm", {"name": name}))
             try:

@@ -68,6 +68,9 @@ acquire, nothing to release. Well under the kernel's default socket buffer (208 
 _MAX_RECORD = _HEADER.size + INLINE_MAX
 _MAX_FDS = 4
 SOCKET_PREFIX = "refit_app/shm/"
+_CONNECT_RETRY_S = (0.001, 0.05)
+"""A consumer's connect that found the producer's queue of unaccepted connections full (``EAGAIN``: many consumers
+at once) tries again, first after 1 ms, backing off to 50 ms, until the group's deadline."""
 _SETUP_CHECK_S = 0.2
 """While consumers connect, how often the producer looks for an error another rank published."""
 
@@ -189,13 +192,14 @@ def _fields(msg: Message) -> dict[str, Any]:
     return load_record(msg.payload)
 
 
-def listen(auth: RunAuth) -> tuple[socket.socket, str]:
-    """The producer's listening socket on a fresh random abstract name; returns it and the name."""
+def listen(auth: RunAuth, backlog: int) -> tuple[socket.socket, str]:
+    """The producer's listening socket on a fresh random abstract name, queueing up to ``backlog`` connections
+    before it accepts them (the kernel caps it at ``net.core.somaxconn``); returns it and the name."""
     name = SOCKET_PREFIX + new_secret()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         sock.bind("\0" + name)
-        sock.listen(64)
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
@@ -304,14 +308,7 @@ def connect_producer(name: str, auth: RunAuth, rank: int, cuda_here: bool, deadl
     """Consumer: connect to the producer's socket and join as ``rank``; returns the link and the group's device
     type (``cpu`` or ``cuda``). Raises ValueError for a producer that does not prove the run's key, TimeoutError,
     or :class:`LinkClosed`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
-        sock.connect("\0" + name)
-    except OSError:
-        sock.close()
-        raise
-    link = Link(sock, 0)
+    link = Link(_connect(name, deadline), 0)
     try:
         challenge = _expect(link, CHALLENGE, deadline)
         nonce = _fields(challenge).get("nonce")
@@ -329,6 +326,30 @@ def connect_producer(name: str, auth: RunAuth, rank: int, cuda_here: bool, deadl
         link.close()
         raise
     return link, str(device)
+
+
+def _connect(name: str, deadline: float) -> socket.socket:
+    """A connection to the producer's socket. A full queue (``EAGAIN``) is retried until ``deadline``: the producer
+    accepts consumers one at a time, and more of them than its backlog connecting at once is normal. Anything
+    else (``ECONNREFUSED``: nobody listens, the producer gave up or died) fails at once."""
+    pause, longest = _CONNECT_RETRY_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            sock.connect("\0" + name)
+            return sock
+        except OSError as e:
+            sock.close()
+            if e.errno != errno.EAGAIN:
+                raise
+            if time.monotonic() + pause >= deadline:
+                raise TimeoutError(
+                    "the producer's shared-memory socket kept its queue full until the deadline "
+                    "(too many consumers connecting at once, or a producer that stopped accepting)"
+                ) from e
+        time.sleep(pause)
+        pause = min(pause * 2, longest)
 
 
 def _expect(link: Link, kind: int, deadline: float) -> Message:

@@ -8,6 +8,11 @@ producer (:mod:`refit_app.transport.shm_link`). The producer maps it read-write 
 (``F_SEAL_FUTURE_WRITE``, ``F_SEAL_SHRINK``, ``F_SEAL_GROW``): from then on no process, a consumer holding the
 descriptor included, can map it writable, write to it or change its size; the producer's own mapping keeps working.
 A consumer therefore cannot corrupt what the other consumers read, nor make their mappings fault by shrinking it.
+
+Memory: a segment's pages are allocated in full when it is made, and no ``/dev/shm`` size bounds a memfd: a ring
+larger than the host's memory sets off the kernel's OOM killer, whose first victim may be an unrelated process.
+:func:`shm_memory_problem` refuses, before anything is allocated, segments that would not fit the memory available
+to this process (its cgroup's limit included).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import socket
 import warnings
 
 import torch
+
+from refit_app.common.memory import memory_problem
 
 SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 """Linux 5.1's seal (Python 3.11's fcntl lacks the name): no new writable mapping or write, existing ones kept."""
@@ -52,6 +59,20 @@ def shm_supported() -> str | None:
     if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds") or not hasattr(socket, "AF_UNIX"):
         return "it needs Linux (memfd_create and file descriptors passed over Unix sockets)"
     return None
+
+
+SHM_MEMORY_FIX = (
+    "lower buffer_size_bytes (refit.buffer_size_bytes) or the buffers in flight (NRL_REFIT_NUM_BUFFERS), "
+    "or use group.backend=gloo"
+)
+"""How to make shared segments fit, in every refusal (the library's names, then the app's)."""
+
+
+def shm_memory_problem(nbytes: int, committed: int = 0) -> str | None:
+    """Why ``nbytes`` more of shared segments, on top of the ``committed`` bytes a group holds, should not be
+    allocated (None: they fit): :func:`~refit_app.common.memory.memory_problem`, for segments."""
+    problem = memory_problem(nbytes, committed)
+    return None if problem is None else f"{problem}; no /dev/shm size bounds shared segments"
 
 
 def _as_tensor(mapping: mmap.mmap) -> torch.Tensor:

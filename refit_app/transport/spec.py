@@ -52,6 +52,8 @@ def elastic_problem(spec: GroupSpec) -> str | None:
     return None
 
 
+DERIVED_FIELDS = ("shm_ring_bytes",)
+""":class:`GroupSpec` fields that no ``group.*`` key sets: the app derives them from its other settings."""
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 PRODUCER_RANK = 0
 DEFAULT_HOST = "127.0.0.1"
@@ -103,6 +105,10 @@ class GroupSpec:
     consumer accepts any run."""
     allow_unauthenticated: bool = False
     """Opt in to a group without a token on a non-loopback address (a network where every host is trusted)."""
+    shm_ring_bytes: int | None = None
+    """The producer's shared-memory ring (``num_buffers x buffer_size_bytes``), checked against the host's memory
+    before any rank commits to ``shm``: ``shm`` refuses a ring that would not fit, ``auto`` takes gloo instead.
+    None: unknown here; the producer then checks each segment as it makes it."""
 
     def __post_init__(self) -> None:
         p = Problems()
@@ -161,6 +167,8 @@ class GroupSpec:
             p.fail("group.run_id", self.run_id, "must be 1-64 letters, digits, '.', '_' or '-', or null")
         if not isinstance(self.allow_unauthenticated, bool):
             p.fail("group.allow_unauthenticated", self.allow_unauthenticated, "must be true or false")
+        if self.shm_ring_bytes is not None and not (is_int(self.shm_ring_bytes) and self.shm_ring_bytes > 0):
+            p.fail("shm_ring_bytes", self.shm_ring_bytes, "must be a number of bytes > 0, or None")
         p.raise_any()
 
     @property
