@@ -210,7 +210,7 @@ NO_CUDA = Need("no cuda", _no_cuda)
 NETNS = Need("network namespaces", _netns)
 VLLM = Need("vllm", _module("vllm", "its own venv (bash scripts/ci_vllm.sh, never the main one)"))
 LINUX_PROC = Need("/proc", _linux_proc)
-ASAN = Need("gcc with AddressSanitizer", _asan)
+ASAN = Need("gcc with AddressSanitizer", _asan, installed_by_ci=True)
 OUTWARD_IPV4 = Need("an outward IPv4 address", _outward_ipv4)
 CRC32C = Need("crc32c", _module("crc32c", "`pip install crc32c` (optional: a faster checksum)"))
 

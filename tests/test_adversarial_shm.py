@@ -20,6 +20,7 @@ from refit_app.transport import shm as shm_transport
 from refit_app.transport import shm_link
 from refit_app.transport.auth import RunAuth
 from refit_app.transport.backends import resolve_backend
+from refit_app.transport.spec import MAX_WORLD_SIZE
 
 MiB = 1 << 20
 
@@ -203,8 +204,8 @@ def test_the_producer_queues_every_consumer(monkeypatch: pytest.MonkeyPatch) -> 
         raise OSError("stop here")
 
     monkeypatch.setattr(shm_transport, "listen", record)
-    spec = shm_transport.GroupSpec(backend="shm", world_size=5000, rank=0)
+    spec = shm_transport.GroupSpec(backend="shm", world_size=MAX_WORLD_SIZE, rank=0)
     control = type("C", (), {"auth": RunAuth.derive(None, "run", "nonce", 0)})()
     with pytest.raises(OSError, match="stop here"):
         shm_transport.make_shm_group(None, spec, control)
-    assert seen and seen[0] >= 5000
+    assert seen and seen[0] >= MAX_WORLD_SIZE
