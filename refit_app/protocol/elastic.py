@@ -19,6 +19,14 @@ each side runs a plain :class:`~refit_app.protocol.session.ProducerSession` or
   and it stops with one line. **Every consumer is lost**: the producer stops with one line once none asked to
   go on within ``group.timeout_s``.
 
+- **A generation does not form** (a joiner admitted to it died, stalled, or could not connect, before its group
+  formed; or a member was lost in its handshake): as for a consumer lost in a round. Every member drops it and asks
+  again; those that do not ask within ``group.timeout_s`` are lost, and the next generation forms from the rest.
+  Where every member asked again, the failure is the new members' (the others formed a group before): they are
+  dropped. A generation of members that all asked again and that still failed twice in a row drops them all. So each
+  attempt loses somebody or is one of at most two, and every attempt has the group's deadline. A consumer that cannot
+  open its own gloo socket says so before it asks to join, and is never admitted.
+
 A round's :attr:`~refit_app.protocol.rounds.Round.members` lists the consumers that took part in it.
 """
 
@@ -35,11 +43,15 @@ from refit_app.protocol.consumer_session import ConsumerSession
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
 from refit_app.transport.control import Poller, ranks_text
-from refit_app.transport.elastic import ConsumerMembership, ProducerMembership, abandon
+from refit_app.transport.elastic import ConsumerMembership, FormError, ProducerMembership, abandon
 from refit_app.transport.groups import RefitGroup
 from refit_app.transport.spec import GroupSpec
 
 logger = logging.getLogger(__name__)
+
+MAX_STUCK_FORMS = 2
+"""How many generations in a row may fail to form while every member asks again (nobody lost: no change explains the
+failure) before the producer drops them all; bounds the retries where the fault is nobody's in particular."""
 
 _LOST = (PeerError, HandshakeError)
 """What a round raises on the producer when a consumer was lost or refused (a PeerError: a collective broke, a gather
@@ -62,6 +74,11 @@ class ElasticProducerSession:
         self.rounds = 0
         """Rounds completed."""
         self.closed = False
+        self._established: dict[int, str] = {}
+        """The members of the last generation that formed and started (rank -> incarnation): what a joiner is told
+        apart from when a generation with it in does not form."""
+        self._stuck = 0
+        """Generations in a row that did not form although every member asked again."""
         try:
             self._membership.gather(list(range(1, spec.world_size)), spec.timeout_s)
             self._next_generation(1, None)
@@ -163,7 +180,11 @@ class ElasticProducerSession:
     def _next_generation(self, k: int, lost: tuple[list[int], BaseException] | None) -> None:
         while True:
             self._session = None
-            rg = self._membership.form(k)
+            try:
+                rg = self._membership.form(k)
+            except FormError as e:  # a member (a joiner, mostly) did not form the group: once more without it
+                lost = self._not_formed(k, e)
+                continue
             if rg is None:
                 if lost is None:
                     raise PeerError(
@@ -180,19 +201,47 @@ class ElasticProducerSession:
                 gone = [r for r in lost[0] if r not in self.members]
                 if gone:
                     logger.warning("round %d: lost %s; going on with %s", k, ranks_text(gone), ranks_text(self.members))
-            previous = self.members
             try:
                 session = ProducerSession(rg, **self._options)
             except PeerError as e:  # a member lost while the generation formed: once more without it
-                logger.warning("generation %d did not start (%s)", self._membership.gen, one_line(e))
-                abandon(rg)
-                self._membership.group = None
-                self._membership.gather(previous, self._spec.timeout_s)
-                lost = (previous, e)
+                lost = self._not_formed(k, e)
                 continue
             session.rounds = k - 1
             self._session = session
+            self._established = dict(self._membership.holders)
+            self._stuck = 0
             return
+
+    def _not_formed(self, k: int, e: BaseException) -> tuple[list[int], BaseException]:
+        """The generation just formed for round ``k`` did not start (its group or its handshake failed): drop it,
+        wait up to ``group.timeout_s`` for its members to ask again, and drop those the failure is put down to.
+        Returns the attempt's members and the cause, for the next attempt to report."""
+        gen, attempt = self._membership.gen, dict(self._membership.holders)
+        ranks = sorted(attempt)
+        logger.warning("generation %d did not start (%s)", gen, one_line(e))
+        abandon(self._membership.group)
+        self._membership.group = None
+        self._membership.gather(ranks, self._spec.timeout_s)
+        if len(self._membership.asking(ranks)) < len(ranks):
+            return ranks, e  # those that did not ask are lost, as in a round: the rest go on
+        # Everyone asked again. Members new to this generation are what changed since a group last formed.
+        joiners = [r for r in ranks if self._established.get(r) != attempt[r]]
+        if joiners and len(joiners) < len(ranks):
+            self._membership.drop(
+                joiners,
+                f"generation {gen} could not form its group with consumer {ranks_text(joiners)} new in it "
+                f"({one_line(e)}); it is dropped from the session and may ask again with a new process",
+            )
+            return ranks, e
+        self._stuck += 1
+        if self._stuck >= MAX_STUCK_FORMS:
+            why = (
+                f"round {k}: generation {gen} ({ranks_text(ranks)}) could not form its group {self._stuck} times in "
+                f"a row with every member present ({one_line(e)})"
+            )
+            self._membership.drop(ranks, f"{why}; every consumer is dropped from the session")
+            raise PeerError(f"{why}; ending the session")
+        return ranks, e
 
     def close(self) -> None:
         """End the session: every member's :meth:`ElasticConsumerSession.receive` returns None, and a consumer
@@ -271,7 +320,11 @@ class ElasticConsumerSession:
     def _join(self) -> None:
         while True:
             self._rg = self._session = None
-            rg = self._membership.join()
+            try:
+                rg = self._membership.join()
+            except FormError as e:  # a peer did not form the generation: ask for the next (the producer bounds it)
+                self._rejoin(e)
+                continue
             if rg is None:
                 self.closed = True
                 return

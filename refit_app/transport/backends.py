@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_app.common.errors import ConfigError, PeerError, some_of
+from refit_app.common.errors import ConfigError, PeerError, one_line, some_of
 from refit_app.packed_tensor import Work
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, Poller, ranks_text
@@ -288,18 +288,34 @@ def _make_pynccl_group(store: dist.Store, spec: GroupSpec, control: Control) -> 
     return PyNcclBroadcastGroup(comm, device, control)
 
 
-def gloo_device(spec: GroupSpec, address: str | None) -> Any:
-    """The network device this rank's gloo connections use, or None for torch's default.
+def gloo_devices(spec: GroupSpec, address: str | None) -> list[Any]:
+    """The network devices this rank's gloo connections use, opened here, before any peer is involved: a rank that
+    cannot open them fails on its own, at once, with a :class:`ConfigError` (where a group's peers would otherwise
+    wait a whole deadline for it and fail without knowing why).
 
-    ``group.interface`` (a NIC name) wins, then the user's ``GLOO_SOCKET_IFNAME``; otherwise the address on the route
-    the rendezvous found (``address``), since gloo's default, the address the host name resolves to, is often
-    127.0.0.1 in containers, VMs and network namespaces, where a mesh across hosts then cannot form.
+    ``group.interface`` (a NIC name) wins, then the user's ``GLOO_SOCKET_IFNAME`` (one device per comma-separated
+    name, as torch does); otherwise the address on the route the rendezvous found (``address``), since gloo's
+    default, the address the host name resolves to, is often 127.0.0.1 in containers, VMs and network namespaces,
+    where a mesh across hosts then cannot form; torch's default without a route.
     """
+    env = os.environ.get(GLOO_IFNAME_ENV, "")
     if spec.interface:
-        return dist.ProcessGroupGloo.create_device(interface=spec.interface)
-    if os.environ.get(GLOO_IFNAME_ENV) or not address:
-        return None
-    return dist.ProcessGroupGloo.create_device(hostname=address)
+        where, wanted = f"group.interface={spec.interface}", [("interface", spec.interface)]
+    elif env:
+        where, wanted = f"{GLOO_IFNAME_ENV}={env}", [("interface", name) for name in env.split(",") if name]
+    elif address:
+        where, wanted = f"the route's address {address}", [("hostname", address)]
+    else:
+        where, wanted = "the host name's address", []
+    try:
+        if not wanted:
+            return [dist.ProcessGroupGloo.create_default_device()]
+        return [dist.ProcessGroupGloo.create_device(**{kind: value}) for kind, value in wanted]
+    except RuntimeError as e:
+        raise ConfigError(
+            f"this rank cannot open a gloo socket on {where} ({one_line(e)}); set group.interface (or "
+            f"{GLOO_IFNAME_ENV}) to a network interface of this host"
+        ) from e
 
 
 def make_group(
@@ -311,14 +327,10 @@ def make_group(
         return make_shm_group(store, spec, control)
     if backend == "gloo":
         prefixed = dist.PrefixStore("refit/gloo", store)
-        device = gloo_device(spec, address)
-        if device is None:
-            pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [device]
-            options._timeout = timeout
-            pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = gloo_devices(spec, address)
+        options._timeout = timeout
+        pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
         if spec.topology == "chain":
             return ChainBroadcastGroup(pg, spec.rank, spec.world_size, control)
         return TorchBroadcastGroup(pg, torch.device("cpu"), control)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.transport.auth import RecordError, RunAuth, need, new_secret
-from refit_app.transport.backends import make_group
+from refit_app.transport.backends import gloo_devices, make_group
 from refit_app.transport.control import Control, DeadlineStore, Poller, ranks_text
 from refit_app.transport.groups import RefitGroup
 from refit_app.transport.rendezvous import (
@@ -89,6 +89,12 @@ def check_elastic(spec: GroupSpec) -> None:
         raise ConfigError(problem)
 
 
+class FormError(PeerError):
+    """A generation's group did not form with its peers (a member died, stalled or could not connect): the members
+    that ask again go on in another generation. A rank that cannot open its own gloo socket raises a
+    :class:`ConfigError` instead: it is out of the session."""
+
+
 def _lost_producer(spec: GroupSpec, e: BaseException) -> PeerError:
     return PeerError(f"lost the producer (rank {PRODUCER_RANK}) at {spec.address}; it may have died ({one_line(e)})")
 
@@ -111,9 +117,12 @@ class _Generation:
         control = Control(control_store, rank, len(members), spec.timeout_s, self.spec.address, self.auth, members)
         try:
             group = make_group(BACKEND, backend_store(store, self.auth, BACKEND), spec, control, address=address)
+        except ConfigError:
+            control.failed = True  # this rank's own socket: it cannot be a member of any generation
+            raise
         except (RuntimeError, dist.DistError) as e:
             control.failed = True
-            raise PeerError(
+            raise FormError(
                 f"generation {plan['gen']} ({ranks_text(members[1:])}) could not form its group: {one_line(e)}"
             ) from e
         return RefitGroup(spec, BACKEND, group, control)
@@ -252,6 +261,19 @@ class ProducerMembership:
         self.group = self._generation.group(plan, PRODUCER_RANK, address, producer=True)
         return self.group
 
+    def asking(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that asked for a place in the next generation and have no answer yet."""
+        return [r for r in ranks if self._requests.get(r)]
+
+    def drop(self, ranks: list[int], reason: str) -> None:
+        """Answer the pending requests of ``ranks`` with ``reason``: they are out of the session (each such
+        consumer exits with that line), and no generation waits for them again until one of them asks anew."""
+        for rank in ranks:
+            asked = self._requests.get(rank, {})
+            for incarnation in list(asked):
+                self._answer(asked.pop(incarnation), {"dropped": reason})
+            self.holders.pop(rank, None)
+
     def _answer(self, request: dict[str, Any], doc: dict[str, Any]) -> None:
         key = _k_answer(request["rank"], request["incarnation"], request["slot"])
         self._rstore.set(self.auth.hide(key), self.auth.seal("answer", doc))
@@ -294,6 +316,9 @@ class ConsumerMembership:
                 f"group.world_size differs: the producer has {size}, consumer rank {spec.rank} has "
                 f"{spec.world_size}; set the same group.world_size on every rank"
             )
+        # A consumer that cannot open a gloo socket (a bogus GLOO_SOCKET_IFNAME, an interface that is down) says
+        # so now, before it asks: once admitted, it would make every member wait a deadline for it to form a group.
+        gloo_devices(spec, self._route.local)
         self._store = store  # held: the prefix stores below do not keep the connection alive on their own
         rstore = run_store(store, self.auth)
         self._dstore = DeadlineStore(rstore, spec.timeout_s)
@@ -340,6 +365,8 @@ class ConsumerMembership:
                 poller.sleep(deadline)
             if "refused" in answer:
                 raise ConfigError(str(answer["refused"]))
+            if "dropped" in answer:
+                raise PeerError(str(answer["dropped"]))
             gen = need(answer, "gen", int)
             plan = self._open("plan", self._dstore.get(auth.hide(_k_plan(gen))))
         except dist.DistError as e:

@@ -20,7 +20,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from refit_app.common.errors import PeerError, one_line
+from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.transport.auth import check_exposure
 from refit_app.transport.backends import BackendGroup, check_backend_here, make_group
 from refit_app.transport.control import Control, DeadlineStore
@@ -158,7 +158,7 @@ def connect(spec: GroupSpec) -> RefitGroup:
             raise _lost_producer(spec, e) from e
         try:
             group = make_group(backend, backend_store(rstore, auth, backend), spec, control, address=address)
-        except RuntimeError as e:
+        except (RuntimeError, ConfigError) as e:  # ConfigError: this rank's own gloo socket (gloo_devices)
             message = f"could not set up the {backend} group at {spec.address}: {one_line(e)}"
             control.publish_error(spec.rank, message)
             raise PeerError(message) from e
