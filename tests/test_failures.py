@@ -737,7 +737,10 @@ BAD_INPUTS = [
         "nccl_without_gpu", ("group.backend=nccl",), ("group.backend=nccl", "GPU", "gloo"), marks=(needs_no_cuda,)
     ),
     BadInput(
-        "world_size_below_2", ("role=producer", "group.world_size=1"), ("group.world_size=1", "in 2..1024"), uses_sink=False
+        "world_size_below_2",
+        ("role=producer", "group.world_size=1"),
+        ("group.world_size=1", "in 2..1024"),
+        uses_sink=False,
     ),
     BadInput("no_consumers", ("role.num_consumers=0",), ("role.num_consumers=0", "in 1..1023")),
     BadInput("rank_out_of_range", ("role=consumer", "group.rank=2"), ("group.rank=2", "1..1")),

@@ -101,7 +101,8 @@ class RaySpec:
     """None: 1 where the cluster has a GPU for every rank, else 0."""
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     max_restarts: int = 0
-    """How often Ray restarts a consumer's actor (resolved from null: 3 with continue, 0 with fail)."""
+    """How often Ray restarts a consumer's actor (resolved from null: ``DEFAULT_ELASTIC_RESTARTS`` with continue, 0
+    with fail)."""
 
 
 @dataclass(frozen=True)
@@ -454,7 +455,11 @@ def _check_ray(c: _Checker) -> RaySpec | None:
     elastic = c.get("refit.on_consumer_loss") == "continue"
     restarts = c.get("ray.max_restarts")
     if restarts not in (None, _ABSENT) and not (is_int(restarts) and restarts >= 0):
-        c.fail("ray.max_restarts", restarts, "must be an integer >= 0, or null (3 with continue, 0 with fail)")
+        c.fail(
+            "ray.max_restarts",
+            restarts,
+            f"must be an integer >= 0, or null ({DEFAULT_ELASTIC_RESTARTS} with continue, 0 with fail)",
+        )
     elif restarts not in (None, _ABSENT, 0) and not elastic:
         c.fail(
             "ray.max_restarts",

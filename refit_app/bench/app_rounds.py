@@ -30,7 +30,7 @@ from refit_app.bench.cases import Case, make_source, wire_metas
 from refit_app.bench.measure import _Listed, _timed
 from refit_app.bench.modes import Session
 from refit_app.bench.report import write_summary
-from refit_app.bench.spawned import run_local_ranks
+from refit_app.bench.spawned import COLLECTIVE_TIMEOUT_S, run_local_ranks
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 from refit_app.transport.auth import new_secret
 from refit_app.transport.groups import GroupSpec, RefitGroup, connect
@@ -41,7 +41,6 @@ BACKENDS = ("gloo", "shm")
 KINDS = ("app", "session")
 GOAL_APP_OVER_SESSION = 1.10
 """Issue 23: the application's steady round within 10% of the library's session round."""
-COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def app_settings(case: Case, backend: str, rounds: int) -> RunSettings:

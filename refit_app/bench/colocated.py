@@ -33,7 +33,7 @@ from refit_app.bench.cases import Case, make_source, wire_metas
 from refit_app.bench.measure import _Listed
 from refit_app.bench.modes import Session, barrier
 from refit_app.bench.report import write_summary
-from refit_app.bench.spawned import run_local_ranks
+from refit_app.bench.spawned import COLLECTIVE_TIMEOUT_S, run_local_ranks
 from refit_app.common.sizes import format_decimal, format_size, gb_per_s
 from refit_app.core.wire import pack_all
 from refit_app.transport.groups import GroupSpec, RefitGroup, connect
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 COLOCATED_JSON = "colocated.json"
 COLOCATED_MD = "colocated.md"
-COLLECTIVE_TIMEOUT_S = 600.0
 GOALS = {"gloo_over_shm": (">=", 2.5), "shm_over_memcpy": ("<=", 1.5), "shm_n_over_shm": ("<=", 1.5)}
 """Issue 23's speed goals for these ratios."""
 

@@ -56,14 +56,12 @@ from refit_app.integrations.vllm.loader import EngineLoader, LoadReport
 from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.groups import GroupSpec, connect
-from refit_app.transport.spec import PRODUCER_RANK
+from refit_app.transport.spec import DEFAULT_TIMEOUT_S, PRODUCER_RANK
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "refit_app"
 """The name vLLM knows this backend by: ``weight_transfer_config={"backend": "refit_app"}``."""
-DEFAULT_TIMEOUT_S = 60.0
-"""Deadline of the rendezvous, of every collective and of every phase gather, unless the init info sets one."""
 PER_TENSOR_BUFFER_BYTES = 1
 """The chunk target of ``packed=False``: with bounded packing every tensor is larger, so each travels alone, in
 one broadcast (from the trainer's tensor itself, no packing copy): the per-tensor baseline, through the same
