@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from cli_utils import load_metrics, run_dir
@@ -110,3 +111,28 @@ def test_a_producer_of_the_largest_group_names_its_missing_ranks_in_a_short_line
     assert lines[-1].startswith("refit_app: error: ranks 1, 2, 3, 4, 5 and 1018 more did not join"), lines[-1]
     assert len(lines[-1]) < 500, lines[-1]
     assert load_metrics(run_dir(tmp_path, "producer"))["status"] == "failed"
+
+
+def _beyond_this_host() -> int:
+    """Bytes no single allocation here can have: twice memory and swap together (the kernel's heuristic
+    overcommit refuses such a request at once, without touching a page)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    kib = sum(int(meminfo[key].split()[0]) for key in ("MemTotal", "SwapTotal"))
+    return 2 * kib * 1024
+
+
+@pytest.mark.skipif(
+    not Path("/proc/sys/vm/overcommit_memory").exists()
+    or Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="needs Linux with overcommit that refuses an allocation larger than the host",
+)
+def test_a_gloo_buffer_larger_than_the_host_is_one_line_naming_the_setting(cli):
+    """With gloo (or auto, which falls back to it when shared memory would not fit) a buffer the host cannot hold
+    fails in torch's allocator; before, the line was torch's ``RuntimeError: err == 0. DefaultCPUAllocator...``,
+    naming neither the setting nor the fix."""
+    size = _beyond_this_host()
+    result = cli("group.backend=gloo", f"refit.buffer_size_bytes={size}")
+    assert result.returncode == 1, result.describe()
+    line = result.stderr_lines()[-1]
+    assert line.startswith("refit_app: error: ") and "cannot allocate a buffer of" in line, result.describe()
+    assert "refit.buffer_size_bytes" in line and "NRL_REFIT_NUM_BUFFERS" in line, line

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from refit_app.common.errors import ConfigError, one_line
+from refit_app.common.sizes import format_size
 from refit_app.core.group import BroadcastGroup, Work
 
 _STREAMS: dict[tuple[torch.device, int], list[torch.cuda.Stream]] = {}
@@ -174,7 +176,7 @@ class Slot:
         if self.buffer is None or self.buffer.numel() < nbytes:
             if not keep:
                 self.buffer = None  # let the old buffer go before the new one exists: no third buffer at the peak
-            grown = torch.empty(max(nbytes, min_capacity), dtype=torch.uint8, device=self.device)
+            grown = _allocate(max(nbytes, min_capacity), self.device)
             if keep:
                 grown[:keep].copy_(self.buffer[:keep])
             self.buffer = grown
@@ -213,6 +215,19 @@ class Slot:
             if self.stream is not None:
                 self.stream.synchronize()
             self._keepalive = None
+
+
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A buffer of ``nbytes``; a size this rank cannot allocate is the user's setting, said in one line (torch's
+    allocator error names neither the setting nor the fix, and comes after the ranks started)."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as e:
+        raise ConfigError(
+            f"cannot allocate a buffer of {format_size(nbytes)} on {device} ({one_line(e)}); lower the buffer size "
+            "(buffer_size_bytes; the application's refit.buffer_size_bytes) or the number of buffers in flight "
+            "(NRL_REFIT_NUM_BUFFERS)"
+        ) from e
 
 
 def make_slots(device: torch.device, count: int, group: Any = None) -> list[Slot]:
