@@ -5,7 +5,9 @@ Text parts, committed in their pages so that the pages read the same on GitHub a
 
 - ``configuration.md``: the reference of every key and option, from the schema, as ``python -m refit_app --help``
   prints it (:func:`refit_app.app.reference.markdown_reference`);
-- ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it.
+- ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it;
+- ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``: the examples they show complete
+  (copies rather than ``--8<--`` snippets, which show raw on GitHub).
 
 Each part lies between its marker (the keys of :data:`GENERATED`) and :data:`END`. After changing the code they
 come from, rewrite them with
@@ -41,6 +43,22 @@ def _config_reference() -> str:
     return markdown_reference(level=2)
 
 
+def _readme_section(name: str) -> Callable[[], str]:
+    """The README's section ``name`` (between its snippet markers), as the page shows it."""
+
+    def make() -> str:
+        text = (ROOT / "README.md").read_text()
+        start, end = f"<!-- --8<-- [start:{name}] -->", f"<!-- --8<-- [end:{name}] -->"
+        return text[text.index(start) + len(start) : text.index(end)].strip()
+
+    return make
+
+
+def _file_block(path: str, language: str) -> Callable[[], str]:
+    """A file of the repo, complete, as a code block."""
+    return lambda: f"```{language}\n{(ROOT / path).read_text().rstrip()}\n```"
+
+
 def _metrics_table(rounds: bool) -> Callable[[], str]:
     def make() -> str:
         from refit_app.app.metrics import METRICS_KEYS, ROUND_KEYS, markdown_table
@@ -56,6 +74,9 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "<!-- generated: metrics.json keys -->": _metrics_table(rounds=False),
         "<!-- generated: round keys -->": _metrics_table(rounds=True),
     },
+    "library.md": {"<!-- generated: README.md section library -->": _readme_section("library")},
+    "rl-loop.md": {"<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python")},
+    "ray.md": {"<!-- generated: examples/ray_refit.py -->": _file_block("examples/ray_refit.py", "python")},
 }
 """Page -> {marker: what lies between it and :data:`END`}."""
 END = "<!-- end of generated part: python docs/hooks.py rewrites it -->"
