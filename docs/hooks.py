@@ -1,31 +1,62 @@
-"""MkDocs hooks (mkdocs.yml ``hooks:``): the parts of the site that are made from the code on every build, so that
-they cannot go stale.
+"""MkDocs hooks (mkdocs.yml ``hooks:``) and the generator of the docs' generated parts: the parts of the pages that
+are made from the code, and the pictures, so that they cannot go stale.
+
+Text parts, committed in their pages so that the pages read the same on GitHub as on the site:
 
 - ``configuration.md``: the reference of every key and option, from the schema, as ``python -m refit_app --help``
   prints it (:func:`refit_app.app.reference.markdown_reference`);
 - ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it;
-- ``img/layers.svg``: the layers and their imports, as tests/test_architecture.py reads them
-  (scripts/draw_layers.py).
+- ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``: the examples they show complete
+  (copies rather than ``--8<--`` snippets, which show raw on GitHub).
 
-A page marks each generated part with a comment (the keys of :data:`GENERATED`); a marker missing from its page
-fails the build, so a part cannot vanish silently. mkdocs is imported only inside the hooks: tests/test_docs.py
-imports this file without it.
+Each part lies between its marker (the keys of :data:`GENERATED`) and :data:`END`. After changing the code they
+come from, rewrite them with
+
+    python docs/hooks.py
+
+The build fails on a part that differs from what the code makes now, or whose markers are gone, and so does
+tests/test_docs.py, so a stale reference cannot be published or merged.
+
+Pictures, drawn on every build (not committed): ``img/layers.svg``, the layers and their imports as
+tests/test_architecture.py reads them (scripts/draw_layers.py), and the pictures of scripts/draw_figures.py
+(:data:`FIGURES`), drawn from the text and data in docs/figures/ and docs/data/.
+
+mkdocs is imported only inside the hooks: tests/test_docs.py imports this file without it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
 
 def _config_reference() -> str:
     from refit_app.app.reference import markdown_reference
 
     return markdown_reference(level=2)
+
+
+def _readme_section(name: str) -> Callable[[], str]:
+    """The README's section ``name`` (between its snippet markers), as the page shows it."""
+
+    def make() -> str:
+        text = (ROOT / "README.md").read_text()
+        start, end = f"<!-- --8<-- [start:{name}] -->", f"<!-- --8<-- [end:{name}] -->"
+        return text[text.index(start) + len(start) : text.index(end)].strip()
+
+    return make
+
+
+def _file_block(path: str, language: str) -> Callable[[], str]:
+    """A file of the repo, complete, as a code block."""
+    return lambda: f"```{language}\n{(ROOT / path).read_text().rstrip()}\n```"
 
 
 def _metrics_table(rounds: bool) -> Callable[[], str]:
@@ -43,30 +74,93 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "<!-- generated: metrics.json keys -->": _metrics_table(rounds=False),
         "<!-- generated: round keys -->": _metrics_table(rounds=True),
     },
+    "library.md": {"<!-- generated: README.md section library -->": _readme_section("library")},
+    "rl-loop.md": {"<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python")},
+    "ray.md": {"<!-- generated: examples/ray_refit.py -->": _file_block("examples/ray_refit.py", "python")},
 }
-"""Page -> {marker: what replaces it}."""
+"""Page -> {marker: what lies between it and :data:`END`}."""
+END = "<!-- end of generated part: python docs/hooks.py rewrites it -->"
 LAYERS_PICTURE = "img/layers.svg"
 
 
-def draw_layers() -> str:
-    spec = importlib.util.spec_from_file_location("draw_layers", ROOT / "scripts" / "draw_layers.py")
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.from_code()
+    return module
+
+
+def draw_layers() -> str:
+    return _script("draw_layers").from_code()
+
+
+def figures() -> dict[str, Callable[[], str]]:
+    """The site's ``img/<name>`` -> what draws it (scripts/draw_figures.py)."""
+    return _script("draw_figures").FIGURES
+
+
+def _span(text: str, marker: str) -> tuple[int, int]:
+    """Where the part after ``marker`` lies in ``text``: from the end of the marker's line to the start of END."""
+    if text.count(marker) != 1:
+        raise ValueError(f"must hold {marker} once")
+    start = text.index(marker) + len(marker)
+    end = text.find(END, start)
+    if end < 0:
+        raise ValueError(f"{marker} has no {END} after it")
+    return start, end
+
+
+def filled(text: str, parts: dict[str, Callable[[], str]]) -> str:
+    """``text`` with every part between its marker and END made afresh."""
+    for marker, make in parts.items():
+        start, end = _span(text, marker)
+        text = text[:start] + "\n\n" + make().strip() + "\n\n" + text[end:]
+    return text
+
+
+def stale_pages() -> list[str]:
+    """The pages whose committed parts differ from what the code makes now."""
+    return [
+        page
+        for page, parts in GENERATED.items()
+        if filled((DOCS / page).read_text(), parts) != (DOCS / page).read_text()
+    ]
 
 
 def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     files.append(File.generated(config, LAYERS_PICTURE, content=draw_layers()))
+    for name, draw in figures().items():
+        files.append(File.generated(config, f"img/{name}", content=draw()))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     from mkdocs.exceptions import PluginError
 
-    for marker, make in GENERATED.get(page.file.src_uri, {}).items():
-        if markdown.count(marker) != 1:
-            raise PluginError(f"{page.file.src_uri} must hold {marker} once (docs/hooks.py fills it)")
-        markdown = markdown.replace(marker, make())
+    parts = GENERATED.get(page.file.src_uri, {})
+    try:
+        fresh = filled(markdown, parts)
+    except ValueError as e:
+        raise PluginError(f"{page.file.src_uri}: {e}") from None
+    if fresh != markdown:
+        raise PluginError(f"{page.file.src_uri}: a generated part is stale; run `python docs/hooks.py`")
     return markdown
+
+
+def main() -> int:
+    """Rewrite every generated part in its page; print the pages that changed."""
+    for page, parts in GENERATED.items():
+        path = DOCS / page
+        text = path.read_text()
+        fresh = filled(text, parts)
+        if fresh != text:
+            path.write_text(fresh)
+            print(f"rewrote docs/{page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

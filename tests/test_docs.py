@@ -36,7 +36,7 @@ def test_every_generated_part_has_its_marker_once_on_its_page(hooks: ModuleType)
         text = (DOCS / page).read_text()
         for marker, make in parts.items():
             assert text.count(marker) == 1, f"{page}: {marker}"
-            assert make().startswith(("#", "|")), f"{page}: {marker} made nothing"
+            assert make().startswith(("#", "|", "```", "`")), f"{page}: {marker} made nothing"
 
 
 def _help_keys() -> list[tuple[str, str]]:
@@ -106,9 +106,53 @@ def test_the_readme_sections_the_docs_include_are_marked() -> None:
     included = set()
     for page in DOCS.glob("*.md"):
         included |= set(re.findall(r'--8<-- "README\.md:(\w+)"', page.read_text()))
+        included |= set(re.findall(r"<!-- generated: README\.md section (\w+) -->", page.read_text()))
+    assert "library" in included, included
     assert "install" in included, included
     for name in included:
         start, end = f"--8<-- [start:{name}]", f"--8<-- [end:{name}]"
         assert readme.count(start) == 1 and readme.count(end) == 1 and readme.index(start) < readme.index(end)
         # The site cannot resolve the README's own links to docs/*.md: a section it includes has none.
         assert "](docs/" not in readme[readme.index(start) : readme.index(end)], name
+
+
+def test_the_committed_generated_parts_are_what_the_code_makes(hooks: ModuleType) -> None:
+    # configuration.md and metrics.md hold their generated parts, so that they read on GitHub too; after a change
+    # to the schema, conf/ or the metrics dataclasses, `python docs/hooks.py` rewrites them.
+    assert hooks.stale_pages() == [], "stale: run `python docs/hooks.py`"
+    for page, parts in hooks.GENERATED.items():
+        text = (DOCS / page).read_text()
+        assert "--8<--" not in text, page  # nothing that shows raw without the site
+        for marker in parts:
+            start, end = hooks._span(text, marker)
+            assert text[start:end].strip().startswith(("#", "|", "```", "`")), (page, marker)
+
+
+def test_every_picture_is_an_svg_without_scripts_shown_on_a_page(hooks: ModuleType) -> None:
+    pages = "\n".join(p.read_text() for p in DOCS.glob("*.md"))
+    drawn = hooks.figures()
+    assert len(drawn) >= 5, drawn
+    for name, draw in drawn.items():
+        svg = draw()
+        assert svg.lstrip().startswith("<?xml") and "<svg" in svg, name
+        assert "<script" not in svg and 'href="http' not in svg, name  # shown without a network
+        assert f"(img/{name})" in pages, f"img/{name} is drawn but on no page"
+
+
+_LAB_LOG = {
+    "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    "an issue number": re.compile(r"\bissue \d+", re.IGNORECASE),
+    "a load figure": re.compile(r"\bload(?: average)?(?: of| about| was)? ~?\d", re.IGNORECASE),
+}
+
+
+def test_dates_issues_and_machine_load_only_on_the_results_page() -> None:
+    # A page that explains states what holds; when and under what load a figure was measured is the record's, on
+    # results.md (README.md, the first screen, may say when its one headline figure was measured there too).
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name == "results.md":
+            continue
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            found += [f"{page.name}:{n}: {what}: {line.strip()}" for what, rx in _LAB_LOG.items() if rx.search(line)]
+    assert found == [], "\n".join(found)
