@@ -1,20 +1,98 @@
 """Adversarial re-pass over the issue 31 fixes: cases the first pass left open.
 
-- A zstd positions section whose frame header declares a content size far above what the record's header allows:
+1. A write into the consumer's tensors from its own ``post_unpack_func`` during a delta-capable round (an engine
+   that post-processes weights in place as they land), without checksums on the wire: the base the consumer
+   claimed for the next round was hashed after that write, so the next delta was applied onto bytes that were
+   never the producer's round.
+2. A zstd positions section whose frame header declares a content size far above what the record's header allows:
    the decompressor allocated (and, for a real bomb, wrote) that many bytes before the size was checked.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
+from mp_utils import gloo_spec, play_scenarios
 
 from refit_app.common.errors import HandshakeError
 from refit_app.core import delta as codec
 from refit_app.core.meta import TensorMeta
 from refit_app.protocol.delta import DeltaStats
 from refit_app.protocol.delta_receive import _RecordReader
+from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.transport.groups import connect
+
+TIMEOUT_S = 30.0
+BUFFER = 4096
+ROUNDS = 4
+
+
+def _model(k: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(64, 48, generator=g).to(torch.bfloat16), "b": torch.randn(97, generator=g)}
+    for r in range(2, k + 1):
+        gr = torch.Generator().manual_seed(r)
+        for t in model.values():
+            rows = t.view(-1).view(torch.uint8).view(t.numel(), t.element_size())
+            rows[torch.randperm(t.numel(), generator=gr)[: max(1, t.numel() // 100)], 0] ^= 0x10
+    return model
+
+
+def _bytes(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
+
+
+def _write_in_callback(rank: int, port: int, *, how: str, mirror: bool):
+    with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
+        if rank == 0:
+            with ProducerSession(rg, buffer_size_bytes=BUFFER, delta="on") as session:
+                return [session.send(list(_model(k).items())).base_round for k in range(1, ROUNDS + 1)]
+        session = ConsumerSession(rg, mirror=mirror)
+        targets = None if mirror else {n: torch.zeros_like(t) for n, t in _model(1).items()}
+        out = []
+        while True:
+            seen: dict[str, torch.Tensor] = {}
+            k = session.rounds + 1
+
+            def callback(batch, k=k, seen=seen):
+                seen.update(batch)
+                for name, t in batch:
+                    if k == 2 and name == "w":  # an engine post-processing a weight in place as it lands
+                        if how == "data_copy":
+                            t.data.copy_(torch.full_like(t, 0.5))
+                        else:
+                            t.add_(1.0)
+
+            r = session.receive(callback, targets=targets)
+            if r is None:
+                return out
+            out.append((r.round, r.base_round, _bytes(dict(seen) if mirror else targets)))
+
+
+SCENARIOS = {
+    "targets_data_copy": functools.partial(_write_in_callback, how="data_copy", mirror=False),
+    "targets_add_": functools.partial(_write_in_callback, how="add_", mirror=False),
+    "mirror_data_copy": functools.partial(_write_in_callback, how="data_copy", mirror=True),
+}
+
+
+def test_a_write_from_the_consumers_own_callback_is_not_claimed_as_the_next_base():
+    producer, consumer = play_scenarios(SCENARIOS, 2, timeout=180)
+    problems = []
+    for name in SCENARIOS:
+        sent, got = producer[name], consumer[name]
+        if isinstance(sent, Exception) or isinstance(got, Exception):
+            problems.append(f"{name}: producer {sent!r}, consumer {got!r}")
+            continue
+        if sent[2] != 0:
+            problems.append(f"{name}: round 3 sent as changes to round {sent[2]}, onto bytes written in round 2")
+        for k, base, held in got:
+            if k != 2 and held != _bytes(_model(k)):  # round 2's own bytes are the callback's doing
+                problems.append(f"{name}: round {k} (base {base}) left other bytes than the producer's")
+    assert not problems, "\n".join(problems)
 
 
 def _rle_frame(size: int) -> bytes:
