@@ -134,3 +134,14 @@ def test_a_zstd_bomb_in_a_positions_section_is_refused_before_it_is_decompressed
     assert "'victim'" in str(e.value) and "\n" not in str(e.value)
     assert peak < 16 << 20, f"decompressing a forged positions section took {peak >> 20} MiB"
     assert not target.any()
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63)])
+def test_a_seed_past_64_bits_is_refused_naming_the_key_before_any_rank_starts(cli, seed):
+    result = cli(f"source.seed={seed}")
+    assert result.returncode == 1, result.describe()
+    lines = result.stderr_lines()
+    assert len(lines) == 1 and lines[0].startswith(f"refit_app: error: source.seed={seed} is invalid"), (
+        result.describe()
+    )
+    assert not (cli.cwd / "outputs").exists() or not any((cli.cwd / "outputs").rglob("metrics.json"))
