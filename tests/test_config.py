@@ -250,7 +250,7 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         ),
         (["source.dtype=int3"], "source.dtype='int3' is invalid: choose one of bfloat16, float16, float32, float64"),
         (["source.size=lots"], "source.size: 'lots' is not a size"),
-        (["source.seed=-1"], "source.seed=-1 is invalid: must be an integer >= 0"),
+        (["source.seed=-1"], "source.seed=-1 is invalid: must be an integer in 0..9223372036854775807"),
         (["source.update=adam"], "source.update='adam' is invalid: choose one of shuffle, training"),
         (["source.lr=0"], "source.lr=0.0 is invalid: must be a number > 0"),
         (["source.lr=-1e-6"], "source.lr=-1e-06 is invalid: must be a number > 0"),

@@ -224,6 +224,11 @@ class _Checker(Problems):
         return match.group(1) if match else None
 
 
+_MAX_SEED = 2**63 - 1
+"""The largest ``source.seed``: torch's generators take a 64-bit signed seed; a larger one failed after the ranks
+started, in a line naming no key."""
+
+
 def _config_error_in(e: BaseException) -> ConfigError | None:
     """The ConfigError a resolver raised (OmegaConf wraps it), or None."""
     seen: BaseException | None = e
@@ -497,8 +502,8 @@ def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
             c.fail("source.preset", preset, _one_of(tuple(PRESETS)))
         size_bytes = _size(c, "source.size")
         seed = c.get("source.seed")
-        if seed is not _ABSENT and not (is_int(seed) and seed >= 0):
-            c.fail("source.seed", seed, "must be an integer >= 0")
+        if seed is not _ABSENT and not (is_int(seed) and 0 <= seed <= _MAX_SEED):
+            c.fail("source.seed", seed, f"must be an integer in 0..{_MAX_SEED}")
         dtype = c.get("source.dtype")
         if dtype is not _ABSENT and dtype not in FLOAT_DTYPES:
             c.fail("source.dtype", dtype, _one_of(FLOAT_DTYPES))
@@ -579,8 +584,12 @@ def _check_model_source(c: _Checker) -> dict[str, Any]:
     params: dict[str, Any] = {"path": path, "dtype": dtype, "send_dtype": send_dtype, "device": c.get("source.device")}
     for key, least in (("train_steps", 1), ("batch_tokens", 2), ("seed", 0)):
         value = c.get(f"source.{key}")
-        if value is not _ABSENT and not (is_int(value) and value >= least):
-            c.fail(f"source.{key}", value, f"must be an integer >= {least}")
+        if value is not _ABSENT and not (is_int(value) and value >= least and (key != "seed" or value <= _MAX_SEED)):
+            c.fail(
+                f"source.{key}",
+                value,
+                f"must be an integer in 0..{_MAX_SEED}" if key == "seed" else f"must be an integer >= {least}",
+            )
         params[key] = value
     params["lr"] = _learning_rate(c)
     return params

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from refit_app.common.errors import HandshakeError, RefitError
-from refit_app.core.wire import tensor_bytes
+from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.packed_tensor import (
     ChunkCallback,
     _packed_broadcast_consumer_batches,
     get_num_buffers,
     packed_broadcast_consumer,
 )
-from refit_app.protocol.checksum import checksum_function
+from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta import DeltaStats, TensorDelta
 from refit_app.protocol.delta_receive import ConsumerDelta
 from refit_app.protocol.handshake import (
@@ -118,6 +118,9 @@ class ConsumerSession(Session):
         self._delta = ConsumerDelta(mirror=mirror and self._delta_on, check_base=check_base and self._delta_on)
         self._plain = False
         """This round is plain (:data:`~refit_app.protocol.rounds.PLAIN`)."""
+        self._landed: dict[str, int] | None = None
+        """This round's tensors' checksums as each became final, before the callback or the iterator's caller saw
+        it (where the round carries no checksums of the producer's): the base claimed for the next round."""
         self.regroup_to = 0
         """Set (to the next generation) when the producer ended this group's session to form another one (an
         elastic session, :mod:`refit_app.protocol.elastic`); :meth:`receive` then returned None."""
@@ -160,6 +163,7 @@ class ConsumerSession(Session):
         k = self.rounds + 1
         result = Round(round=k)
         given = targets
+        self._landed = None
         try:
             if self._delta_on:
                 self._exchange_held(self._held(given))
@@ -259,8 +263,21 @@ class ConsumerSession(Session):
         verifier = self._verifier
         hand_out = self.accept_deltas and targets is None
 
-        def deliver(batch: Batch, final: Batch | None = None) -> Batch:
-            """``batch`` to the callback; ``final`` (default: ``batch``'s tensors) to the verifier."""
+        kept = not (self._plain and self._delta.mirror)
+        landed: dict[str, int] | None = None
+        self._landed = None
+        if self._delta_on and self._delta.check_base and kept and not manifest.checksums:
+            landed = self._landed = {}
+            function = checksum_function(default_algorithm())
+
+        def deliver(batch: Batch, final: Batch | None = None, landing: Batch | None = None) -> Batch:
+            """``batch`` to the callback; ``final`` (default: ``batch``'s tensors) to the verifier. ``landing``
+            (default: ``final``): the tensors now final, hashed first, so that what the callback writes into them
+            is not taken as what the round left."""
+            if landed is not None:
+                for name, t in landing if landing is not None else (final if final is not None else batch):
+                    if not isinstance(t, TensorDelta):
+                        landed[name] = function(host_bytes(t))
             if post_unpack_func is not None and batch:
                 post_unpack_func(batch)
             if verifier is not None:
@@ -290,7 +307,12 @@ class ConsumerSession(Session):
                     else None
                 )
                 if hand_out:
-                    yield deliver([(d.name, d) for d in deltas], final=views)
+                    landing = (
+                        [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
+                        if store is not None and landed is not None
+                        else None
+                    )
+                    yield deliver([(d.name, d) for d in deltas], final=views, landing=landing)
                 else:
                     yield deliver(views)
             record_delta(result, result.base_round, stats)
@@ -430,9 +452,12 @@ class ConsumerSession(Session):
             if self._delta_on and kept:
                 # Taken before on_round_end: the base claimed next round is what the round wrote, so a write
                 # there (or later) is caught by the next round's check, not recorded as the base.
-                fingerprint = self._delta.fingerprint(
-                    targets, checksums=result.checksums, algorithm=manifest.checksum_algorithm
-                )
+                checksums, algorithm = result.checksums, manifest.checksum_algorithm
+                landed, self._landed = self._landed, None
+                if checksums is None and landed is not None and len(landed) == len(manifest.tensors):
+                    checksums = [landed[m.name] for m in manifest.tensors]
+                    algorithm = default_algorithm()
+                fingerprint = self._delta.fingerprint(targets, checksums=checksums, algorithm=algorithm)
             if on_round_end is not None:
                 result.facts.update(on_round_end(result) or {})
         except BaseException as e:

@@ -421,8 +421,16 @@ class _RecordReader:
             import zstandard
 
             self._decompressor = zstandard.ZstdDecompressor()
+        import zstandard
+
+        compressed = section.tobytes()
         try:
-            data = self._decompressor.decompress(section.tobytes(), max_output_size=raw_nbytes)
+            # The frame's own content size decides what decompress() allocates (and writes: 4 bytes of RLE block
+            # make 128 KiB), whatever max_output_size says: checked first, so a forged frame is no memory bomb.
+            declared = zstandard.frame_content_size(compressed)
+            if declared not in (-1, raw_nbytes):
+                raise ValueError(f"its frame declares {declared} bytes")
+            data = self._decompressor.decompress(compressed, max_output_size=raw_nbytes)
         except Exception as e:
             raise HandshakeError(
                 f"the delta record of {name!r}: its compressed positions do not decompress: {e}"
