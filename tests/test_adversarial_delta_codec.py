@@ -164,11 +164,32 @@ def receive(stream: bytes, numel: int, itemsize: int, *, hand_out: bool = False)
     chunks = [torch.tensor([len(stream), 1], dtype=torch.int64), torch.frombuffer(bytearray(stream), dtype=torch.uint8)]
     assert chunks[0].numel() == HEADER_WORDS
     received = consumer.receive_delta(
-        [meta], ReplayGroup(chunks), 0, DeltaStats(), device=torch.device("cpu"), targets=targets, hand_out=hand_out
+        [meta],
+        ReplayGroup(chunks),
+        0,
+        DeltaStats(),
+        device=torch.device("cpu"),
+        targets=targets,
+        chunk_bytes=len(stream),
+        hand_out=hand_out,
     )
     for _ in received:
         pass
     return tensor
+
+
+def test_a_stream_chunk_header_over_the_agreed_chunk_is_refused_before_any_allocation():
+    """The stream's chunk size follows from the manifest on both sides; a header that says 2**62 bytes must not
+    size this rank's memory (before: ``buffers.get(0, n)`` allocated whatever the header said)."""
+    meta = TensorMeta(NAME, (8,), torch.uint8)
+    consumer = ConsumerDelta(mirror=False)
+    targets = consumer.targets_for([meta], {NAME: torch.zeros(8, dtype=torch.uint8)})
+    group = ReplayGroup([torch.tensor([1 << 62, 1], dtype=torch.int64)])
+    received = consumer.receive_delta(
+        [meta], group, 0, DeltaStats(), device=torch.device("cpu"), targets=targets, chunk_bytes=2 << 20
+    )
+    with pytest.raises(ValueError, match=r"says 4611686018427387904 bytes \(at most 2097152\)"):
+        next(received)
 
 
 def assert_refused_naming_the_tensor(excinfo: pytest.ExceptionInfo) -> None:

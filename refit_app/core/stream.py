@@ -167,17 +167,22 @@ def receive_stream(
     *,
     device: torch.device,
     buffers: Buffers,
+    max_chunk: int,
     on_chunk: Callable[[int], None] | None = None,
 ) -> Iterator[np.ndarray]:
     """The consumer's end: each chunk's bytes (a uint8 array, valid until the next one is asked for), in order,
     until the producer's last. ``on_chunk(nbytes)`` runs for every chunk header, the empty last one included.
+    ``max_chunk``: the producer's ``chunk_bytes``, which both sides know from the manifest; a header that says more
+    is refused before anything is allocated for it (a corrupt or buggy peer must not size this rank's memory).
     Every receive has the group's own deadline."""
     while True:
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
         group.broadcast(header, src)
         n, last = (int(x) for x in header.cpu().tolist())
-        if n < 0 or last not in (0, 1):
-            raise ValueError(f"a stream chunk header says {n} bytes, last={last}: the peer is not in step")
+        if n < 0 or n > max_chunk or last not in (0, 1):
+            raise ValueError(
+                f"a stream chunk header says {n} bytes (at most {max_chunk}), last={last}: the peer is not in step"
+            )
         if on_chunk is not None:
             on_chunk(n)
         if n:

@@ -18,7 +18,7 @@ from refit_app.packed_tensor import (
     packed_broadcast_consumer,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
-from refit_app.protocol.delta import DeltaStats, TensorDelta
+from refit_app.protocol.delta import DeltaStats, TensorDelta, delta_chunk_bytes
 from refit_app.protocol.delta_receive import ConsumerDelta
 from refit_app.protocol.handshake import (
     accept_manifest,
@@ -298,6 +298,7 @@ class ConsumerSession(Session):
                 stats,
                 device=self.device,
                 targets=store,
+                chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
                 on_chunk=self._stream_counter(result),
                 hand_out=hand_out,
             ):

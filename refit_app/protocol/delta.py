@@ -300,6 +300,13 @@ DELTA_CHUNK_BYTES = 2 << 20
 """A delta round's stream goes out in chunks of at most this (or the buffer size, if smaller): a 1% round of a 1 GB
 model is ~18 MB, which in 16 MiB chunks would reach the consumer only once the producer had compared nearly every
 tensor; in 2 MiB chunks the consumer applies and hashes while the producer is still comparing."""
+
+
+def delta_chunk_bytes(buffer_size_bytes: int) -> int:
+    """The stream chunk of a delta round, the same on both sides: the consumer refuses a chunk header over it."""
+    return min(buffer_size_bytes, DELTA_CHUNK_BYTES)
+
+
 PARALLEL_MIN_BYTES = 8 << 20
 """Tensors at least this large are compared in two halves at once: the C comparison releases the GIL, and a
 round's critical path is this comparison while the consumer waits for the changes."""

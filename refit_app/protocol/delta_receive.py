@@ -228,6 +228,7 @@ class ConsumerDelta:
         *,
         device: torch.device,
         targets: list[Target] | None,
+        chunk_bytes: int,
         on_chunk: Callable[[int], None] | None = None,
         hand_out: bool = False,
     ) -> Iterator[tuple[list[int], list[int], list[TensorDelta]]]:
@@ -249,7 +250,10 @@ class ConsumerDelta:
             if on_chunk is not None:
                 on_chunk(nbytes)
 
-        for chunk in receive_stream(group, src, device=device, buffers=self.buffers, on_chunk=counted):
+        chunks = receive_stream(
+            group, src, device=device, buffers=self.buffers, max_chunk=chunk_bytes, on_chunk=counted
+        )
+        for chunk in chunks:
             reader.feed(chunk)
             taken = reader.take()
             if taken[0] or taken[2]:

@@ -21,7 +21,7 @@ from refit_app.packed_tensor import (
     packed_broadcast_producer,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
-from refit_app.protocol.delta import DELTA_CHUNK_BYTES, ProducerDelta
+from refit_app.protocol.delta import ProducerDelta, delta_chunk_bytes
 from refit_app.protocol.delta_auto import DELTA as DELTA_ROUND
 from refit_app.protocol.delta_auto import KEEP
 from refit_app.protocol.delta_auto import PLAIN as PLAIN_ROUND
@@ -201,7 +201,7 @@ class ProducerSession(Session):
                     tensors,
                     self.group.group,
                     PRODUCER_RANK,
-                    chunk_bytes=min(manifest.buffer_size_bytes, DELTA_CHUNK_BYTES),
+                    chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
                     num_buffers=num_buffers,
                     device=self.device,
                     checksum_algorithm=algorithm,
