@@ -45,11 +45,11 @@ MOVED = {
         "cli": "app.cli",
         "roles": "app.roles",
         "local": "app.local",
-        "launch": "app.launch",
+        "launch": "app.rank_harness",
         "metrics": "app.metrics",
         "progress": "app.progress",
         "sweep_summary": "app.sweep_summary",
-        "environment": "app.launchers",
+        "environment": "app.launcher_env",
         "devices": "app.devices",
     }.items()
 }
