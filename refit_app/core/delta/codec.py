@@ -76,11 +76,6 @@ def padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def as_bytes(a: Any) -> np.ndarray:
-    """A 1-D uint8 view of a buffer-like (a numpy array, a memoryview), without a copy."""
-    return np.frombuffer(a, dtype=np.uint8) if not isinstance(a, np.ndarray) else a.reshape(-1).view(np.uint8)
-
-
 # -------------------------------------------------------------------------------------------------------------
 # Finding the changes.
 
