@@ -7,11 +7,7 @@ config.
 
 from typing import Any
 
-from refit_app import _moved
-
 __all__ = ["run"]
-
-_moved.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from refit_app.app import launch
-from refit_app.app.launch import free_port
+from refit_app.app import rank_harness
+from refit_app.app.rank_harness import free_port
 from refit_app.common.sizes import parse_size
 from refit_app.protocol.checksum import PIECED, checksum_all, checksum_function
 from refit_app.protocol.session import ConsumerSession, ProducerSession
@@ -90,7 +90,7 @@ def _rounds(rank: int, world_size: int, port: int, model_bytes: int, rounds: int
 
 
 def round_times(model_bytes: int, rounds: int, blocks: int, verify: bool) -> dict[bool, list[float]]:
-    outcomes = launch.run_ranks(
+    outcomes = rank_harness.run_ranks(
         _rounds, 2, (2, free_port(), model_bytes, rounds, blocks, verify), timeout_s=600, startup_s=180
     )
     for o in outcomes:

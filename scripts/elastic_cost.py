@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from refit_app.app import launch
-from refit_app.app.launch import free_port
+from refit_app.app import rank_harness
+from refit_app.app.rank_harness import free_port
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.groups import connect
@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=6.0)
     args = parser.parse_args()
     plan = [(mode, free_port()) for _ in range(args.repeats) for mode in ("fail", "continue")]
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     killed_at, steady_done = ctx.Value("d", 0.0), ctx.Event()
-    outcomes = launch.run_ranks(
+    outcomes = rank_harness.run_ranks(
         _rank, 4, (plan, free_port(), args, killed_at, steady_done), timeout_s=1800, startup_s=300
     )
     producer = outcomes[0]

@@ -2,7 +2,7 @@
 for tests/test_adversarial_delta_codec.py and the subprocesses it starts: a run with the section before a guard page
 (an out-of-bounds read dies by SIGSEGV there, not in pytest) and a run of an AddressSanitizer build of the kernel.
 
-Imports numpy and :mod:`refit_app.core.delta` only. As a script::
+Imports numpy and :mod:`refit_app.core.delta.codec` only. As a script::
 
     python tests/delta_fuzz.py case NAME kernel|numpy   # one regression case; exit 0 where it was refused cleanly
     python tests/delta_fuzz.py asan DIR RECORDS         # everything, with the kernel built in DIR (ASan)
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from refit_app.core import delta as codec
+from refit_app.core.delta import codec
 
 U64 = 1 << 64
 LIMIT = {codec.GAPS8: 0xFF, codec.GAPS16: 0xFFFF}
@@ -31,7 +31,7 @@ def _pad8(n: int) -> int:
 
 
 # -------------------------------------------------------------------------------------------------------------
-# The oracle: the wire format as the docstring of refit_app.core.delta states it, one element at a time.
+# The oracle: the wire format as the docstring of refit_app.core.delta.codec states it, one element at a time.
 
 
 def oracle_encode(encoding: int, positions: list[int], numel: int) -> tuple[bytes, int]:

@@ -1,5 +1,5 @@
 """Run a function once per rank in its own process, with a deadline and per-rank tracebacks, through the project's
-one harness (:mod:`refit_app.app.launch`, which ``role=local`` and the benchmark use too).
+one harness (:mod:`refit_app.app.rank_harness`, which ``role=local`` and the benchmark use too).
 
 ``fn`` must be a module-level function (it is pickled by reference) with the signature
 ``fn(rank, world_size, port, *args)``; its return value must pickle.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from refit_app.app import launch
-from refit_app.app.launch import free_port
+from refit_app.app import rank_harness
+from refit_app.app.rank_harness import free_port
 from refit_app.transport.spec import GroupSpec
 
 __all__ = [
@@ -93,14 +93,14 @@ def run_ranks(
     return_exceptions: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, port, *args)`` for every rank in its own process, through the project's one
-    harness (:func:`refit_app.app.launch.run_ranks`), the ranks started together.
+    harness (:func:`refit_app.app.rank_harness.run_ranks`), the ranks started together.
 
     Returns the per-rank results in rank order. A rank that raised, died or missed ``timeout`` (killed
     then) yields a :class:`RankFailure`; unless ``return_exceptions`` is set, any failure raises an
     AssertionError carrying every failed rank's traceback instead. ``timeout`` counts from the moment every
     rank has started up and ``fn`` starts everywhere; start-up has its own limit, :data:`STARTUP_LIMIT_S`.
     """
-    outcomes = launch.run_ranks(
+    outcomes = rank_harness.run_ranks(
         _call, world_size, (fn, world_size, free_port(), args), timeout_s=timeout, startup_s=STARTUP_LIMIT_S
     )
     ordered = [
@@ -138,5 +138,5 @@ def play_scenarios(scenarios: dict[str, Callable[[int, int], Any]], world_size: 
     its own port and started on every rank at once, paying the processes' start-up once. Returns per rank
     ``{name: result or RefitError raised}``."""
     ports = {name: free_port() for name in scenarios}
-    barrier = mp.get_context(launch.START_METHOD).Barrier(world_size)
+    barrier = mp.get_context(rank_harness.START_METHOD).Barrier(world_size)
     return run_ranks(_play_scenarios, world_size, scenarios, ports, barrier, timeout, timeout=timeout)

@@ -42,11 +42,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from refit_app.common.errors import HandshakeError
-from refit_app.core import delta as codec
+from refit_app.core.delta import codec
+from refit_app.core.delta.stream import HEADER_WORDS
 from refit_app.core.meta import TensorMeta
-from refit_app.core.stream import HEADER_WORDS
-from refit_app.protocol.delta import DeltaStats
-from refit_app.protocol.delta_receive import ConsumerDelta
+from refit_app.protocol.delta.receive import ConsumerDelta
+from refit_app.protocol.delta.send import DeltaStats
 
 HERE = Path(__file__).resolve().parent
 PATHS = ["kernel", "numpy"]
@@ -306,7 +306,7 @@ def _asan_build(tmp_path: Path) -> Path:
             "-Wall",
             "-Werror",
             f"-I{sysconfig.get_paths()['include']}",
-            str(HERE.parent / "refit_app" / "core" / "_delta_kernel.c"),
+            str(HERE.parent / "refit_app" / "core" / "delta" / "_delta_kernel.c"),
             "-o",
             str(out),
         ],

@@ -19,7 +19,7 @@ import pytest
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
 from test_elastic import _model, _receive_all
 
-from refit_app.app import launch
+from refit_app.app import rank_harness
 from refit_app.common.errors import RefitError
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 from refit_app.transport import elastic as transport_elastic
@@ -97,7 +97,7 @@ def _bogus_socket(rank: int, world_size: int, port: int, events: dict, killed_at
 
 
 def test_a_joiner_that_cannot_open_its_gloo_socket_is_dropped_and_the_others_go_on():
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     events = {name: ctx.Event() for name in ("faulty_start", "faulty_gone", "restart")}
     producer, c1, killed, joiner, back = run_ranks(
         _bogus_socket, 5, events, ctx.Value("d", 0.0), timeout=240.0, return_exceptions=True
@@ -152,7 +152,7 @@ def _fault_at_forming(fault: str, killed_at, stalled_pid) -> None:
 
 def _fails_at_forming(rank: int, world_size: int, port: int, fault: str, joiner_start, killed_at, stalled_pid):
     if rank == 0:
-        never = mp.get_context(launch.START_METHOD).Event()  # this joiner fails only after it asked
+        never = mp.get_context(rank_harness.START_METHOD).Event()  # this joiner fails only after it asked
         if fault == "stalls-then-resumes":  # the stalled joiner is resumed after round JOINS_AT, and comes back
 
             def resume() -> None:
@@ -175,7 +175,7 @@ def _fails_at_forming(rank: int, world_size: int, port: int, fault: str, joiner_
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_joiner_lost_before_its_first_group_forms_is_dropped_and_the_others_go_on(fault):
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     killed_at, stalled_pid = ctx.Value("d", 0.0), ctx.Value("i", 0)
     producer, c1, joiner = run_ranks(
         _fails_at_forming, 3, fault, ctx.Event(), killed_at, stalled_pid, timeout=240.0, return_exceptions=True

@@ -20,8 +20,8 @@ from mp_utils import gloo_spec, play_scenarios
 from refit_app.common.errors import HandshakeError
 from refit_app.core import delta as codec
 from refit_app.core.meta import TensorMeta
-from refit_app.protocol.delta import DeltaStats
-from refit_app.protocol.delta_receive import _RecordReader
+from refit_app.protocol.delta.receive import _RecordReader
+from refit_app.protocol.delta.send import DeltaStats
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.groups import connect
 
@@ -121,7 +121,7 @@ def test_a_zstd_bomb_in_a_positions_section_is_refused_before_it_is_decompressed
     header = codec.RECORD.pack(0, codec.BITMASK, codec.ZSTD, 0, 1, 0, len(frame), 1)
     stream = header + frame + b"\0" * (codec.padded(len(frame)) - len(frame)) + b"\x01" + b"\0" * 7
     target = np.zeros(numel, dtype=np.uint8)
-    from refit_app.protocol.delta_receive import Target
+    from refit_app.protocol.delta.receive import Target
 
     reader = _RecordReader([meta], [Target(array=target)], DeltaStats(), hand_out=False, mirror=None)
     tracemalloc.start()

@@ -16,10 +16,10 @@ import pytest
 
 from refit_app.common import memory
 from refit_app.common.errors import ConfigError
-from refit_app.transport import shm as shm_transport
-from refit_app.transport import shm_link
 from refit_app.transport.auth import RunAuth
 from refit_app.transport.backends import resolve_backend
+from refit_app.transport.shm import link as shm_link
+from refit_app.transport.shm import producer as shm_transport
 from refit_app.transport.spec import MAX_WORLD_SIZE
 
 MiB = 1 << 20

@@ -24,8 +24,8 @@ LAYERS = [
     "bench",  # the benchmark
     "__main__",
 ]
-"""Bottom first. ``refit_app/__init__.py`` (lazy ``run``) and ``_moved.py`` (old paths) stand outside."""
-OUTSIDE = {"refit_app", "refit_app._moved"}
+"""Bottom first. ``refit_app/__init__.py`` (lazy ``run``) stands outside."""
+OUTSIDE = {"refit_app"}
 
 
 def _module_name(path: Path) -> str:

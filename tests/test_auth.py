@@ -19,7 +19,7 @@ from conditions import needs_outward_ipv4, outward_ipv4_addresses
 from failure_utils import Launcher, RefitProcess
 from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, gloo_spec, run_ranks
 
-from refit_app.app import launch
+from refit_app.app import rank_harness
 from refit_app.common.errors import ConfigError, PeerError
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
@@ -153,7 +153,7 @@ def test_rogue_client_cannot_abort_or_crash_the_run(token, caplog):
     """Garbage check-ins, a forged outcome and a forged error (all before the consumer joins) change nothing: the
     run succeeds with the real consumer's data; with a token, no value the rogue can read contains the token."""
     port = free_port()
-    attacked = mp.get_context(launch.START_METHOD).Event()
+    attacked = mp.get_context(rank_harness.START_METHOD).Event()
     rogue = Rogue(port)
 
     def relay() -> None:
@@ -210,7 +210,7 @@ def _two_runs(rank: int, world_size: int, port: int, my_port: int, refused) -> o
 def test_a_consumer_never_joins_another_runs_producer():
     """Run B's producer on the port; run A's consumer refuses it in one line and receives nothing, and run B's own
     consumer then refits as if A's had never been there."""
-    refused = mp.get_context(launch.START_METHOD).Event()
+    refused = mp.get_context(rank_harness.START_METHOD).Event()
     results = run_ranks(_two_runs, 3, free_port(), refused, timeout=HANG_S)
     assert "belongs to run 'run-b', this consumer to run 'run-a'" in results[2], results[2]
     assert "\n" not in results[2]

@@ -8,9 +8,9 @@ import pytest
 import torch
 import zstandard
 
-from refit_app.core import delta as codec
+from refit_app.core.delta import codec
 from refit_app.core.wire import tensor_bytes
-from refit_app.protocol.delta import TensorDelta, apply_positions
+from refit_app.protocol.delta.send import TensorDelta, apply_positions
 
 DTYPES = [
     torch.bfloat16,
@@ -137,9 +137,9 @@ def test_hashing_during_the_comparison_covers_every_byte(path):
 
 @pytest.mark.parametrize("algorithm", ["xxh3_64_16mib", "xxh3_64", "crc32"])
 def test_a_large_tensor_compared_on_two_threads_hashes_and_patches_it_whole(algorithm):
-    """protocol.delta._diff: the second half on the helper thread, hashed there (pieces) or after it (the others)."""
+    """protocol.delta.send._diff: the second half on the helper thread, hashed there (pieces) or after it (others)."""
     from refit_app.protocol.checksum import Incremental, checksum_function
-    from refit_app.protocol.delta import PARALLEL_MIN_BYTES, _diff
+    from refit_app.protocol.delta.send import PARALLEL_MIN_BYTES, _diff
 
     if codec.kernel is None:
         pytest.skip("the C kernel was not built here")
@@ -280,7 +280,7 @@ def test_tensor_delta_applies_on_raw_bits(dtype):
 
 def test_auto_goes_plain_after_a_slow_delta_round_and_tries_again_when_changes_thin_out():
     from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS
-    from refit_app.protocol.delta_auto import DELTA, KEEP, PLAIN, AutoPolicy
+    from refit_app.protocol.delta.auto import DELTA, KEEP, PLAIN, AutoPolicy
 
     p = AutoPolicy()
     assert p.choose(False) == KEEP  # the first round fills the snapshot
@@ -316,7 +316,7 @@ def test_auto_goes_plain_after_a_slow_delta_round_and_tries_again_when_changes_t
 
 
 def test_auto_keeps_deltas_that_are_clearly_faster_than_a_dense_round():
-    from refit_app.protocol.delta_auto import DELTA, KEEP, AutoPolicy
+    from refit_app.protocol.delta.auto import DELTA, KEEP, AutoPolicy
 
     p = AutoPolicy()
     p.observe(KEEP, 4.5, cold=True)  # over a link: the dense round is the transfer
@@ -332,7 +332,7 @@ def test_auto_keeps_deltas_that_are_clearly_faster_than_a_dense_round():
 
 
 def test_the_sample_estimates_the_changed_share_without_a_snapshot():
-    from refit_app.protocol.delta_auto import SAMPLE_BLOCK, SAMPLE_EVERY, Sampler
+    from refit_app.protocol.delta.auto import SAMPLE_BLOCK, SAMPLE_EVERY, Sampler
 
     rng = np.random.default_rng(0)
     n = 4 * SAMPLE_BLOCK * SAMPLE_EVERY  # four sampled blocks of bf16

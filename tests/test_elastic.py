@@ -21,10 +21,10 @@ from cli_utils import COVER_STARTUP, assert_ok, local_metrics
 from config_utils import refused, settings
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
 
-from refit_app.app import launch
-from refit_app.app.launch import RankOutcome
+from refit_app.app import rank_harness
 from refit_app.app.local import NO_ROUND, combine_outcomes
 from refit_app.app.metrics import summary_line
+from refit_app.app.rank_harness import RankOutcome
 from refit_app.common.errors import ConfigError, PeerError, RefitError
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 
@@ -141,7 +141,7 @@ def _killed_and_restarted(rank: int, world_size: int, port: int, restart, strang
 
 
 def test_consumer_killed_mid_transfer_then_restarted():
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     restart, stranger_done, killed_at = ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
     producer, c1, c2, killed, restarted, stranger = run_ranks(
         _killed_and_restarted, 6, restart, stranger_done, killed_at, timeout=240.0, return_exceptions=True
@@ -208,7 +208,7 @@ def _late_consumer(rank: int, world_size: int, port: int, last_round_done, stats
 
 
 def test_a_consumer_that_asks_after_the_last_round_ends_with_no_rounds():
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     stats = mp.Manager().dict()
     producer, on_time, late = run_ranks(_late_consumer, 3, ctx.Event(), stats, timeout=120.0)
     assert producer == 2 and on_time == [1, 2]
@@ -253,7 +253,7 @@ def _rank_taken(rank: int, world_size: int, port: int, holder_in, impostor_done,
 
 
 def test_a_second_process_asking_for_a_live_consumers_rank_is_refused():
-    ctx = mp.get_context(launch.START_METHOD)
+    ctx = mp.get_context(rank_harness.START_METHOD)
     stats = mp.Manager().dict()
     (rounds, members), holder, impostor = run_ranks(_rank_taken, 3, ctx.Event(), ctx.Event(), stats, timeout=120.0)
     assert rounds < 500 and members == [1]
@@ -295,7 +295,7 @@ def _producer_killed(rank: int, world_size: int, port: int, killed_at) -> object
 
 
 def test_producer_killed_consumers_exit_in_one_line():
-    killed_at = mp.get_context(launch.START_METHOD).Value("d", 0.0)
+    killed_at = mp.get_context(rank_harness.START_METHOD).Value("d", 0.0)
     _, *consumers = run_ranks(_producer_killed, 3, killed_at, timeout=120.0, return_exceptions=True)
     for outcome in consumers:
         assert isinstance(outcome, tuple), outcome
@@ -329,7 +329,7 @@ def _all_lost(rank: int, world_size: int, port: int, killed_at) -> object:
 
 
 def test_every_consumer_lost_producer_says_so_in_one_line():
-    killed_at = mp.get_context(launch.START_METHOD).Value("d", 0.0)
+    killed_at = mp.get_context(rank_harness.START_METHOD).Value("d", 0.0)
     producer, consumer = run_ranks(_all_lost, 2, killed_at, timeout=120.0, return_exceptions=True)
     assert isinstance(consumer, RankFailure) and consumer.exc_type == "Died"
     assert isinstance(producer, tuple), producer

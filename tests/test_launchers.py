@@ -2,9 +2,9 @@
 through hydra-submitit-launcher's local executor (one directory per task). The GPU each rank of a host takes is in
 test_devices.py.
 
-The environment parsing is pure (:mod:`refit_app.app.launchers`) and tested with plain dicts; the config tests compose
-the real conf/ with the variables set in this process; the torchrun and submitit tests run the application as a user
-types it.
+The environment parsing is pure (:mod:`refit_app.app.launcher_env`) and tested with plain dicts; the config tests
+compose the real conf/ with the variables set in this process; the torchrun and submitit tests run the application as
+a user types it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from config_utils import compose_config, refused, settings
 from mp_utils import STARTUP_LIMIT_S
 from omegaconf import OmegaConf
 
-from refit_app.app.launchers import (
+from refit_app.app.launcher_env import (
     JOB_PORT_SPAN,
     LAUNCHER_ENVS,
     LAUNCHER_PORT_OFFSET,

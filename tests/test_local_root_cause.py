@@ -16,7 +16,7 @@ from pathlib import Path
 from cli_utils import local_metrics
 from mp_utils import STARTUP_LIMIT_S
 
-from refit_app.app.launch import RankOutcome, root_cause
+from refit_app.app.rank_harness import RankOutcome, root_cause
 
 STALLED_SOURCE = '''
 import threading
@@ -91,12 +91,12 @@ def test_root_cause_prefers_the_first_real_failure():
 
 
 def _write_lines_forever(array, stop) -> None:
-    from refit_app.app import launch
+    from refit_app.app import rank_harness
 
-    launch._activity = (array, 1)
+    rank_harness._activity = (array, 1)
     i = 0
     while not stop.is_set():
-        launch.note_activity(("A" if i % 2 else "B") * 239)
+        rank_harness.note_activity(("A" if i % 2 else "B") * 239)
         i += 1
 
 
@@ -106,22 +106,22 @@ def test_the_supervisor_never_reads_a_half_written_step():
     import ctypes
     import multiprocessing as mp
 
-    from refit_app.app import launch
+    from refit_app.app import rank_harness
 
     ctx = mp.get_context("spawn")
-    array = ctx.Array(ctypes.c_char, 2 * launch._ACTIVITY_SLOT, lock=False)
+    array = ctx.Array(ctypes.c_char, 2 * rank_harness._ACTIVITY_SLOT, lock=False)
     stop = ctx.Event()
     writer = ctx.Process(target=_write_lines_forever, args=(array, stop), daemon=True)
     writer.start()
     try:
         deadline = time.monotonic() + STARTUP_LIMIT_S  # a fresh interpreter's start-up: only a hang gets near it
-        while not launch._read_activity(array, 1):
+        while not rank_harness._read_activity(array, 1):
             assert writer.is_alive() and time.monotonic() < deadline, "the writer never wrote a line"
             time.sleep(0.01)  # a busy wait here would take a core from the writer's start-up
         seen = set()
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
-            seen.add(launch._read_activity(array, 1))
+            seen.add(rank_harness._read_activity(array, 1))
     finally:
         stop.set()
         writer.join(10)

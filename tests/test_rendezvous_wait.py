@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from refit_app.app.launch import free_port
+from refit_app.app.rank_harness import free_port
 from refit_app.transport import rendezvous
 from refit_app.transport.spec import GroupSpec
 

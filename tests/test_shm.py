@@ -22,10 +22,10 @@ from refit_app.packed_tensor import (
     packed_broadcast_consumer,
     packed_broadcast_producer,
 )
-from refit_app.transport import shm as shm_transport
 from refit_app.transport.groups import connect
-from refit_app.transport.shm_link import CHALLENGE, JOIN, Link
-from refit_app.transport.shm_segments import host_identity
+from refit_app.transport.shm import host_identity
+from refit_app.transport.shm import producer as shm_transport
+from refit_app.transport.shm.link import CHALLENGE, JOIN, Link
 
 TIMEOUT_S = 30.0
 """group.timeout_s of these groups; nothing here waits for it."""

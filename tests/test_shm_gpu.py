@@ -1,5 +1,5 @@
 """``group.backend=shm`` where every rank has a GPU: the producer's segments are its device memory, consumers open
-them by CUDA IPC handle and copy device to device (:mod:`refit_app.transport.shm_cuda`). Three processes share GPU
+them by CUDA IPC handle and copy device to device (:mod:`refit_app.transport.shm.cuda`). Three processes share GPU
 0: every packing mode round trips exactly, a consumer's broadcast reaches the others, the ring is reused across
 calls, and a killed consumer fails the others within the deadline.
 

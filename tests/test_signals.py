@@ -115,7 +115,7 @@ def test_interrupted_survives_pickling():
 def test_the_supervisor_raises_a_signal_only_where_it_checks():
     """role=local's launcher notes SIGINT/SIGTERM and raises Interrupted at its loop's next check, never from inside
     whatever it was running (a queue's lock, a join), which could leave a lock taken for the clean-up after it."""
-    from refit_app.app.launch import DeferredSignals
+    from refit_app.app.rank_harness import DeferredSignals
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Interrupted) as raised:

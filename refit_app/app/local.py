@@ -1,8 +1,8 @@
 """``role=local``: one producer and ``role.num_consumers`` consumers as processes on this machine.
 
-The ranks are started and supervised by :mod:`refit_app.app.launch`; each runs :func:`refit_app.app.roles.run_producer`
-or
-:func:`~refit_app.app.roles.run_consumer` exactly as a separate launch would, and logs into this job's log too.
+The ranks are started and supervised by :mod:`refit_app.app.rank_harness`; each runs
+:func:`refit_app.app.roles.run_producer` or :func:`~refit_app.app.roles.run_consumer` exactly as a separate launch
+would, and logs into this job's log too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from refit_app.app.config import RunSettings
-from refit_app.app.launch import ActivityHandler, RankOutcome, prestart, root_cause, run_ranks
+from refit_app.app.rank_harness import ActivityHandler, RankOutcome, prestart, root_cause, run_ranks
 from refit_app.common.errors import PeerError, RefitError
 from refit_app.transport.auth import new_run_id, new_secret
 

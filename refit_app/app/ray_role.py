@@ -30,7 +30,6 @@ from dataclasses import replace
 from typing import Any
 
 from refit_app.app.config import RaySpec, RunSettings
-from refit_app.app.launch import DeferredSignals, RankOutcome, outcome_of
 from refit_app.app.local import (
     NO_ROUND,
     check_source_early,
@@ -40,6 +39,7 @@ from refit_app.app.local import (
     rank_settings,
     with_run_secret,
 )
+from refit_app.app.rank_harness import DeferredSignals, RankOutcome, outcome_of
 from refit_app.common.errors import ConfigError, RefitError, one_line
 from refit_app.integrations.ray.defaults import RAY_EXTRA
 

@@ -50,7 +50,7 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
     settings = _with_job_port(validate(cfg))
     # Imported here, not at the top: roles pulls in torch (seconds on a small machine), which `--help`, `--cfg`
     # and a refused config never need, and neither does role=local's supervising process: its ranks get torch
-    # from the fork server (refit_app.app.launch), so it never pays for it itself.
+    # from the fork server (refit_app.app.rank_harness), so it never pays for it itself.
     if settings.role == "local":
         from refit_app.app.local import run_local as run_role
     elif settings.role == "ray":
@@ -60,7 +60,7 @@ def run(cfg: DictConfig, *, output_dir: str | Path | None = None) -> dict[str, A
 
     if settings.group.port is None and settings.role == "local":
         # role=local's free port, picked here rather than by its launcher so that the saved config names it.
-        from refit_app.app.launch import free_port
+        from refit_app.app.rank_harness import free_port
 
         settings = replace(settings, group=replace(settings.group, port=free_port()))
 

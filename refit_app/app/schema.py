@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from refit_app.app.launchers import launcher_setting
+from refit_app.app.launcher_env import launcher_setting
 from refit_app.core.defaults import DEFAULT_NUM_BUFFERS, NUM_BUFFERS_ENV
 from refit_app.integrations.ray.defaults import (
     DEFAULT_CPUS_PER_RANK,
@@ -67,7 +67,7 @@ RANK_LABEL_RESOLVER = "refit_app.rank_label"
 so that Hydra makes the directory and the one-line error about the launcher comes from the config check."""
 LAUNCHER_RESOLVER = "refit_app.launcher"
 """``${refit_app.launcher:rank}`` (conf/role/auto.yaml): a group setting read from the launcher's environment
-(:func:`refit_app.app.launchers.launcher_setting`); an explicit ``group.rank=...`` replaces it."""
+(:func:`refit_app.app.launcher_env.launcher_setting`); an explicit ``group.rank=...`` replaces it."""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Schema. Field docstrings are the reference for every key: `--help` prints each one on one line.

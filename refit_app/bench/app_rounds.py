@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from refit_app.app.config import RunSettings
-from refit_app.app.launch import free_port
+from refit_app.app.rank_harness import free_port
 from refit_app.bench.cases import Case, make_source, wire_metas
 from refit_app.bench.measure import _Listed, _timed
 from refit_app.bench.modes import Session

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from refit_app.app.launch import free_port
+from refit_app.app.rank_harness import free_port
 from refit_app.bench.cases import Case, make_source, wire_metas
 from refit_app.bench.measure import _Listed
 from refit_app.bench.modes import Session, barrier

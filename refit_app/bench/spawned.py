@@ -1,5 +1,5 @@
 """Every rank on this machine: one spawned process per rank, one gloo group over loopback per consumer count, all
-through :func:`refit_app.app.launch.run_ranks` like the application's local ranks."""
+through :func:`refit_app.app.rank_harness.run_ranks` like the application's local ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from refit_app.app.launch import free_port, run_ranks
+from refit_app.app.rank_harness import free_port, run_ranks
 from refit_app.bench.cases import Case
 from refit_app.bench.measure import run_case
 from refit_app.bench.report import summarize, write_results

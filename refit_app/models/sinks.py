@@ -69,18 +69,16 @@ class Sink(Protocol):
         ...
 
 
-class VerifySink:
-    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums (with
-    delta rounds, on the session's copy of the model)."""
-
-    verifies = True
-    delta_storage = MIRROR
+class _KeepsNothing:
+    """The body of the sinks that keep nothing (:class:`VerifySink`, :class:`DiscardSink`): every call is a no-op
+    and no round leaves figures for the metrics."""
 
     def begin(self, manifest: Manifest) -> None:
-        """The session refuses a manifest without checksums itself."""
+        """Nothing can fail early: there is nowhere to write (the session refuses a manifest that a verifying
+        sink cannot check itself)."""
 
     def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """The session's verifier has checksummed the batch; nothing to keep."""
+        """Drop the batch; the views die with the call (a verifying session has checksummed it already)."""
 
     def finish(self, checksums: list[int] | None) -> dict:
         return {}
@@ -90,6 +88,14 @@ class VerifySink:
 
     def abort(self) -> None:
         """Nothing to undo."""
+
+
+class VerifySink(_KeepsNothing):
+    """Keeps nothing and asks the session to check every round bit for bit against the producer's checksums (with
+    delta rounds, on the session's copy of the model)."""
+
+    verifies = True
+    delta_storage = MIRROR
 
 
 class SaveSink:
@@ -150,25 +156,10 @@ class SaveSink:
             self._writer = None
 
 
-class DiscardSink:
+class DiscardSink(_KeepsNothing):
     """Keeps nothing: measures the transfer alone (a delta round's changes too)."""
 
     delta_storage = DELTAS
-
-    def begin(self, manifest: Manifest) -> None:
-        """Nothing can fail early: there is nowhere to write."""
-
-    def consume(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """Drop the batch; the views die with the call."""
-
-    def finish(self, checksums: list[int] | None) -> dict:
-        return {}
-
-    def close(self) -> dict:
-        return {}
-
-    def abort(self) -> None:
-        """Nothing to undo."""
 
 
 class _FaultySink:

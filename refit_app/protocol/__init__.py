@@ -2,6 +2,11 @@
 the handshake that checks it, per-tensor checksums and their verification, and sessions that run many refits
 (rounds) over one group.
 
+Rooms: :mod:`refit_app.protocol.delta` (delta rounds: only the changed elements, a package; start at its
+``__init__``) and :mod:`refit_app.protocol.elastic` (sessions that go on when consumers come and go). A new
+transfer mode goes in a room of its own here, used by the sessions (:mod:`~refit_app.protocol.producer_session`,
+:mod:`~refit_app.protocol.consumer_session`).
+
 Imports only :mod:`refit_app.common`, :mod:`refit_app.core`, :mod:`refit_app.packed_tensor` and
 :mod:`refit_app.transport`.
 """

@@ -21,10 +21,10 @@ from refit_app.packed_tensor import (
     packed_broadcast_producer,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
-from refit_app.protocol.delta import ProducerDelta, delta_chunk_bytes
-from refit_app.protocol.delta_auto import DELTA as DELTA_ROUND
-from refit_app.protocol.delta_auto import KEEP
-from refit_app.protocol.delta_auto import PLAIN as PLAIN_ROUND
+from refit_app.protocol.delta.auto import DELTA as DELTA_ROUND
+from refit_app.protocol.delta.auto import KEEP
+from refit_app.protocol.delta.auto import PLAIN as PLAIN_ROUND
+from refit_app.protocol.delta.send import ProducerDelta, delta_chunk_bytes
 from refit_app.protocol.handshake import (
     finish,
     send_checksums,
@@ -67,7 +67,7 @@ class ProducerSession(Session):
             the fastest installed. It travels in the manifest; a consumer that cannot compute it refuses at the
             handshake.
         delta: ``"off"`` (every round dense), ``"on"`` or ``"auto"`` (rounds after the first send only the changed
-            elements where every consumer holds the last round; see :mod:`refit_app.protocol.delta`). On or auto
+            elements where every consumer holds the last round; see :mod:`refit_app.protocol.delta.send`). On or auto
             keep one host copy of the sent model here.
         rounds: how many rounds this session will send, where that is known; it travels in the manifest, and a
             consumer that names another number stops every rank at the handshake. None: open-ended.
@@ -187,7 +187,7 @@ class ProducerSession(Session):
     def _send_data(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, result: Round, kind: str, k: int
     ) -> list[int] | None:
-        """The round's data, by ``kind`` (:mod:`refit_app.protocol.delta_auto`); returns the checksums where
+        """The round's data, by ``kind`` (:mod:`refit_app.protocol.delta.auto`); returns the checksums where
         consumers verify."""
         algorithm = self.checksum_algorithm if manifest.checksums else None
         num_buffers = self.num_buffers or get_num_buffers()

@@ -6,7 +6,7 @@ manifest (names, shapes, dtypes, settings, a model's config) goes over the group
 rounds carry data (and checksums where a consumer verifies) alone, until the tensor list changes: then both sides
 see it in the round header, the producer sends a fresh manifest and every consumer accepts it (or refuses, and
 every rank stops) before any tensor moves. With ``delta`` on, a round after the first can carry only the elements
-that changed (:mod:`refit_app.protocol.delta`).
+that changed (:mod:`refit_app.protocol.delta.send`).
 
 Every round, over the group::
 
@@ -26,7 +26,7 @@ rank in round k ends every rank within the group's deadline, with that rank's re
 """
 
 from refit_app.protocol.consumer_session import ConsumerSession
-from refit_app.protocol.delta import TensorDelta
+from refit_app.protocol.delta.send import TensorDelta
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
 

@@ -4,6 +4,11 @@ error), the collective backends behind the core's ``BroadcastGroup`` seam, the c
 :class:`~refit_app.transport.groups.RefitGroup` (built by :func:`~refit_app.transport.groups.connect`, or from a
 trainer's own process group by :func:`~refit_app.transport.process_group.from_process_group`).
 
+Rooms: :mod:`refit_app.transport.shm` (``group.backend=shm``, shared memory between ranks on one host: a package,
+start at its ``__init__``) and :mod:`refit_app.transport.elastic` (the generations of an elastic session's group).
+A backend that fits in a wrapper goes in :mod:`~refit_app.transport.backends`; one that needs several modules gets a
+package here, as ``shm`` does, which ``backends`` picks by name.
+
 Imports only :mod:`refit_app.common`, :mod:`refit_app.core` and :mod:`refit_app.packed_tensor`.
 """
 

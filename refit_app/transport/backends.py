@@ -14,7 +14,7 @@ What a dead or stalled peer looks like, per backend:
   other side sees at once; a stalled one fails every wait after ``timeout_s``. Either way :class:`PeerError`, the
   published reason preferred.
 
-Which host a rank is on: each reports :func:`~refit_app.transport.shm_segments.host_identity` (its kernel's boot id
+Which host a rank is on: each reports :func:`~refit_app.transport.shm.host_identity` (its kernel's boot id
 and network namespace, hashed) at check-in, and the producer compares them (:func:`resolve_backend`).
 """
 
@@ -34,8 +34,15 @@ from refit_app.common.errors import ConfigError, PeerError, one_line, some_of
 from refit_app.packed_tensor import Work
 from refit_app.transport.chain import ChainBroadcastGroup
 from refit_app.transport.control import Control, Poller, ranks_text
-from refit_app.transport.shm import ShmConsumerGroup, ShmProducerGroup, make_shm_group
-from refit_app.transport.shm_segments import SHM_MEMORY_FIX, host_identity, shm_memory_problem, shm_supported
+from refit_app.transport.shm import (
+    SHM_MEMORY_FIX,
+    ShmConsumerGroup,
+    ShmProducerGroup,
+    host_identity,
+    make_shm_group,
+    shm_memory_problem,
+    shm_supported,
+)
 from refit_app.transport.spec import DEFAULT_TOPOLOGY, PRODUCER_RANK, GroupSpec
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"

@@ -133,7 +133,7 @@ class RefitTrainerInitInfo:
     delta: str = "off"
     """``off``: every round sends every tensor. ``on`` / ``auto``: a round after the first sends only the changed
     elements where every worker holds the previous round (``auto``: where that is expected to be smaller;
-    :mod:`refit_app.protocol.delta`). The trainer keeps a host copy of the sent model, and each worker one of the
+    :mod:`refit_app.protocol.delta.send`). The trainer keeps a host copy of the sent model, and each worker one of the
     received model (what it reloads a changed layer from when vLLM's checkpoint-patch loader cannot patch it)."""
     rank: int = field(kw_only=True)
     """This trainer process's rank; rank 0 sends, as in vLLM's own trainer engines."""

@@ -12,15 +12,15 @@ import numpy as np
 import torch
 
 from refit_app.common.errors import HandshakeError, some_of
-from refit_app.core import delta as codec
 from refit_app.core.chunks import Chunk
+from refit_app.core.delta import codec
+from refit_app.core.delta.image import Image, receive_image
+from refit_app.core.delta.stream import HEADER_BYTES, Buffers, receive_stream
 from refit_app.core.group import BroadcastGroup
-from refit_app.core.image import Image, receive_image
 from refit_app.core.meta import TensorMeta
-from refit_app.core.stream import HEADER_BYTES, Buffers, receive_stream
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.protocol.checksum import available_algorithms, checksum_all, checksum_function, default_algorithm
-from refit_app.protocol.delta import DeltaStats, TensorDelta, apply_positions
+from refit_app.protocol.delta.send import DeltaStats, TensorDelta, apply_positions
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class Target:
     def apply_record(
         self, encoding: int, section: np.ndarray, count: int, escapes: int, values: np.ndarray, itemsize: int
     ) -> None:
-        """A host target's record, its positions decoded on the way (:func:`refit_app.core.delta.apply_record`)."""
+        """A host target's record, its positions decoded on the way
+        (:func:`refit_app.core.delta.codec.apply_record`)."""
         assert self.array is not None
         codec.apply_record(self.array, encoding, section, count, escapes, values, itemsize)
 

@@ -1,26 +1,7 @@
-"""``group.backend=shm``: ranks on one host move broadcasts through shared memory, not a socket.
-
-The producer packs each chunk straight into a ring of shared segments (:meth:`ShmProducerGroup.slot_buffer`, which
-the core's :class:`~refit_app.core.buffers.Slot` asks for its buffer), and a broadcast only tells every consumer,
-over its Unix socket (:mod:`refit_app.transport.shm_link`), where the bytes lie. One copy in, however many
-consumers, and no per-consumer send of the data. A consumer either hands views of the segment out
-(:meth:`ShmConsumerGroup.receive_view_async`, which the packed broadcast's receiver uses: no copy at all) or copies
-the bytes into a tensor of its own (:meth:`broadcast_async`, for everything else: headers, manifests, delta
-streams, a mirror). Every other broadcast (a tensor that is not in the ring) is copied into a staging segment once,
-or for up to 64 KiB sent inside the message.
-
-Buffer lifetime, across processes: the producer writes a segment again only once every consumer has answered its
-last publication, ``RELEASE`` (done with it: nothing handed out from it is referenced, see
-:func:`~refit_app.core.buffers.is_shared`) or ``KEEP`` (views of it are still held: the segment leaves the ring,
-which takes a spare or a fresh one, and comes back as a spare once the consumer says ``FREE``). A consumer releases
-what it no longer holds at every wait and at every step of the receiver; it answers ``KEEP`` only when the
-producer asked (``NEED``) and it is about to block: a consumer that keeps tensors costs memory, never a hang and
-never a changed value.
-
-Faults: every wait has the group's deadline (``group.timeout_s``); a peer that dies closes its socket, which the
-other side sees at once. A lost consumer fails the producer in one place (:meth:`ShmProducerGroup._lost`), and
-the producer's closing sockets then fail every other consumer, each preferring the reason a failing rank published.
-"""
+"""The producer's side of ``group.backend=shm`` (:mod:`refit_app.transport.shm` describes the whole transport):
+:class:`ShmProducerGroup`, which packs chunks straight into a ring of shared segments and publishes where they lie,
+reuses a segment only once every consumer has released it, and fails in one place (:meth:`ShmProducerGroup._lost`)
+when a consumer is lost; and :func:`make_shm_group`, which connects a rank's side of the group."""
 
 from __future__ import annotations
 
@@ -38,9 +19,9 @@ from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.core.wire import tensor_bytes
 from refit_app.transport.auth import RecordError, need
 from refit_app.transport.control import Control, Poller
-from refit_app.transport.shm_consumer import CudaShmConsumerGroup, ShmConsumerGroup, explain_loss
-from refit_app.transport.shm_cuda import HOST, CudaSegment, copy_bytes
-from refit_app.transport.shm_link import (
+from refit_app.transport.shm.consumer import CudaShmConsumerGroup, ShmConsumerGroup, explain_loss
+from refit_app.transport.shm.cuda import HOST, CudaSegment, copy_bytes
+from refit_app.transport.shm.link import (
     FORGET,
     FREE,
     INLINE,
@@ -59,7 +40,7 @@ from refit_app.transport.shm_link import (
     listen,
     remaining_ms,
 )
-from refit_app.transport.shm_segments import SHM_MEMORY_FIX, HostSegment, round_up, shm_memory_problem
+from refit_app.transport.shm.segments import SHM_MEMORY_FIX, HostSegment, round_up, shm_memory_problem
 from refit_app.transport.spec import PRODUCER_RANK, GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -459,7 +440,7 @@ def make_shm_group(store: dist.Store, spec: GroupSpec, control: Control) -> ShmP
     cuda_here = torch.cuda.is_available()
     if spec.rank == PRODUCER_RANK:
         # Every consumer may connect at once: a smaller queue made those beyond it fail (they retry, see
-        # shm_link._connect, but each retry costs them time).
+        # link._connect, but each retry costs them time).
         listener, name = listen(auth, max(spec.world_size, socket.SOMAXCONN))
         try:
             store.set(key, auth.seal("shm", {"name": name}))

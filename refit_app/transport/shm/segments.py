@@ -4,7 +4,7 @@ read-only, and the host identity that tells whether two ranks can share them.
 A segment is a ``memfd_create`` file: it has no name in ``/dev/shm`` or anywhere else, so nothing can leak when
 every rank is killed (the kernel frees its pages once the last descriptor and mapping are gone) and nobody can open
 it by name. A consumer gets a segment only as a file descriptor passed over its authenticated connection to the
-producer (:mod:`refit_app.transport.shm_link`). The producer maps it read-write and then seals it
+producer (:mod:`refit_app.transport.shm.link`). The producer maps it read-write and then seals it
 (``F_SEAL_FUTURE_WRITE``, ``F_SEAL_SHRINK``, ``F_SEAL_GROW``): from then on no process, a consumer holding the
 descriptor included, can map it writable, write to it or change its size; the producer's own mapping keeps working.
 A consumer therefore cannot corrupt what the other consumers read, nor make their mappings fault by shrinking it.

@@ -1,5 +1,5 @@
 /* The two inner loops of delta rounds, in C: finding the changed elements of a tensor against its snapshot, and
- * writing changed elements into a tensor. refit_app.core.delta uses them where this extension was built and falls
+ * writing changed elements into a tensor. refit_app.core.delta.codec uses them where this extension was built and falls
  * back to numpy (the same results, a few times slower) where it was not.
  *
  * Both work on raw bytes: an element is changed when any of its bytes differs, and writing copies bytes, so every
@@ -308,7 +308,7 @@ done:
  * next ``itemsize`` bytes of values, written there. The whole section is checked first (the escapes it holds, the
  * last position inside target; count and escapes against the tensor and the section before any size is computed
  * from them): a corrupt record fails without reading outside its buffers or writing anything. The same as decoding with
- * refit_app.core.delta.decode_positions and then scatter, without the int64 positions in between. */
+ * refit_app.core.delta.codec.decode_positions and then scatter, without the int64 positions in between. */
 static PyObject *apply_gaps(PyObject *self, PyObject *args) {
     PyObject *tgt_obj, *sec_obj, *val_obj;
     Py_ssize_t width, count, escapes, itemsize;

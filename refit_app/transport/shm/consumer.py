@@ -2,7 +2,7 @@
 producer's segments mapped read-only, each publication either copied into a tensor of the caller's or handed out
 as a view, and the answers that tell the producer when it may write a segment again. On GPUs
 (:class:`CudaShmConsumerGroup`) the segments are the producer's device memory, opened by CUDA IPC handle, and
-always copied from (:mod:`refit_app.transport.shm_cuda`)."""
+always copied from (:mod:`refit_app.transport.shm.cuda`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from refit_app.common.errors import PeerError
 from refit_app.core.buffers import is_shared
 from refit_app.core.wire import memmove, tensor_bytes
 from refit_app.transport.control import Control
-from refit_app.transport.shm_cuda import HOST, copy_bytes, map_cuda_segment
-from refit_app.transport.shm_link import (
+from refit_app.transport.shm.cuda import HOST, copy_bytes, map_cuda_segment
+from refit_app.transport.shm.link import (
     FORGET,
     FREE,
     INLINE,
@@ -31,7 +31,7 @@ from refit_app.transport.shm_link import (
     Message,
     close_fds,
 )
-from refit_app.transport.shm_segments import map_segment
+from refit_app.transport.shm.segments import map_segment
 from refit_app.transport.spec import PRODUCER_RANK
 
 

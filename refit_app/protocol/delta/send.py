@@ -1,24 +1,6 @@
-"""Delta rounds in a session: the producer's snapshot, the consumer's copy, and each round's choice between them.
-
-A producer session with ``delta="on"`` or ``"auto"`` keeps an :class:`~refit_app.core.image.Image` of the bytes it
-sent last (one host copy of the sent model). Before each round every consumer says which round its tensors hold
-(:meth:`ConsumerDelta.held`): 0 when it holds nothing it can vouch for by its bytes (a fresh consumer, tensors
-written since by any means, another set of tensors). The round is a delta round only when the manifest is unchanged
-and every consumer holds the round the snapshot holds; it then names that round as its base. Otherwise it is dense,
-and the producer packs each tensor into the snapshot as it sends it (the copy it would make into a send buffer
-anyway).
-
-A delta round is a stream of records (:mod:`refit_app.core.delta`, :mod:`refit_app.core.stream`): each tensor is
-compared with its snapshot slice block by block, hashed in the same pass where a consumer verifies, and its
-changes are written to the stream while the chunks before them are on the wire. A consumer applies each record as
-it arrives into the tensors it holds: its own (``targets``), the session's copy (``mirror``), or, for an engine
-that applies changes through its own loader, hands the change itself (:class:`TensorDelta`) to its callback. With
-verification on, it then hashes every tensor in full, changed or not, and compares with the producer's checksums
-of the full tensors: what is verified is the reconstructed model, not the payload.
-
-``auto`` chooses each round's kind from what the rounds before it measured: a delta round, a dense round that
-fills the snapshot, or a plain dense round that leaves it alone (:mod:`refit_app.protocol.delta_auto`).
-"""
+"""The producer's side of delta rounds (:mod:`refit_app.protocol.delta` describes the whole scheme): the snapshot
+of what was sent last, each tensor compared with it and its changes written to the stream, and the types both sides
+share (:class:`DeltaStats`, :class:`TensorDelta`, :func:`apply_positions`)."""
 
 from __future__ import annotations
 
@@ -33,16 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from refit_app.core import delta as codec
 from refit_app.core.chunks import Chunk
+from refit_app.core.delta import codec
+from refit_app.core.delta.image import Image, send_image
+from refit_app.core.delta.stream import Buffers, ChunkStream
 from refit_app.core.group import BroadcastGroup
-from refit_app.core.image import Image, send_image
 from refit_app.core.meta import TensorMeta
-from refit_app.core.stream import Buffers, ChunkStream
 from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function, split_point
 from refit_app.protocol.defaults import DELTA_MODES
-from refit_app.protocol.delta_auto import DELTA, KEEP, AutoPolicy, Sampler
+from refit_app.protocol.delta.auto import DELTA, KEEP, AutoPolicy, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +86,7 @@ class ProducerDelta:
             self.auto.share = self.auto.changed = None
 
     def choose(self, held: list[int]) -> str:
-        """This round's kind (:mod:`refit_app.protocol.delta_auto`): a delta round only where every consumer holds
+        """This round's kind (:mod:`refit_app.protocol.delta.auto`): a delta round only where every consumer holds
         the round the snapshot holds (:attr:`base`)."""
         image = self.image
         can = bool(self.enabled and image is not None and image.round and all(h == image.round for h in held))
@@ -316,9 +298,9 @@ _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-diff")
 def _diff(
     new: np.ndarray, old: np.ndarray, itemsize: int, hasher: Incremental | None, algorithm: str | None
 ) -> codec.Changes | codec.Whole:
-    """:func:`refit_app.core.delta.diff` of one tensor, its second half on a helper thread where it is large. Where
-    the checksum can be taken in two parts (:func:`~refit_app.protocol.checksum.split_point`), each thread hashes its
-    half as it compares it; else the second half is hashed after the helper's comparison."""
+    """:func:`refit_app.core.delta.codec.diff` of one tensor, its second half on a helper thread where it is large.
+    Where the checksum can be taken in two parts (:func:`~refit_app.protocol.checksum.split_point`), each thread
+    hashes its half as it compares it; else the second half is hashed after the helper's comparison."""
     n = new.size
     if n < PARALLEL_MIN_BYTES or codec.kernel is None:
         return codec.diff(new, old, itemsize, hasher=hasher)

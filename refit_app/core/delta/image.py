@@ -161,11 +161,6 @@ def receive_image(
         raise
 
 
-def iter_indices(chunks: Iterable[Chunk]) -> Iterator[int]:
-    for chunk in chunks:
-        yield from range(chunk.first, chunk.stop)
-
-
 class _Flight:
     """Broadcasts in flight, oldest first, at most ``limit``; each keeps its tensor alive until it has finished."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refit_app.transport.shm_segments import RingSegment
+from refit_app.transport.shm.segments import RingSegment
 
 HOST = torch.device("cpu")
 """The device of a shared-memory group in host memory."""

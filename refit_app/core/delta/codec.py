@@ -23,7 +23,7 @@ Encodings of the positions (``count`` changed elements of ``numel``):
 
 Each tensor takes the smallest of these (:func:`encode`); the positions are zstd-compressed where that saves at
 least :data:`ZSTD_MIN_SAVING` of them. A round's records follow each other in a byte stream
-(:mod:`refit_app.core.stream`), in increasing tensor index, unchanged tensors left out, ended by a record whose
+(:mod:`refit_app.core.delta.stream`), in increasing tensor index, unchanged tensors left out, ended by a record whose
 index is :data:`END`.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 try:
-    from refit_app.core import _delta_kernel as kernel
+    from refit_app.core.delta import _delta_kernel as kernel
 except ImportError:  # built where a C compiler was at install time; numpy does the same where not
     kernel = None
 
@@ -74,11 +74,6 @@ _UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype
 def padded(n: int) -> int:
     """``n`` rounded up to the record alignment."""
     return -(-n // ALIGN) * ALIGN
-
-
-def as_bytes(a: Any) -> np.ndarray:
-    """A 1-D uint8 view of a buffer-like (a numpy array, a memoryview), without a copy."""
-    return np.frombuffer(a, dtype=np.uint8) if not isinstance(a, np.ndarray) else a.reshape(-1).view(np.uint8)
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Three kinds of round (:data:`KINDS`):
 
-- ``delta``: only the changes, against the snapshot (:mod:`refit_app.protocol.delta`);
+- ``delta``: only the changes, against the snapshot (:mod:`refit_app.protocol.delta.send`);
 - ``keep``: dense, packed into the snapshot as it is sent (consumers with a copy receive into it), so the round
   after it can be a delta round;
 - ``plain``: dense as with ``delta="off"``, through the rotating send buffers, the snapshot left alone: a dense
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refit_app.core.delta import DENSE_ABOVE
+from refit_app.core.delta.codec import DENSE_ABOVE
 from refit_app.protocol.defaults import AUTO_RETRY_ROUNDS, AUTO_SHARE
 
 DELTA, KEEP, PLAIN = "delta", "keep", "plain"
@@ -118,7 +118,7 @@ class AutoPolicy:
 class Sampler:
     """A sample of the last round's bytes (every :data:`SAMPLE_EVERY`-th block of each tensor), to estimate each
     round's changes without a snapshot: the share of changed elements, and the share of the dense bytes a delta
-    round would take (a tensor over :data:`~refit_app.core.delta.DENSE_ABOVE` changed goes whole; else each change
+    round would take (a tensor over :data:`~refit_app.core.delta.codec.DENSE_ABOVE` changed goes whole; else each change
     takes its value and about a byte of position)."""
 
     def __init__(self) -> None:
