@@ -18,7 +18,7 @@ import torch
 from mp_utils import gloo_spec, play_scenarios
 
 from refit_app.common.errors import HandshakeError
-from refit_app.core import delta as codec
+from refit_app.core.delta import codec
 from refit_app.core.meta import TensorMeta
 from refit_app.protocol.delta.receive import _RecordReader
 from refit_app.protocol.delta.send import DeltaStats

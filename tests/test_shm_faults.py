@@ -29,7 +29,9 @@ def _model() -> list[tuple[str, torch.Tensor]]:
 
 
 def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """What lies in /dev/shm, less POSIX semaphores (``sem.*``): multiprocessing makes those for any process on the
+    machine (another test run, say), and refit_app makes none."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
 def _kill_mid_round(rank: int, world_size: int, port: int, victims: tuple[int, ...], marks: str, how: str) -> dict:
