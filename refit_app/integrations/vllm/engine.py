@@ -71,7 +71,10 @@ def _close(session: ProducerSession | ConsumerSession) -> None:
     session.group.close()
 
 
-class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitUpdateInfo]):
+# The init and update infos are plain dataclasses in backend.py, which must import without vLLM, so they do not
+# subclass vLLM's WeightTransferInitInfo / WeightTransferUpdateInfo / TrainerInitInfo (empty bases, or ``rank`` and
+# ``backend``, which RefitTrainerInitInfo has): type checkers see the type arguments outside the bounds.
+class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitUpdateInfo]):  # type: ignore[type-var]
     """Worker side: joins the trainer's refit_app group and loads each round through an
     :class:`~refit_app.integrations.vllm.loader.EngineLoader` (one per target model: vLLM may retarget an
     update at a draft model).
@@ -160,7 +163,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
             _close(session)
 
 
-class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
+class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):  # type: ignore[type-var]
     """Trainer side: hosts the refit_app group as rank 0 and drives each round through ``client``."""
 
     init_info_cls = RefitTrainerInitInfo
@@ -193,8 +196,9 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         try:
             remote = pool.submit(client.init_weight_transfer_engine, asdict(worker_init_info(init_info)))
             local = pool.submit(producer_session, init_info)
+            futures: list[concurrent.futures.Future[Any]] = [remote, local]
             done, _ = concurrent.futures.wait(
-                [remote, local], timeout=init_info.timeout_s + 30.0, return_when=concurrent.futures.FIRST_EXCEPTION
+                futures, timeout=init_info.timeout_s + 30.0, return_when=concurrent.futures.FIRST_EXCEPTION
             )
             if remote in done and remote.exception() is not None:
                 raise PeerError(
