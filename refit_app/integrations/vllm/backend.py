@@ -32,27 +32,24 @@ the first can carry only the changed elements: the worker applies them through v
 where that reaches the weights vLLM serves, and reloads the other changed layers whole from its copy of the model
 (:mod:`refit_app.integrations.vllm.loader`).
 
-vLLM is imported lazily: ``import refit_app.integrations.vllm.backend`` works without vLLM, and the two engine
-classes, which subclass vLLM's bases, are built on first access (PEP 562). :func:`register` is the
-``vllm.general_plugins`` entry point; vLLM calls it in every process it starts, but not in a plain trainer process,
-which must call it itself.
+This module never imports vLLM at its top: ``import refit_app.integrations.vllm.backend`` works without it. The two
+engine classes, which subclass vLLM's bases, are in :mod:`refit_app.integrations.vllm.engine`, which imports vLLM
+at its top; :func:`register` (the ``vllm.general_plugins`` entry point) registers them with vLLM's factories by
+module path and class name, and vLLM imports that module on the first engine it creates. vLLM calls
+:func:`register` in every process it starts, but not in a plain trainer process, which must call it itself.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
+import importlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
 from refit_app.common.errors import HandshakeError, PeerError
-from refit_app.core.meta import TensorMeta
-from refit_app.integrations.vllm.loader import EngineLoader, LoadReport
 from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.groups import GroupSpec, connect
@@ -222,9 +219,11 @@ def receive_round(
     load: Callable[[Iterator[tuple[str, Any]]], Any],
     complete: Callable[[], Any] | None = None,
 ) -> Round:
-    """Receive one round into ``load`` (:meth:`EngineLoader.load`: takes the round's lazy iterator of ``(name,
-    tensor)``, or of ``(name, TensorDelta)`` in a delta round), then run ``complete`` (:meth:`EngineLoader.finish`)
-    before the round's all-ranks "done"; returns the session's :class:`~refit_app.protocol.session.Round`.
+    """Receive one round into ``load`` (the worker engine's
+    :meth:`~refit_app.integrations.vllm.engine.RefitWeightTransferEngine.load`: takes the round's lazy iterator of
+    ``(name, tensor)``, or of ``(name, TensorDelta)`` in a delta round), then run ``complete`` (its
+    :meth:`~refit_app.integrations.vllm.engine.RefitWeightTransferEngine.complete`) before the round's all-ranks
+    "done"; returns the session's :class:`~refit_app.protocol.session.Round`.
 
     What ``load`` or ``complete`` raises fails the round on every rank with this worker's reason (closing the
     iterator unread would only tell them that it stopped reading).
@@ -258,219 +257,25 @@ def receive_round(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The vLLM engines (built on first access, so that this module imports without vLLM).
+# The vLLM engines live in refit_app.integrations.vllm.engine, which imports vLLM at its top.
 
-
-def _worker_rank(parallel_config: Any) -> int:
-    """This worker's rank among all workers of all data-parallel replicas, as vLLM's NCCL engine computes it."""
-    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
-
-
-def _wait(future: concurrent.futures.Future, what: str, timeout_s: float) -> Any:
-    try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise PeerError(f"the inference engine did not answer {what} within {timeout_s:g}s") from None
-
-
-def _close(session: ProducerSession | ConsumerSession) -> None:
-    # No end-of-session header: the workers receive only inside update_weights, not between rounds. The group's
-    # close tears the session down on every rank.
-    if isinstance(session, ProducerSession):
-        session.close(notify=False)
-    else:
-        session.close()
-    session.group.close()
-
-
-@functools.cache
-def _engine_classes() -> dict[str, type]:
-    from vllm.distributed.weight_transfer.base import (
-        TrainerWeightTransferEngine,
-        WeightTransferEngine,
-    )
-
-    class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitUpdateInfo]):
-        """Worker side: joins the trainer's refit_app group and loads each round through an
-        :class:`~refit_app.integrations.vllm.loader.EngineLoader` (one per target model: vLLM may retarget an
-        update at a draft model).
-
-        ``start_weight_update`` begins a round; ``update_weights`` receives it as a lazy iterator into the loader
-        and completes it before the round ends (finalizes a dense round's reload; reloads what a delta round's
-        patches could not reach). :attr:`last_load` says how the last round went in; :attr:`loaded` is what the last
-        dense round loaded (vLLM's parameter names).
-        """
-
-        init_info_cls = RefitWorkerInitInfo
-        update_info_cls = RefitUpdateInfo
-
-        def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
-            super().__init__(config, vllm_config, device, model)
-            self.session: ConsumerSession | None = None
-            self.last_round: Round | None = None
-            self.last_load: LoadReport | None = None
-            self.loaded: set[str] = set()
-            self._completed = False
-            self._failed = False
-            self._loaders: dict[int, EngineLoader] = {}
-
-        @property
-        def loader(self) -> EngineLoader:
-            """The loader of the model this update targets."""
-            loader = self._loaders.get(id(self.model))
-            if loader is None or loader.model is not self.model:
-                loader = self._loaders[id(self.model)] = EngineLoader(self.model, self.model_config)
-            return loader
-
-        def init_transfer_engine(self, init_info: RefitWorkerInitInfo) -> None:
-            self.shutdown()
-            self.session = consumer_session(init_info, init_info.rank_offset + _worker_rank(self.parallel_config))
-
-        def start_weight_update(self) -> None:
-            self._completed = self._failed = False
-            self.loader.begin()
-
-        def load(self, weights: Iterable[tuple[str, Any]]) -> None:
-            """Take a part of the round (a chunk, or the whole round's iterator)."""
-            self.loader.load(weights)
-
-        def complete(self) -> None:
-            """The round's data is in: finalize the reload, or reload what the patches could not reach."""
-            self.last_load = self.loader.finish()
-            self._completed = True
-            if not self.last_load.delta and self.last_load.reloaded:  # not a delta round that changed nothing
-                self.loaded = self.last_load.loaded
-
-        def finish_weight_update(self) -> None:
-            # update_weights completed the round. A round it failed is left (a reload in progress finalized, the
-            # changes dropped: the session has already asked for a dense round next); one loaded through load()
-            # directly (sink=vllm) is completed here.
-            if self._failed:
-                self.loader.abort()
-            elif not self._completed and self.loader.in_round:
-                self.complete()
-            self._completed = self._failed = False
-
-        def abort_weight_update(self) -> None:
-            """Leave a half-done round (the session then asks for a dense round)."""
-            self._failed = True
-
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            # Not the base class's: it ends with torch.accelerator.synchronize(), which raises on a CPU worker.
-            self.receive_weights(self.parse_update_info(update_info))
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize()
-
-        def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-            if self.session is None:
-                raise RuntimeError(
-                    "refit_app weight transfer is not initialized: call init_weight_transfer_engine first"
-                )
-            try:
-                self.last_round = receive_round(self.session, update_info, self.load, complete=self.complete)
-            except BaseException:
-                self._failed = True
-                raise
-            logger.info("refit_app worker: %s", self.last_round)
-
-        def shutdown(self) -> None:
-            if self.session is not None:
-                session, self.session = self.session, None
-                _close(session)
-
-    class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
-        """Trainer side: hosts the refit_app group as rank 0 and drives each round through ``client``."""
-
-        init_info_cls = RefitTrainerInitInfo
-
-        def __init__(
-            self, *, client: Any, source: Any, is_sender: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S
-        ) -> None:
-            super().__init__(client=client, source=source, is_sender=is_sender)
-            self.session: ProducerSession | None = None
-            self.timeout_s = timeout_s
-            self.last_round: Round | None = None
-
-        @classmethod
-        def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client: Any, source: Any = None) -> Any:
-            if source is None:
-                raise ValueError("the refit_app trainer engine needs a WeightSource (vLLM's ModuleSource, say)")
-            engine = cls(client=client, source=source, is_sender=init_info.is_sender, timeout_s=init_info.timeout_s)
-            if not engine.is_sender:
-                return engine
-            # The workers join inside init_weight_transfer_engine while this rank hosts the rendezvous: run both
-            # at once, and stop at the first failure instead of waiting out the other's deadline.
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="refit-vllm-init")
-            try:
-                remote = pool.submit(client.init_weight_transfer_engine, asdict(worker_init_info(init_info)))
-                local = pool.submit(producer_session, init_info)
-                done, _ = concurrent.futures.wait(
-                    [remote, local], timeout=init_info.timeout_s + 30.0, return_when=concurrent.futures.FIRST_EXCEPTION
-                )
-                if remote in done and remote.exception() is not None:
-                    raise PeerError(
-                        f"the inference engine refused init_weight_transfer_engine: {remote.exception()}"
-                    ) from remote.exception()
-                engine.session = _wait(local, "the rendezvous", init_info.timeout_s)
-                _wait(remote, "init_weight_transfer_engine", init_info.timeout_s)
-            finally:
-                # Never join a thread that may still be blocked on a peer: the deadline ends it.
-                pool.shutdown(wait=False)
-            return engine
-
-        def send_weights(self) -> None:
-            assert self.source is not None
-            if not self.is_sender:
-                for _ in self.source:  # stay in the trainer-side collectives (FSDP full_tensor) of the sender
-                    pass
-                return
-            if self.session is None:
-                raise RuntimeError("refit_app trainer engine is not connected (trainer_init failed or shutdown ran)")
-            metas = [TensorMeta(m.name, tuple(m.shape), m.dtype) for m in self.source.metadata()]
-            update = RefitUpdateInfo(round=self.session.rounds + 1)
-            self.client.start_weight_update()
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-vllm-update")
-            try:
-                remote = pool.submit(self.client.update_weights, asdict(update))
-                remote.add_done_callback(self._publish_remote_failure)
-                self.last_round = self.session.send(self.source, metas=metas, source="vLLM trainer engine")
-                _wait(remote, "update_weights", self.timeout_s)
-            finally:
-                pool.shutdown(wait=False)
-            self.client.finish_weight_update()
-            logger.info("refit_app trainer: %s", self.last_round)
-
-        def _publish_remote_failure(self, future: concurrent.futures.Future) -> None:
-            # An RPC refused before the worker joined the round would leave this rank waiting for it until the
-            # deadline; publishing it ends this rank's next phase gather with the engine's reason.
-            if future.exception() is not None and self.session is not None:
-                self.session.group.control.publish_error(
-                    PRODUCER_RANK, f"the inference engine's update_weights call failed: {future.exception()}"
-                )
-
-        def shutdown(self) -> None:
-            if self.session is None:
-                return
-            session, self.session = self.session, None
-            release = getattr(self.client, "shutdown_weight_transfer_engine", None)
-            try:
-                if release is not None:
-                    # Lets the workers leave first, so the producer's close does not wait for them.
-                    release()
-            except Exception as e:
-                logger.warning("refit_app trainer: shutdown_weight_transfer_engine failed: %s", e)
-            finally:
-                _close(session)
-
-    for cls in (RefitWeightTransferEngine, RefitTrainerWeightTransferEngine):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-    return {cls.__name__: cls for cls in (RefitWeightTransferEngine, RefitTrainerWeightTransferEngine)}
+ENGINE_MODULE = "refit_app.integrations.vllm.engine"
+"""Where the engines are: vLLM's factories import this module by path when they create the first engine."""
+WORKER_ENGINE = "RefitWeightTransferEngine"
+"""The worker engine's class in :data:`ENGINE_MODULE`."""
+TRAINER_ENGINE = "RefitTrainerWeightTransferEngine"
+"""The trainer engine's class in :data:`ENGINE_MODULE`."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RefitWeightTransferEngine", "RefitTrainerWeightTransferEngine"):
-        return _engine_classes()[name]
+    # refit_app 0.2 built the engines here on first access; the old path still works (it needs vLLM, as it did).
+    if name in (WORKER_ENGINE, TRAINER_ENGINE):
+        warnings.warn(
+            f"{__name__}.{name} is deprecated: import it from {ENGINE_MODULE} (the old path goes in refit_app 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(ENGINE_MODULE), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -478,7 +283,8 @@ def register() -> None:
     """Register the worker and trainer engines as ``refit_app`` with vLLM (the ``vllm.general_plugins`` entry).
 
     vLLM loads general plugins once per process but in every process it starts, and a user may call this too, so
-    registering twice is not an error. Only names are registered: the engines are imported when vLLM creates one.
+    registering twice is not an error. Only names are registered (:data:`ENGINE_MODULE` and the two class names):
+    vLLM imports :mod:`refit_app.integrations.vllm.engine` when it creates the first engine.
     """
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
@@ -486,10 +292,10 @@ def register() -> None:
     )
 
     for factory, class_name in (
-        (WeightTransferEngineFactory, "RefitWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "RefitTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, WORKER_ENGINE),
+        (WeightTransferTrainerFactory, TRAINER_ENGINE),
     ):
         try:
-            factory.register_engine(BACKEND, __name__, class_name)
+            factory.register_engine(BACKEND, ENGINE_MODULE, class_name)
         except ValueError:
             logger.debug("%s already has a %r engine", factory.__name__, BACKEND)

@@ -4,7 +4,7 @@ The engine is vLLM's offline ``LLM``, in this process (``VLLM_ENABLE_V1_MULTIPRO
 too, so received tensors reach ``model.load_weights`` without a copy). It is built from the ``config.json`` the
 producer sends with the manifest (``source=model``), or from ``model`` (a model directory), with vLLM's dummy
 weights: the first round overwrites them all. Each round goes through the backend's worker path
-(:class:`~refit_app.integrations.vllm.backend.RefitWeightTransferEngine`, created by vLLM from
+(:class:`~refit_app.integrations.vllm.engine.RefitWeightTransferEngine`, created by vLLM from
 ``weight_transfer_config={"backend": "refit_app"}``, and its
 :class:`~refit_app.integrations.vllm.loader.EngineLoader`)::
 
