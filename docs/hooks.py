@@ -17,9 +17,11 @@ come from, rewrite them with
 The build fails on a part that differs from what the code makes now, or whose markers are gone, and so does
 tests/test_docs.py, so a stale reference cannot be published or merged.
 
-Pictures, drawn on every build (not committed): ``img/layers.svg``, the layers and their imports as
-tests/test_architecture.py reads them (scripts/draw_layers.py), and the pictures of scripts/draw_figures.py
-(:data:`FIGURES`), drawn from the text and data in docs/figures/ and docs/data/.
+Pictures, committed in docs/img/ for the same reason: ``img/layers.svg``, the layers and their imports as
+tests/test_architecture.py reads them (scripts/draw_layers.py), and the pictures of scripts/draw_figures.py, drawn
+from the text and data in docs/figures/ and docs/data/. Each holds the digest of what it was drawn from
+(:func:`pictures`); ``python docs/hooks.py`` redraws those whose digest differs, and the build and the test fail on
+them as on a stale part.
 
 mkdocs is imported only inside the hooks: tests/test_docs.py imports this file without it.
 """
@@ -31,7 +33,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -90,13 +92,44 @@ def _script(name: str) -> ModuleType:
     return module
 
 
-def draw_layers() -> str:
-    return _script("draw_layers").from_code()
-
-
 def figures() -> dict[str, Callable[[], str]]:
     """The site's ``img/<name>`` -> what draws it (scripts/draw_figures.py)."""
     return _script("draw_figures").FIGURES
+
+
+class Picture(NamedTuple):
+    draw: Callable[[], str]
+    digest: Callable[[], str]
+    by: str  # the script that draws it
+
+
+def pictures() -> dict[str, Picture]:
+    """Every committed picture, ``img/<name>`` -> how it is drawn and the digest of what it is drawn from."""
+    layers, drawn = _script("draw_layers"), _script("draw_figures")
+    out = {LAYERS_PICTURE: Picture(layers.from_code, layers.digest, "scripts/draw_layers.py")}
+    for name, draw in drawn.FIGURES.items():
+        out[f"img/{name}"] = Picture(draw, lambda name=name: drawn.digest(name), "scripts/draw_figures.py")
+    return out
+
+
+def _stamp(picture: Picture) -> str:
+    return f"<!-- drawn by {picture.by}, digest {picture.digest()}: python docs/hooks.py redraws it -->"
+
+
+def stamped(picture: Picture) -> str:
+    """The picture as committed: drawn, with its stamp after the XML declaration."""
+    svg = picture.draw()
+    head, sep, rest = svg.partition("\n") if svg.startswith("<?xml") else ("", "", svg)
+    return f"{head}{sep}{_stamp(picture)}\n{rest}"
+
+
+def stale_pictures() -> list[str]:
+    """The committed pictures (paths under docs/) that are missing or drawn from other sources than today's."""
+    return [
+        path
+        for path, picture in pictures().items()
+        if not (DOCS / path).is_file() or _stamp(picture) not in (DOCS / path).read_text()
+    ]
 
 
 def _span(text: str, marker: str) -> tuple[int, int]:
@@ -128,11 +161,11 @@ def stale_pages() -> list[str]:
 
 
 def on_files(files: Any, config: Any) -> Any:
-    from mkdocs.structure.files import File
+    from mkdocs.exceptions import PluginError
 
-    files.append(File.generated(config, LAYERS_PICTURE, content=draw_layers()))
-    for name, draw in figures().items():
-        files.append(File.generated(config, f"img/{name}", content=draw()))
+    stale = stale_pictures()
+    if stale:
+        raise PluginError(f"stale pictures {', '.join(stale)}: run `python docs/hooks.py`")
     return files
 
 
@@ -158,6 +191,9 @@ def main() -> int:
         if fresh != text:
             path.write_text(fresh)
             print(f"rewrote docs/{page}")
+    for path in stale_pictures():
+        (DOCS / path).write_text(stamped(pictures()[path]))
+        print(f"redrew docs/{path}")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Draw the docs site's pictures as SVG from text and data in the repo: docs/hooks.py draws them into the site on
-every build (img/<name>.svg), so each picture is exactly what its source file says. To look at one without building
-the site:
+"""Draw the docs' pictures as SVG from text and data in the repo. They are committed in docs/img/, so that the pages
+show them on GitHub too; ``python docs/hooks.py`` redraws them, and the docs build and tests/test_docs.py fail while
+one is stale (its source or this script changed since: :func:`digest`), so each picture is what its source file
+says. To draw one elsewhere:
 
     python scripts/draw_figures.py session-round.svg     # any name of FIGURES, written into the current directory
     python scripts/draw_figures.py --all /tmp/figures     # every picture into a folder
@@ -23,6 +24,7 @@ which a Mermaid diagram (mermaid.js from a CDN) would not.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import re
 import sys
@@ -327,6 +329,25 @@ FIGURES: dict[str, Callable[[], str]] = {
     "delta-speedup.svg": delta_speedup_svg,
 }
 """The site's img/<name> -> what draws it."""
+
+SOURCES: dict[str, Path] = {
+    "round-dataflow.svg": FIGURES_DIR / "round-dataflow.flow",
+    "session-rounds.svg": FIGURES_DIR / "session-rounds.seq",
+    "elastic-generation.svg": FIGURES_DIR / "elastic-generation.seq",
+    "shm-ring.svg": FIGURES_DIR / "shm-ring.seq",
+    "buffer-sweep.svg": DATA_DIR / "buffer-sweep.csv",
+    "delta-speedup.svg": DATA_DIR / "delta-speedup.csv",
+}
+"""The site's img/<name> -> the file it is drawn from."""
+
+
+def digest(name: str) -> str:
+    """What picture ``name`` is drawn from, as one hash: its source file and this script. docs/hooks.py keeps it in
+    the committed picture, so a picture whose source or drawing changed is found stale without drawing it (and
+    without depending on the matplotlib version that drew it)."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(SOURCES[name].read_bytes())
+    return h.hexdigest()[:16]
 
 
 def main(argv: list[str]) -> int:

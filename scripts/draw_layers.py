@@ -1,17 +1,19 @@
 """Draw refit_app's layers as an SVG picture, from the code: the layer order is ``LAYERS`` and the imports are the
 graph that tests/test_architecture.py checks (the test's own functions read it), so the picture shows what the test
-enforces and cannot drift from either. docs/hooks.py draws it into the docs site on every build; to look at it
-without building the site:
+enforces and cannot drift from either. It is committed as docs/img/layers.svg, so that docs/architecture.md shows it
+on GitHub too; ``python docs/hooks.py`` redraws it, and the docs build and tests/test_docs.py fail while it is stale
+(see :func:`digest`). To draw it elsewhere:
 
     python scripts/draw_layers.py layers.svg
 
 Each band is a layer, the lowest at the bottom; it lists the layer's modules and the lower layers they import.
-SVG rather than a PNG in git: it is made at build time (no stale binary to commit), its text stays searchable, and
-it needs no JavaScript or network to show (a Mermaid diagram loads mermaid.js in the reader's browser).
+SVG rather than a PNG: a small text file whose text stays searchable, and it needs no JavaScript or network to show
+(a Mermaid diagram loads mermaid.js in the reader's browser).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from collections.abc import Mapping
@@ -125,10 +127,22 @@ def layers_svg(rows: list[tuple[str, list[str], list[str]]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _rows_now() -> list[tuple[str, list[str], list[str]]]:
+    test = architecture_test()
+    return layer_table(test.LAYERS, test._graph(), test.OUTSIDE)
+
+
 def from_code() -> str:
     """The picture of the package as it is now, read the way tests/test_architecture.py reads it."""
-    test = architecture_test()
-    return layers_svg(layer_table(test.LAYERS, test._graph(), test.OUTSIDE))
+    return layers_svg(_rows_now())
+
+
+def digest() -> str:
+    """What the picture is drawn from, as one hash: the layers, modules and imports now, and this script (see
+    docs/hooks.py, which keeps it in the committed picture)."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(repr(_rows_now()).encode())
+    return h.hexdigest()[:16]
 
 
 if __name__ == "__main__":

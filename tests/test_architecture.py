@@ -113,7 +113,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 
 def test_the_docs_picture_shows_every_layer_bottom_first_and_every_module_in_its_layer():
-    # docs/architecture.md's picture (scripts/draw_layers.py, drawn on every docs build) reads this module.
+    # docs/architecture.md's picture (scripts/draw_layers.py, committed as docs/img/layers.svg) reads this module.
     import importlib.util
     import xml.etree.ElementTree as ET
 

@@ -139,6 +139,23 @@ def test_every_picture_is_an_svg_without_scripts_shown_on_a_page(hooks: ModuleTy
         assert f"(img/{name})" in pages, f"img/{name} is drawn but on no page"
 
 
+def test_the_committed_pictures_are_drawn_from_todays_sources(hooks: ModuleType, tmp_path: Path) -> None:
+    # The pages show docs/img/*.svg on GitHub as on the site; a picture whose source (or drawing script) changed
+    # since it was committed is stale until `python docs/hooks.py` redraws it.
+    assert hooks.stale_pictures() == [], "stale: run `python docs/hooks.py`"
+    for path in hooks.pictures():
+        svg = (DOCS / path).read_text()
+        assert "<svg" in svg and "<script" not in svg and 'href="http' not in svg, path
+    # and the check can fail: a source that changes changes the digest its picture is stamped with
+    drawn = hooks._script("draw_figures")
+    name = next(iter(drawn.SOURCES))
+    before = drawn.digest(name)
+    changed = tmp_path / drawn.SOURCES[name].name
+    changed.write_bytes(drawn.SOURCES[name].read_bytes() + b"\n# one more line\n")
+    drawn.SOURCES[name] = changed
+    assert drawn.digest(name) != before
+
+
 _LAB_LOG = {
     "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
     "an issue number": re.compile(r"\bissue \d+", re.IGNORECASE),
