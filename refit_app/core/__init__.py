@@ -14,7 +14,9 @@ Read in this order; each module imports only the ones above it (and nothing else
 
 One room here holds a feature of its own: :mod:`refit_app.core.delta`, the byte-level pieces of delta rounds (the
 record format and its codec, the image of a model each side keeps, the byte stream records travel in); its
-``__init__`` gives its reading order. A new transfer mode's byte-level pieces go in a room of their own beside it.
+``__init__`` gives its reading order. So does :mod:`refit_app.core.reshard`, sharded refits (K producer ranks with
+their shards to M consumer ranks with theirs: the plan and its per-pair transfer). A new transfer mode's byte-level
+pieces go in a room of their own beside them.
 
 The spec's API (``packed_broadcast_producer``, ``packed_broadcast_consumer`` and the environment helpers) is
 :mod:`refit_app.packed_tensor`, a short orchestrator over these modules.

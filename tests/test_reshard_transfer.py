@@ -1,0 +1,131 @@
+"""A sharded refit's bytes over real gloo groups: K producers that hold only their shards, M consumers (and replica
+chains) that each end with exactly their box of every tensor, bit for bit, against the full tensor sliced."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_utils import run_ranks
+
+from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
+from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
+from refit_app.transport.pairs import TorchPairs
+
+TIMEOUT_S = 30.0
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.float16, torch.uint8]
+
+
+def _full(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The whole tensor, the same on every rank (the oracle)."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return (
+        torch.randint(0, 255, shape, generator=g, dtype=torch.uint8).to(dtype)
+        if not dtype.is_floating_point
+        else (torch.randn(shape, generator=g).to(dtype))
+    )
+
+
+def model(k: int, two_d: bool) -> list[tuple[TensorSpec, torch.dtype]]:
+    """Uneven shapes, empty shards, a scalar, replicated tensors; with ``two_d``, a 2 x (k/2) mesh sharding dim 0
+    on both axes."""
+    ranks = list(range(k))
+    shapes = [(33, 17), (5, 40), (7,), (), (3, 2, 9), (1, 64), (130, 3)]
+    out = []
+    for i, shape in enumerate(shapes):
+        dtype = DTYPES[i % len(DTYPES)]
+        if not shape:
+            layout = Layout.one_dim(ranks, Replicate())
+        elif two_d and i % 2 == 0:
+            layout = Layout((2, k // 2), tuple(ranks), (Shard(0), Shard(0)))
+        elif i % 3 == 2:
+            layout = Layout.one_dim(ranks, Replicate())
+        else:
+            layout = Layout.one_dim(ranks, Shard(i % len(shape)))
+        spec = TensorSpec(f"t{i}", str(dtype), shape, dtype.itemsize, layout)
+        out.append((spec, dtype))
+    return out
+
+
+def needs_of(specs, k: int, m: int, d: int) -> tuple[list[Need], list[list[int]]]:
+    """M tensor-parallel consumers (alternately column- and row-parallel, scalars whole), in D replicas."""
+    needs = []
+    for r in range(d):
+        for c in range(m):
+            rank = k + r * m + c
+            for i, spec in enumerate(specs):
+                box = whole(spec.shape) if not spec.shape else shard_box(spec.shape, i % 2 % len(spec.shape), m, c)
+                needs.append(Need(rank, spec.name, box))
+    chains = [[k + r * m + c for r in range(d)] for c in range(m)] if d > 1 else []
+    return needs, chains
+
+
+def _rank(rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: bool, buffer: int, nb: int):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    try:
+        typed = model(k, two_d)
+        specs = [s for s, _ in typed]
+        needs, chains = needs_of(specs, k, m, d)
+        transfers = plan(specs, needs, chains=chains)
+        group = TorchPairs(rank)
+        if rank < k:
+            shards = {}
+            for spec, dtype in typed:
+                box = held_boxes(spec)[rank]
+                shards[spec.name] = Held(
+                    Held(_full(spec.name, spec.shape, dtype), whole(spec.shape)).region(box).clone(), box
+                )
+            return ("sent", send_regions(group, transfers, shards, buffer_size_bytes=buffer, num_buffers=nb))
+        mine = [n for n in needs if n.rank == rank]
+        dtypes = dict((s.name, dt) for s, dt in typed)
+        slices = {n.name: Held(torch.full([b1 - b0 for b0, b1 in n.box], 7, dtype=dtypes[n.name]), n.box) for n in mine}
+        received = receive_regions(group, transfers, slices, buffer_size_bytes=buffer, num_buffers=nb)
+        bad = []
+        for n in mine:
+            spec = next(s for s in specs if s.name == n.name)
+            want = Held(_full(n.name, spec.shape, dtypes[n.name]), whole(spec.shape)).region(n.box)
+            got = slices[n.name].tensor
+            if got.shape != want.shape or not torch.equal(
+                got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+            ):
+                bad.append(n.name)
+        return ("received", received, bad)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "k, m, d, two_d, buffer, nb",
+    [
+        (1, 1, 1, False, 64, 2),  # today's refit: one producer, one consumer wanting every tensor whole
+        (2, 3, 1, False, 256, 2),
+        (3, 2, 1, False, 100, 1),
+        (4, 4, 1, True, 512, 3),
+        (2, 2, 2, False, 128, 2),  # replicas: the second gets its regions along the chain
+        (5, 1, 3, False, 1 << 20, 2),
+    ],
+)
+def test_every_consumer_ends_with_its_box_of_every_tensor_bit_exact(k, m, d, two_d, buffer, nb):
+    world = k + m * d
+    results = run_ranks(_rank, world, k, m, d, two_d, buffer, nb, timeout=120)
+    assert all(r[0] == "sent" for r in results[:k]), results
+    assert [r[2] for r in results[k:]] == [[] for _ in range(m * d)], results
+    specs = [s for s, _ in model(k, two_d)]
+    needs, _chains = needs_of(specs, k, m, d)
+    # each producer sent exactly its part of the plan, and nothing twice: the producers together sent what the
+    # first replica needs
+    first = [n for n in needs if n.rank < k + m]
+    need_bytes = sum(
+        torch.Size([b1 - b0 for b0, b1 in n.box]).numel() * next(s.itemsize for s in specs if s.name == n.name)
+        for n in first
+    )
+    assert sum(r[1] for r in results[:k]) == need_bytes
