@@ -2,7 +2,8 @@
 no_restart=False)`` in the middle of round 3 is left out, Ray restarts it, and it rejoins with a dense round (at
 round 5 at the latest); the
 other engines verify every round. And ``role=ray refit.on_consumer_loss=continue``: a consumer's actor that dies
-mid-transfer is restarted by Ray and run again, rejoining the run.
+mid-transfer is restarted by Ray and run again, rejoining the run. Both ask a lost actor back through
+:class:`refit_app.integrations.ray.restarts.ActorRestarts`, tested on its own here too.
 
 A local Ray cluster for the module, as tests/test_ray.py does; every wait has a deadline.
 """
@@ -251,6 +252,41 @@ def test_a_stalled_engine_is_left_out_without_holding_the_refit_and_engines_can_
         assert ray.get([engines[0].matches.remote(5), engines[2].matches.remote(5)], timeout=WAIT_S) == [True, True]
     finally:
         for actor in (trainer, trainer2, *engines):
+            ray.kill(actor, no_restart=True)
+    _all_cpus_back(ray)
+
+
+class Pinger:
+    def ping(self) -> bool:
+        import ray
+
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def test_actor_restarts_asks_back_the_moment_ray_restarts_an_actor_and_gives_up_after_max_restarts(ray_cluster):
+    """The restart path RayRefitGroup and role=ray share: a call sent the moment Ray begins a restart answers once
+    the actor is back (not "temporarily unavailable"); an actor dead for good answers with its death; a rank is
+    asked back at most max_restarts times."""
+    ray = ray_cluster
+    from refit_app.integrations.ray.calls import DIED
+    from refit_app.integrations.ray.restarts import ActorRestarts
+
+    actors = [ray.remote(num_cpus=0.5, max_restarts=1)(Pinger).remote() for _ in range(2)]
+    try:
+        assert ray.get([a.ping.remote() for a in actors], timeout=WAIT_S) == [False, False]
+        restarts = ActorRestarts(["consumer 1", "consumer 2"], max_restarts=1)
+        ray.kill(actors[0], no_restart=False)
+        ray.kill(actors[1], no_restart=True)
+        assert restarts.ask_back(0, actors[0].ping) and restarts.ask_back(1, actors[1].ping)
+        assert not restarts.ask_back(0, actors[0].ping), "a rank asked back past max_restarts"
+        assert restarts.ranks == [0, 1] and restarts.counts == [1, 1]
+        answered = dict(restarts.answered(WAIT_S))
+        assert answered[0].ok and answered[0].value is True, answered[0]
+        assert not answered[1].ok and answered[1].exc_type == DIED, answered[1]
+        assert answered[1].error.startswith("consumer 2's actor died"), answered[1]
+        assert restarts.ranks == [] and restarts.answered() == []
+    finally:
+        for actor in actors:
             ray.kill(actor, no_restart=True)
     _all_cpus_back(ray)
 

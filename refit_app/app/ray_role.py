@@ -227,48 +227,46 @@ class _Cluster:
         Ray has restarted it (up to ray.max_restarts times) and rejoins at a round boundary. Once the producer's run
         has ended, the others get the time to hear it and end."""
         from refit_app.integrations.ray.calls import DIED, POLL_S, TIMEOUT, CallOutcome, ended_call
+        from refit_app.integrations.ray.restarts import ActorRestarts
 
         ray = self.ray
-        restarts = self.restarts
+        back = ActorRestarts(labels, self.spec.max_restarts)
+        self.restarts = back.counts  # metrics.json's consumers[].restarts
         outcomes: list[CallOutcome | None] = [None] * self.world_size
-        pending: dict[Any, tuple[int, str]] = {launch(rank, 0): (rank, "run") for rank in range(self.world_size)}
+        pending: dict[Any, int] = {launch(rank, 0): rank for rank in range(self.world_size)}
         # A consumer hears of the end within its answer wait (answer_wait_s: 2 x group.timeout_s).
         grace_s = RAY_EXIT_GRACE_S + 2 * s.group.timeout_s
         producer_ended: float | None = None
-        while pending:
+        while pending or back.ranks:
             signals.check()
             if producer_ended is not None and time.monotonic() >= producer_ended + grace_s:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                rank, kind = pending.pop(ref)
+            ray.wait([*pending, *back.refs], num_returns=1, timeout=POLL_S)
+            # A restarted actor answered (or Ray gave up on it): run its rank again.
+            for rank, outcome in back.answered():
+                if not outcome.ok:
+                    outcomes[rank] = outcome
+                elif producer_ended is not None:
+                    outcomes[rank] = CallOutcome(labels[rank], False, error=NO_ROUND, exc_type="NoRound")
+                else:
+                    pending[launch(rank, back.counts[rank])] = rank
+            for ref in ray.wait(list(pending), num_returns=len(pending), timeout=0)[0]:
+                rank = pending.pop(ref)
                 outcome = ended_call(ref, labels[rank])
-                if kind == "back":  # the restarted actor answers (or Ray gave up on it): run the rank again
-                    if not outcome.ok:
-                        outcomes[rank] = outcome
-                    elif producer_ended is not None:
-                        outcomes[rank] = CallOutcome(labels[rank], False, error=NO_ROUND, exc_type="NoRound")
-                    else:
-                        pending[launch(rank, restarts[rank])] = (rank, "run")
-                    continue
                 died = not outcome.ok and outcome.exc_type == DIED
-                if rank and died and producer_ended is None and restarts[rank] < self.spec.max_restarts:
-                    restarts[rank] += 1
+                if rank and died and producer_ended is None and back.ask_back(rank, self.actors[rank].start):
                     logger.warning(
                         "%s: its actor died (%s); Ray restarts it (%d of ray.max_restarts=%d), and it rejoins the run",
                         labels[rank],
                         outcome.error,
-                        restarts[rank],
+                        back.counts[rank],
                         self.spec.max_restarts,
                     )
-                    # A call sent while the actor restarts fails at once ("temporarily unavailable"); this one is
-                    # retried by Ray until the actor is back, or has died for good.
-                    pending[self.actors[rank].start.options(max_task_retries=-1).remote()] = (rank, "back")
                     continue
                 outcomes[rank] = outcome
                 if rank == 0:
                     producer_ended = time.monotonic()
-        for rank, _ in pending.values():
+        for rank in [*pending.values(), *back.forget()]:
             outcomes[rank] = CallOutcome(
                 labels[rank],
                 False,

@@ -6,7 +6,8 @@ node's address and a free port there (:func:`~refit_app.integrations.ray.member.
 and holds a session, and each refit is one ``send`` on the trainer and one ``receive`` on each engine, launched
 together and awaited with a deadline. What runs inside an actor is in :mod:`~refit_app.integrations.ray.member`,
 sent there through Ray's ``__ray_call__``, so the actor classes need no refit_app code of their own; what waits on
-the driver is in :mod:`~refit_app.integrations.ray.calls`.
+the driver is in :mod:`~refit_app.integrations.ray.calls`, and how it asks back an actor Ray restarts (for this
+package's elastic groups and for ``role=ray`` alike) in :mod:`~refit_app.integrations.ray.restarts`.
 
 Ray itself is imported by these modules (not by :mod:`~refit_app.integrations.ray.defaults`, which the
 application's config reads), never by the rest of refit_app: install it with ``pip install 'refit_app[ray]'``.

@@ -59,6 +59,7 @@ from refit_app.integrations.ray.calls import (
     raise_on_failure,
     wait_calls,
 )
+from refit_app.integrations.ray.restarts import ActorRestarts
 from refit_app.protocol.session import Round
 from refit_app.transport.auth import new_run_id, new_secret
 from refit_app.transport.elastic import answer_wait_s, check_elastic
@@ -105,8 +106,8 @@ class RayRefitGroup:
         self.members = list(range(1, len(self.consumers) + 1))
         """The consumer ranks in the session now (all of them, unless the group is elastic and lost some)."""
         self._consumer_options = consumer_options or {}
-        self._lost: dict[int, ray.ObjectRef] = {}
-        """Elastic: lost consumer ranks, each with the status call that says whether its actor is back."""
+        self._lost = ActorRestarts(self.labels)
+        """Elastic: lost consumer ranks, each asked for its status once its actor is back (Ray decides how often)."""
         self._joining: dict[int, tuple[ray.ObjectRef, ray.ObjectRef | None]] = {}
         """Elastic: ranks asked to join again: their join call and the receive queued behind it on the actor."""
         self._closed = False
@@ -288,10 +289,7 @@ class RayRefitGroup:
         """Wait up to ``timeout_s`` until every lost consumer's actor is back (Ray restarted it) or known gone; the
         ranks that join at the next :meth:`refit`. For a loop that would rather wait for an engine it knows is
         restarting than refit without it; :meth:`refit` itself never waits for a restart."""
-        if self._lost:
-            refs = list(self._lost.values())
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        self._take_back()
+        self._take_back(wait_s=timeout_s)
         return sorted(self._joining)
 
     def _actor(self, rank: int) -> Any:
@@ -302,20 +300,14 @@ class RayRefitGroup:
         logger.warning("refit group %r: %s left out (%s)", self.name, self.labels[rank], outcome.error)
         if rank in self.members:
             self.members.remove(rank)
-        # Retried by Ray while the actor restarts (a call sent then fails at once, "temporarily unavailable"); it
-        # ends once the actor is back, or has died for good.
-        status = self._actor(rank).__ray_call__.options(max_task_retries=-1)
-        self._lost[rank] = status.remote(member.status, self.name)
+        self._lost.ask_back(rank, self._actor(rank).__ray_call__, member.status, self.name)
 
-    def _take_back(self, load: member.LoadFn | None = None) -> None:
-        """Ask every lost actor that has answered its status call, and has no group (a restarted one), to join;
-        with ``load`` (inside a refit), launch the receive of each one the producer has admitted since: its first
-        round is this refit's, so it gets this refit's ``load``, never an earlier one's."""
-        for rank, ref in list(self._lost.items()):
-            if not ray.wait([ref], timeout=0)[0]:
-                continue  # still restarting, or busy
-            del self._lost[rank]
-            answer = ended_call(ref, self.labels[rank])
+    def _take_back(self, load: member.LoadFn | None = None, *, wait_s: float = 0.0) -> None:
+        """Ask every lost actor that has answered its status call (waiting up to ``wait_s`` for them), and has no
+        group (a restarted one), to join; with ``load`` (inside a refit), launch the receive of each one the producer
+        has admitted since: its first round is this refit's, so it gets this refit's ``load``, never an earlier
+        one's. An actor still restarting, or busy, is looked at again at the next call."""
+        for rank, answer in self._lost.answered(wait_s):
             if not answer.ok or answer.value != member.ABSENT:
                 why = answer.error if not answer.ok else "its actor still holds its failed session"
                 logger.warning("refit group %r: %s stays out (%s)", self.name, self.labels[rank], why)
@@ -352,7 +344,7 @@ class RayRefitGroup:
         if strays:
             ray.wait(strays, num_returns=len(strays), timeout=self.spec.timeout_s)
         self._joining.clear()
-        self._lost.clear()
+        self._lost.forget()
         raise_on_failure(outcomes, f"leaving group {self.name!r}")
 
     def __enter__(self) -> RayRefitGroup:
