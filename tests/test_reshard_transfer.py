@@ -12,9 +12,15 @@ from mp_utils import run_ranks
 
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
 from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
+from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.transport.pairs import TorchPairs
 
 TIMEOUT_S = 30.0
+
+
+def _checksum(verify: bool):
+    return checksum_function(default_algorithm()) if verify else None
+
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.float16, torch.uint8]
 
@@ -63,7 +69,9 @@ def needs_of(specs, k: int, m: int, d: int) -> tuple[list[Need], list[list[int]]
     return needs, chains
 
 
-def _rank(rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: bool, buffer: int, nb: int):
+def _rank(
+    rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: bool, buffer: int, nb: int, verify: bool
+):
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -84,11 +92,18 @@ def _rank(rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: 
                 shards[spec.name] = Held(
                     Held(_full(spec.name, spec.shape, dtype), whole(spec.shape)).region(box).clone(), box
                 )
-            return ("sent", send_regions(group, transfers, shards, buffer_size_bytes=buffer, num_buffers=nb))
+            return (
+                "sent",
+                send_regions(
+                    group, transfers, shards, buffer_size_bytes=buffer, num_buffers=nb, checksum=_checksum(verify)
+                ),
+            )
         mine = [n for n in needs if n.rank == rank]
         dtypes = dict((s.name, dt) for s, dt in typed)
         slices = {n.name: Held(torch.full([b1 - b0 for b0, b1 in n.box], 7, dtype=dtypes[n.name]), n.box) for n in mine}
-        received = receive_regions(group, transfers, slices, buffer_size_bytes=buffer, num_buffers=nb)
+        received = receive_regions(
+            group, transfers, slices, buffer_size_bytes=buffer, num_buffers=nb, checksum=_checksum(verify)
+        )
         bad = []
         for n in mine:
             spec = next(s for s in specs if s.name == n.name)
@@ -104,19 +119,19 @@ def _rank(rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: 
 
 
 @pytest.mark.parametrize(
-    "k, m, d, two_d, buffer, nb",
+    "k, m, d, two_d, buffer, nb, verify",
     [
-        (1, 1, 1, False, 64, 2),  # today's refit: one producer, one consumer wanting every tensor whole
-        (2, 3, 1, False, 256, 2),
-        (3, 2, 1, False, 100, 1),
-        (4, 4, 1, True, 512, 3),
-        (2, 2, 2, False, 128, 2),  # replicas: the second gets its regions along the chain
-        (5, 1, 3, False, 1 << 20, 2),
+        (1, 1, 1, False, 64, 2, True),  # today's refit: one producer, one consumer wanting every tensor whole
+        (2, 3, 1, False, 256, 2, False),
+        (3, 2, 1, False, 100, 1, True),
+        (4, 4, 1, True, 512, 3, True),
+        (2, 2, 2, False, 128, 2, True),  # replicas: the second gets its regions along the chain
+        (5, 1, 3, False, 1 << 20, 2, False),
     ],
 )
-def test_every_consumer_ends_with_its_box_of_every_tensor_bit_exact(k, m, d, two_d, buffer, nb):
+def test_every_consumer_ends_with_its_box_of_every_tensor_bit_exact(k, m, d, two_d, buffer, nb, verify):
     world = k + m * d
-    results = run_ranks(_rank, world, k, m, d, two_d, buffer, nb, timeout=120)
+    results = run_ranks(_rank, world, k, m, d, two_d, buffer, nb, verify, timeout=120)
     assert all(r[0] == "sent" for r in results[:k]), results
     assert [r[2] for r in results[k:]] == [[] for _ in range(m * d)], results
     specs = [s for s, _ in model(k, two_d)]
@@ -129,3 +144,47 @@ def test_every_consumer_ends_with_its_box_of_every_tensor_bit_exact(k, m, d, two
         for n in first
     )
     assert sum(r[1] for r in results[:k]) == need_bytes
+
+
+class _FlipsOneByte:
+    """The producer's real gloo pairs, with one byte of its second data chunk flipped on the way out (after the
+    producer hashed it): what a corrupting link or NIC would do."""
+
+    def __init__(self, pairs: TorchPairs) -> None:
+        self.rank = pairs.rank
+        self._pairs = pairs
+        self._data_sends = 0
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        if tensor.dtype == torch.uint8:
+            self._data_sends += 1
+            if self._data_sends == 2:
+                tensor[0] ^= 0xFF
+        return self._pairs.isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int):
+        return self._pairs.irecv(tensor, src)
+
+
+def _corrupted_rank(rank: int, world_size: int, port: int):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
+    )
+    try:
+        specs = [TensorSpec(f"w{i}", "float32", (8, 8), 4, Layout.one_dim([0], Shard(0))) for i in range(8)]
+        transfers = plan(specs, [Need(1, s.name, whole(s.shape)) for s in specs])
+        options = {"buffer_size_bytes": 512, "num_buffers": 2, "checksum": _checksum(True)}  # two tensors a chunk
+        if rank == 0:
+            shards = {s.name: Held(_full(s.name, s.shape, torch.float32), whole(s.shape)) for s in specs}
+            return send_regions(_FlipsOneByte(TorchPairs(0)), transfers, shards, **options)
+        slices = {s.name: Held(torch.empty(8, 8), whole(s.shape)) for s in specs}
+        return receive_regions(TorchPairs(1), transfers, slices, **options)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_region_that_arrives_other_than_it_was_sent_is_named():
+    producer, consumer = run_ranks(_corrupted_rank, 2, timeout=60, return_exceptions=True)
+    assert producer == 8 * 8 * 8 * 4
+    assert consumer.exc_type == "RegionMismatch", consumer
+    assert "region [(0, 8), (0, 8)] of tensor 'w2' from rank 0" in consumer.message, consumer.message

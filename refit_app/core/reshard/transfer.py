@@ -9,6 +9,10 @@ A consumer that passes regions on to a replica (a relayed transfer) sends each o
 the regions in it have landed, so a chain of replicas moves its bytes in a pipeline rather than one replica after
 the other.
 
+With a ``checksum`` function, the source of each region hashes the bytes it packed, and after a pair's last chunk
+sends the pair's hashes (one 8-byte word a region); the destination hashes the bytes it received and names the
+first region that differs (:class:`RegionMismatch`). A relay hashes what it passes on from the bytes it holds.
+
 No tensor is assembled anywhere: a producer packs straight from its local shard, a consumer unpacks straight into
 the tensor of the box it needs, which may be a view into a fused parameter (q, k and v slices into one ``qkv_proj``).
 """
@@ -16,9 +20,9 @@ the tensor of the box it needs, which may be a view into a fused parameter (q, k
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -53,18 +57,41 @@ class Held:
         return self.tensor[index] if index else self.tensor
 
 
+Checksum = Callable[[Any], int]
+"""A hash of a byte buffer (memoryview), as :func:`refit_app.protocol.checksum.checksum_function` gives."""
+
+
+class RegionMismatch(RuntimeError):
+    """A region's bytes arrived other than its source hashed them; the message names it."""
+
+
 @dataclass
 class _Pair:
-    """One (this rank, peer) stream: its regions, their chunks, the buffers in flight."""
+    """One (this rank, peer) stream: its regions, their chunks, the buffers in flight, the regions' hashes."""
 
     peer: int
     regions: list[Transfer]
     chunks: list[Chunk]
     slots: deque[tuple[Work, torch.Tensor, Chunk]] = field(default_factory=deque)
     next_chunk: int = 0
+    hashes: list[int] = field(default_factory=list)
+    trailer: tuple[Work, torch.Tensor] | None = None
 
     def done(self) -> bool:
-        return self.next_chunk >= len(self.chunks) and not self.slots
+        return self.next_chunk >= len(self.chunks) and not self.slots and self.trailer is None
+
+
+def _hashes(checksum: Checksum, buffer: torch.Tensor, sizes: Sequence[int]) -> list[int]:
+    view = memoryview(buffer.numpy())
+    out, offset = [], 0
+    for n in sizes:
+        out.append(checksum(view[offset : offset + n]))
+        offset += n
+    return out
+
+
+def _as_words(hashes: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for h in hashes], dtype=torch.int64)
 
 
 def _nbytes(t: Transfer, held: Mapping[str, Held]) -> int:
@@ -91,16 +118,30 @@ def _pack(pair: _Pair, chunk: Chunk, held: Mapping[str, Held], buffer: torch.Ten
     return buffer[: chunk.nbytes]
 
 
-def _unpack(pair: _Pair, chunk: Chunk, buffer: torch.Tensor, held: Mapping[str, Held]) -> list[Transfer]:
+def _unpack(
+    pair: _Pair, chunk: Chunk, buffer: torch.Tensor, held: Mapping[str, Held], checksum: Checksum | None
+) -> list[Transfer]:
     offset = 0
-    landed = []
-    for t in pair.regions[chunk.first : chunk.stop]:
+    landed = pair.regions[chunk.first : chunk.stop]
+    if checksum is not None:
+        pair.hashes += _hashes(checksum, buffer[: chunk.nbytes], [_nbytes(t, held) for t in landed])
+    for t in landed:
         dst = held[t.name].region(t.box)
-        n = _nbytes(t, held)
         dst.copy_(unpack_from(buffer, offset, tuple(dst.shape), dst.dtype))
-        offset += n
-        landed.append(t)
+        offset += _nbytes(t, held)
     return landed
+
+
+def _check_hashes(group: PairGroup, pair: _Pair) -> None:
+    """Receive ``pair``'s hashes from its source and compare them with those of the bytes that arrived."""
+    theirs = torch.empty(len(pair.regions), dtype=torch.int64)
+    group.irecv(theirs, pair.peer).wait()
+    for t, mine, sent in zip(pair.regions, _as_words(pair.hashes).tolist(), theirs.tolist()):
+        if mine != sent:
+            raise RegionMismatch(
+                f"rank {group.rank}: region {list(t.box)} of tensor {t.name!r} from rank {t.src} arrived other "
+                "than it was sent (checksums differ)"
+            )
 
 
 def send_regions(
@@ -110,6 +151,7 @@ def send_regions(
     *,
     buffer_size_bytes: int,
     num_buffers: int,
+    checksum: Checksum | None = None,
 ) -> int:
     """Send every region this rank is the source of (its local shards, ``shards``: tensor name -> :class:`Held`);
     returns the bytes sent. Returns once every send has completed."""
@@ -117,18 +159,26 @@ def send_regions(
     sent = 0
     while not all(p.done() for p in pairs):
         for pair in pairs:
-            sent += _send_next(group, pair, shards, buffer_size_bytes, num_buffers)
+            sent += _send_next(group, pair, shards, buffer_size_bytes, num_buffers, checksum)
     return sent
 
 
 def _send_next(
-    group: PairGroup, pair: _Pair, held: Mapping[str, Held], buffer_size_bytes: int, num_buffers: int
+    group: PairGroup,
+    pair: _Pair,
+    held: Mapping[str, Held],
+    buffer_size_bytes: int,
+    num_buffers: int,
+    checksum: Checksum | None,
 ) -> int:
-    """Pack and send ``pair``'s next chunk, first waiting for its oldest buffer when all are in flight; at the end,
-    wait for what is left."""
+    """Pack and send ``pair``'s next chunk (after the last, its hashes too), first waiting for its oldest buffer
+    when all are in flight; once all are sent, wait for what is left."""
     if pair.next_chunk >= len(pair.chunks):
         while pair.slots:
             pair.slots.popleft()[0].wait()
+        if pair.trailer is not None:
+            pair.trailer[0].wait()
+            pair.trailer = None
         return 0
     buffer = None
     if len(pair.slots) >= num_buffers:
@@ -139,7 +189,14 @@ def _send_next(
     chunk = pair.chunks[pair.next_chunk]
     pair.next_chunk += 1
     data = _pack(pair, chunk, held, buffer)
+    if checksum is not None:
+        pair.hashes += _hashes(checksum, data, [_nbytes(t, held) for t in pair.regions[chunk.first : chunk.stop]])
     pair.slots.append((group.isend(data, pair.peer), buffer, chunk))
+    if checksum is not None and pair.next_chunk == len(pair.chunks):
+        # At once, not on the pair's next turn: the destination waits for the hashes before it takes its next
+        # chunk from anyone.
+        words = _as_words(pair.hashes)
+        pair.trailer = (group.isend(words, pair.peer), words)
     return chunk.nbytes
 
 
@@ -150,6 +207,7 @@ def receive_regions(
     *,
     buffer_size_bytes: int,
     num_buffers: int,
+    checksum: Checksum | None = None,
 ) -> int:
     """Receive every region this rank is the destination of into ``slices`` (tensor name -> :class:`Held`: the
     tensor of the box this rank needs), and pass on each region it relays to a replica as soon as its chunk is
@@ -167,18 +225,19 @@ def receive_regions(
                 continue
             work, buffer, chunk = pair.slots.popleft()
             work.wait()
-            landed.update((t.name, t.box) for t in _unpack(pair, chunk, buffer, slices))
+            landed.update((t.name, t.box) for t in _unpack(pair, chunk, buffer, slices, checksum))
             received += chunk.nbytes
             if pair.next_chunk < len(pair.chunks):
                 _post_receive(group, pair, buffer_size_bytes, buffer)
+            elif not pair.slots and checksum is not None:
+                _check_hashes(group, pair)
             for relay in relays:
-                _relay_ready(group, relay, slices, landed, buffer_size_bytes, num_buffers)
+                _relay_ready(group, relay, slices, landed, buffer_size_bytes, num_buffers, checksum)
     for relay in relays:
-        _relay_ready(group, relay, slices, landed, buffer_size_bytes, num_buffers)
+        _relay_ready(group, relay, slices, landed, buffer_size_bytes, num_buffers, checksum)
         if relay.next_chunk < len(relay.chunks):
             raise RuntimeError(f"rank {group.rank}: regions to relay to rank {relay.peer} never arrived")
-        while relay.slots:
-            relay.slots.popleft()[0].wait()
+        _send_next(group, relay, slices, buffer_size_bytes, num_buffers, checksum)
     return received
 
 
@@ -197,10 +256,11 @@ def _relay_ready(
     landed: set[tuple[str, Box]],
     buffer_size_bytes: int,
     num_buffers: int,
+    checksum: Checksum | None,
 ) -> None:
     """Send each of ``relay``'s next chunks whose regions have all landed."""
     while relay.next_chunk < len(relay.chunks):
         chunk = relay.chunks[relay.next_chunk]
         if not all((t.name, t.box) in landed for t in relay.regions[chunk.first : chunk.stop]):
             return
-        _send_next(group, relay, slices, buffer_size_bytes, num_buffers)
+        _send_next(group, relay, slices, buffer_size_bytes, num_buffers, checksum)
