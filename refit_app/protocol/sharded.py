@@ -1,0 +1,276 @@
+"""Sharded refits over one process group: ranks ``[0, K)`` are a sharded trainer's producers, each holding only its
+shards; the other ranks are engine ranks, each needing only its slices. The library's entry points, on
+:mod:`refit_app.core.reshard`::
+
+    producer rank p (of K)                         consumer rank c
+    specs, shards = from_tensors(model, rank=p)     needs = tp_needs(specs, c, tp_rank, tp_size, rule)
+    transfers = agree(pg, p, specs=specs)    <--->  transfers = agree(pg, c, needs=needs)
+    send(pg, p, transfers, shards)          -----> slices = allocate(specs, needs); receive(pg, c, transfers, slices)
+
+:func:`agree` is the one collective before any data byte: every rank gives what it knows (a producer its layout of
+every tensor, a consumer the boxes it needs and the dtype and global shape it expects of each), every rank gets all
+of it and makes the same plan. A producer whose layout differs from producer 0's, or a consumer that expects
+another dtype or shape, or needs a tensor nobody has, makes every rank raise the same one-line
+:class:`~refit_app.common.errors.HandshakeError` naming the first difference, within the group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refit_app.common.errors import HandshakeError
+from refit_app.core.reshard.plan import (
+    Layout,
+    LayoutError,
+    Need,
+    Placement,
+    Replicate,
+    Shard,
+    TensorSpec,
+    Transfer,
+    describe,
+    digest,
+    first_difference,
+    held_boxes,
+    plan,
+    shard_box,
+    whole,
+)
+from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
+from refit_app.transport.pairs import TorchPairs
+
+DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_NUM_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A plain tensor that is one rank's shard of a larger one: ``local`` is this rank's part of a tensor of global
+    ``shape`` that lies over the producers as ``layout`` says (a trainer that shards without DTensor)."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    layout: Layout
+
+
+def _layout_of(name: str, t: Any, ranks: Callable[[int], int]) -> Layout:
+    """A DTensor's mesh and placements as a :class:`Layout` of refit ranks."""
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    placements: list[Placement] = []
+    for p in t.placements:
+        if type(p) is DShard:
+            placements.append(Shard(p.dim))
+        elif type(p) is DReplicate:
+            placements.append(Replicate())
+        else:
+            raise LayoutError(f"tensor {name!r}: placement {p} is not one a sharded refit reads (Shard, Replicate)")
+    mesh = t.device_mesh.mesh
+    return Layout(tuple(mesh.shape), tuple(ranks(int(r)) for r in mesh.flatten().tolist()), tuple(placements))
+
+
+def from_tensors(
+    tensors: Iterable[tuple[str, Any]], *, rank: int, ranks: Callable[[int], int] = lambda r: r
+) -> tuple[list[TensorSpec], dict[str, Held]]:
+    """A producer's tensors as the plan sees them: each one's :class:`TensorSpec` (the same on every producer) and
+    this rank's shard of it. Takes DTensors (FSDP2's ``fully_shard``, tensor parallel: ``to_local()`` is the shard),
+    :class:`Declared` plain shards, and plain tensors, which are whole on every producer (replicated).
+
+    ``ranks`` maps a DTensor mesh's ranks (the trainer's) to refit ranks; by default they are the same."""
+    from torch.distributed.tensor import DTensor
+
+    specs, shards = [], {}
+    for name, t in tensors:
+        if isinstance(t, DTensor):
+            local, shape, layout = t.to_local(), tuple(t.shape), _layout_of(name, t, ranks)
+        elif isinstance(t, Declared):
+            local, shape, layout = t.local, t.shape, t.layout
+        else:
+            raise LayoutError(
+                f"tensor {name!r} is a plain tensor: give a DTensor, or Declared(local, shape, layout) saying which "
+                "part of which tensor it is"
+            )
+        local = local.detach()
+        spec = TensorSpec(name, str(local.dtype).removeprefix("torch."), shape, local.element_size(), layout)
+        box = held_boxes(spec).get(rank)
+        if box is None:
+            raise LayoutError(f"tensor {name!r}: rank {rank} is not in its mesh {list(layout.ranks)}")
+        if tuple(local.shape) != tuple(b - a for a, b in box):
+            raise LayoutError(
+                f"tensor {name!r}: rank {rank} holds {list(local.shape)}, but its layout ({layout}) gives it "
+                f"{[b - a for a, b in box]}"
+            )
+        specs.append(spec)
+        shards[name] = Held(local, box)
+    return specs, shards
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a consumer's engine expects of one tensor: its name, dtype (``"bfloat16"``) and global shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def expected_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Expected]:
+    """The engine's tensors (whole, as its model defines them; a meta-device model will do) as :class:`Expected`."""
+    return [Expected(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
+
+
+COLUMN = Shard(0)
+"""A column-parallel weight: each tensor-parallel rank needs its rows (vLLM's ``ColumnParallelLinear``)."""
+ROW = Shard(1)
+"""A row-parallel weight: each rank needs its columns (``RowParallelLinear``); its 1-dim bias is whole on all."""
+WHOLE = Replicate()
+"""A tensor every rank needs whole (norms, a replicated embedding)."""
+
+
+def tp_needs(
+    specs: Sequence[Expected] | Sequence[TensorSpec],
+    rank: int,
+    tp_rank: int,
+    tp_size: int,
+    rule: Callable[[str], Placement],
+) -> list[Need]:
+    """The boxes tensor-parallel rank ``tp_rank`` of ``tp_size`` (refit rank ``rank``) needs: ``rule(name)`` is
+    :data:`COLUMN`, :data:`ROW` or :data:`WHOLE`; a sharded dim the tensor lacks (a row-parallel bias) means whole."""
+    needs = []
+    for spec in specs:
+        placement = rule(spec.name)
+        if isinstance(placement, Shard) and placement.dim < len(spec.shape):
+            box = shard_box(spec.shape, placement.dim, tp_size, tp_rank)
+        else:
+            box = whole(spec.shape)
+        needs.append(Need(rank, spec.name, box))
+    return needs
+
+
+def allocate(specs: Sequence[Expected] | Sequence[TensorSpec], needs: Iterable[Need]) -> dict[str, Held]:
+    """A consumer's empty slices for ``needs`` (one box a tensor), in each tensor's dtype."""
+    by_name = {s.name: s for s in specs}
+    return {
+        n.name: Held(
+            torch.empty([b - a for a, b in n.box], dtype=getattr(torch, by_name[n.name].dtype)),
+            n.box,
+        )
+        for n in needs
+    }
+
+
+def agree(
+    pg: Any,
+    rank: int,
+    *,
+    specs: Sequence[TensorSpec] | None = None,
+    needs: Sequence[Need] = (),
+    expects: Sequence[Expected] = (),
+    chains: Sequence[Sequence[int]] = (),
+) -> list[Transfer]:
+    """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
+    (:func:`from_tensors`); a consumer passes ``needs`` and, in ``expects``, the dtype and global shape it expects of
+    each tensor it needs (the engine's model; the layout part is not compared). Every rank passes the same
+    ``chains`` (replica chains, see :func:`refit_app.core.reshard.plan.plan`).
+
+    Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
+    mine = {
+        "rank": rank,
+        "specs": list(specs) if specs is not None else None,
+        "needs": list(needs),
+        "expects": [(s.name, s.dtype, tuple(s.shape)) for s in expects],
+        "chains": [list(c) for c in chains],
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, mine, group=pg)
+    transfers = _plan_from(gathered)
+    # The same inputs make the same plan only where every rank runs the same planner: compare what each made.
+    producers = [g for g in gathered if g["specs"] is not None]
+    mine_digest = plan_digest(producers[0]["specs"], [n for g in gathered for n in g["needs"]], transfers)
+    digests: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(digests, (rank, mine_digest), group=pg)
+    for other, theirs in digests:
+        if theirs != mine_digest:
+            raise HandshakeError(
+                f"rank {other} made another plan from the same layouts (plan digest {theirs[:12]}, here "
+                f"{mine_digest[:12]}): run the same refit_app version on every rank"
+            )
+    return transfers
+
+
+def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
+    """What every rank does with what all ranks gave: the same checks, in the same order, so the same outcome."""
+    producers = [g for g in gathered if g["specs"] is not None]
+    if not producers:
+        raise HandshakeError("no rank of the group gave its tensors: a sharded refit needs at least one producer")
+    first = producers[0]
+    lines = describe(first["specs"], [])
+    for g in producers[1:]:
+        why = first_difference(lines, describe(g["specs"], []), rank=g["rank"])
+        if why is not None:
+            raise HandshakeError(f"producers {first['rank']} and {g['rank']} disagree on the tensors: {why}")
+    known = {s.name: (s.dtype, tuple(s.shape)) for s in first["specs"]}
+    for g in gathered:
+        if g["chains"] != first["chains"]:
+            raise HandshakeError(
+                f"ranks {first['rank']} and {g['rank']} disagree on the replica chains: {first['chains']} and "
+                f"{g['chains']}"
+            )
+        for name, dtype, shape in g["expects"]:
+            if known.get(name) != (dtype, shape):
+                have = "no such tensor" if name not in known else f"{known[name][0]} {list(known[name][1])}"
+                raise HandshakeError(
+                    f"consumer rank {g['rank']} expects tensor {name!r} as {dtype} {list(shape)}, the producers "
+                    f"have {have}"
+                )
+    needs = [n for g in gathered for n in g["needs"]]
+    try:
+        transfers = plan(first["specs"], needs, chains=first["chains"])
+    except LayoutError as e:
+        raise HandshakeError(str(e)) from None
+    return transfers
+
+
+def plan_digest(specs: Sequence[TensorSpec], needs: Sequence[Need], transfers: Sequence[Transfer]) -> str:
+    """The digest of a plan and the layouts it was made from (:func:`refit_app.core.reshard.plan.digest`)."""
+    return digest(describe(specs, needs), transfers)
+
+
+def send(
+    pg: Any,
+    rank: int,
+    transfers: Sequence[Transfer],
+    shards: dict[str, Held],
+    *,
+    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    checksum: Callable[[Any], int] | None = None,
+) -> int:
+    """Send this producer's regions of the plan; the bytes sent."""
+    group = TorchPairs(rank, pg)
+    return send_regions(
+        group, transfers, shards, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
+    )
+
+
+def receive(
+    pg: Any,
+    rank: int,
+    transfers: Sequence[Transfer],
+    slices: dict[str, Held],
+    *,
+    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    checksum: Callable[[Any], int] | None = None,
+) -> int:
+    """Receive this consumer's regions into ``slices`` (and relay its replica's); the bytes received."""
+    group = TorchPairs(rank, pg)
+    return receive_regions(
+        group, transfers, slices, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
+    )

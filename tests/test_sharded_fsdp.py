@@ -1,0 +1,138 @@
+"""Sharded refits from a real sharded trainer: K producer processes train a model under FSDP2's ``fully_shard``
+(gloo on CPU, uneven shards) with AdamW steps between rounds, and send their own shards straight to M
+tensor-parallel consumers (column- and row-parallel slices, whole norms), bit for bit against the trainer's full
+tensors sliced. And a wrong layout on any one rank: every rank fails in one line before any data byte."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_utils import run_ranks
+
+from refit_app.common.errors import HandshakeError
+from refit_app.protocol.checksum import checksum_function, default_algorithm
+from refit_app.protocol.sharded import (
+    COLUMN,
+    ROW,
+    WHOLE,
+    agree,
+    allocate,
+    expected_of,
+    from_tensors,
+    receive,
+    send,
+    tp_needs,
+)
+
+TIMEOUT_S = 30.0
+ROUNDS = 3
+
+
+class Block(torch.nn.Module):
+    """A transformer MLP's shape: an up projection (column-parallel), a down projection (row-parallel), a norm."""
+
+    def __init__(self, hidden: int = 8, inner: int = 33) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, inner)
+        self.down = torch.nn.Linear(inner, hidden - 3)
+        self.norm = torch.nn.LayerNorm(inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(torch.relu(self.up(x))))
+
+
+def rule(name: str):
+    return COLUMN if name.startswith("up.") else ROW if name.startswith("down.") else WHOLE
+
+
+def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh("cpu", list(range(k)))  # every rank takes part in making the trainer's group
+        checksum = checksum_function(default_algorithm())
+        torch.manual_seed(0)
+        model = Block(inner=34 if rank == wrong else 33)  # the wrong rank's engine (or trainer) is another shape
+        m = world_size - k
+        if rank < k:
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            specs, shards = from_tensors(model.named_parameters(), rank=rank)
+            start = time.monotonic()
+            try:
+                transfers = agree(dist.group.WORLD, rank, specs=specs)
+            except HandshakeError as e:
+                return ("refused", str(e), time.monotonic() - start)
+            fulls = []
+            for _ in range(ROUNDS):
+                send(dist.group.WORLD, rank, transfers, shards, buffer_size_bytes=256, checksum=checksum)
+                fulls.append(
+                    {n: p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
+                )  # pickles
+                loss = model(torch.randn(4, 8)).square().sum()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            return ("trained", fulls)
+        expects = expected_of(model.named_parameters())
+        needs = tp_needs(expects, rank, rank - k, m, rule)
+        start = time.monotonic()
+        try:
+            transfers = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
+        except HandshakeError as e:
+            return ("refused", str(e), time.monotonic() - start)
+        rounds = []
+        for _ in range(ROUNDS):
+            slices = allocate(expects, needs)
+            receive(dist.group.WORLD, rank, transfers, slices, buffer_size_bytes=256, checksum=checksum)
+            rounds.append({n: (h.tensor.numpy().copy(), h.box) for n, h in slices.items()})
+        return ("received", rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("k, m", [(2, 2), (3, 2), (2, 3), (1, 2)])
+def test_an_fsdp2_trainer_sends_each_tensor_parallel_rank_its_slices_every_round(k, m):
+    results = run_ranks(_rank, k + m, k, None, timeout=180)
+    assert [r[0] for r in results] == ["trained"] * k + ["received"] * m, [r[0] for r in results]
+    fulls = results[0][1]
+    for r in range(1, k):
+        for a, b in zip(fulls, results[r][1]):
+            assert all((a[n] == b[n]).all() for n in a)
+    for round_, full in enumerate(fulls):
+        if round_:
+            assert not (full["up.weight"] == fulls[round_ - 1]["up.weight"]).all(), "the trainer did not train"
+        for c in range(m):
+            got = results[k + c][1][round_]
+            assert set(got) == set(full)
+            for name, (array, box) in got.items():
+                want = full[name][tuple(slice(a, b) for a, b in box)]
+                assert array.shape == want.shape and array.tobytes() == want.tobytes(), (round_, c, name)
+            # column-parallel: its rows; row-parallel: its columns; the rest whole
+            step = -(-33 // m)
+            assert got["up.weight"][1] == ((min(c * step, 33), min((c + 1) * step, 33)), (0, 8))
+            assert got["down.weight"][1] == ((0, 5), (min(c * step, 33), min((c + 1) * step, 33)))
+            assert got["norm.weight"][1] == ((0, 33),) and got["down.bias"][1] == ((0, 5),)
+
+
+@pytest.mark.parametrize("wrong", [1, 3])  # a producer, a consumer
+def test_a_wrong_layout_on_one_rank_stops_every_rank_in_one_line_before_any_data(wrong):
+    results = run_ranks(_rank, 4, 2, wrong, timeout=60)
+    assert [r[0] for r in results] == ["refused"] * 4, results
+    lines = {r[1] for r in results}
+    assert len(lines) == 1, lines  # the same words everywhere
+    (line,) = lines
+    assert "\n" not in line and "34" in line and "33" in line, line
+    assert max(r[2] for r in results) < 5.0, [r[2] for r in results]
