@@ -178,3 +178,22 @@ def test_ranks_with_different_layouts_find_the_first_difference_and_different_di
     assert digest(mine, plan([spec], needs)) != digest(theirs, plan([other], needs[:0]))
     assert digest(mine, plan([spec], needs)) == digest(describe([spec], needs), plan([spec], needs))
     assert "only on rank 3" in first_difference(mine, [*mine, "chain [2, 3]"], rank=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 200),
+)
+def test_a_region_larger_than_a_buffer_is_cut_into_pieces_that_tile_it(shape, itemsize, limit):
+    from refit_app.core.reshard.transfer import pieces
+
+    box = whole(shape)
+    cut = pieces(box, itemsize, limit)
+    count = np.zeros(shape, dtype=int)
+    for piece in cut:
+        assert volume(piece) * itemsize <= limit or volume(piece) == 1, (piece, limit)
+        count[_slice(piece)] += 1
+    assert (count == 1).all()
+    assert pieces(box, itemsize, limit) == cut  # both ends cut alike

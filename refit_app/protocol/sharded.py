@@ -33,6 +33,7 @@ from refit_app.core.reshard.plan import (
     Shard,
     TensorSpec,
     Transfer,
+    check_spec,
     describe,
     digest,
     first_difference,
@@ -98,6 +99,7 @@ def from_tensors(
             )
         local = local.detach()
         spec = TensorSpec(name, str(local.dtype).removeprefix("torch."), shape, local.element_size(), layout)
+        check_spec(spec)
         box = held_boxes(spec).get(rank)
         if box is None:
             raise LayoutError(f"tensor {name!r}: rank {rank} is not in its mesh {list(layout.ranks)}")

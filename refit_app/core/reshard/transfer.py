@@ -7,7 +7,7 @@ per pair and takes its pairs in turn, chunk by chunk, so all pairs move at once 
 
 A consumer that passes regions on to a replica (a relayed transfer) sends each of its relay chunks as soon as all
 the regions in it have landed, so a chain of replicas moves its bytes in a pipeline rather than one replica after
-the other.
+the other. A region larger than a buffer travels as pieces of a buffer's size (:func:`pieces`).
 
 With a ``checksum`` function, the source of each region hashes the bytes it packed, and after a pair's last chunk
 sends the pair's hashes (one 8-byte word a region); the destination hashes the bytes it received and names the
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -98,10 +98,31 @@ def _nbytes(t: Transfer, held: Mapping[str, Held]) -> int:
     return volume(t.box) * held[t.name].tensor.element_size()
 
 
+def pieces(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """``box`` cut into pieces of at most ``limit`` bytes along its outermost dims (rows first), where it is
+    larger: a region never needs a buffer larger than the others, and a relay forwards a large tensor piece by
+    piece as it arrives instead of storing it whole first. Both ends cut alike. A single element is never cut."""
+    if volume(box) * itemsize <= limit:
+        return [box]
+    for d, (start, stop) in enumerate(box):
+        if stop - start > 1:
+            step_bytes = volume(box[d + 1 :]) * itemsize  # one index along dim d
+            if step_bytes <= limit:
+                step = limit // step_bytes
+                return [(*box[:d], (a, min(a + step, stop)), *box[d + 1 :]) for a in range(start, stop, step)]
+            return [
+                p for a in range(start, stop) for p in pieces((*box[:d], (a, a + 1), *box[d + 1 :]), itemsize, limit)
+            ]
+    return [box]
+
+
 def _pairs(transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int) -> list[_Pair]:
     by_peer: dict[int, list[Transfer]] = {}
     for t in transfers:
-        by_peer.setdefault(getattr(t, key), []).append(t)
+        size = held[t.name].tensor.element_size()
+        by_peer.setdefault(getattr(t, key), []).extend(
+            replace(t, box=box) for box in pieces(t.box, size, buffer_size_bytes)
+        )
     return [
         _Pair(peer, regions, plan_chunks([_nbytes(t, held) for t in regions], buffer_size_bytes))
         for peer, regions in sorted(by_peer.items())
