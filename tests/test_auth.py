@@ -22,8 +22,9 @@ from mp_utils import STARTUP_LIMIT_S, deadline_budget, free_port, gloo_spec, run
 from refit_app.app import rank_harness
 from refit_app.common.errors import ConfigError, PeerError
 from refit_app.protocol.session import ConsumerSession, ProducerSession
-from refit_app.transport.auth import TOKEN_ENV, RecordError, RunAuth
+from refit_app.transport.auth import TOKEN_ENV, RunAuth
 from refit_app.transport.groups import connect
+from refit_app.transport.records import RecordError, seal, unseal
 from refit_app.transport.rendezvous import announce, start_store
 from refit_app.transport.signed_store import SignedStore
 
@@ -291,8 +292,8 @@ def test_a_record_is_believed_only_as_its_run_signed_it(token):
     token there is nothing to check a record against: a JSON object comes back as it was written."""
     auth = RunAuth.derive(token, "run-a", "nonce-1", 0)
     record = {"rank": 1, "message": "boom", "phase": None}
-    sealed = auth.seal("error", record)
-    assert auth.open("error", sealed) == record
+    sealed = seal(auth, "error", record)
+    assert unseal(auth, "error", sealed) == record
     if token is not None:
         assert TOKEN not in sealed
         tampered = json.loads(sealed)
@@ -303,21 +304,21 @@ def test_a_record_is_believed_only_as_its_run_signed_it(token):
             RunAuth.derive("other", "run-a", "nonce-1", 0),
             RunAuth.derive(TOKEN, "run-b", "nonce-1", 0),
         ):
-            forged.append(other.seal("error", record))
-        forged.append(auth.seal("outcome", record))  # a signature made for another kind of record
+            forged.append(seal(other, "error", record))
+        forged.append(seal(auth, "outcome", record))  # a signature made for another kind of record
         for value in forged:
             with pytest.raises(RecordError):
-                auth.open("error", value)
+                unseal(auth, "error", value)
     for value in _GARBAGE:
         try:
             parsed = json.loads(value)
         except (ValueError, RecursionError):
             parsed = None
         if token is None and isinstance(parsed, dict):
-            assert auth.open("error", value) == parsed, value  # no token, no signature: an object is taken as sent
+            assert unseal(auth, "error", value) == parsed, value  # no token, no signature: an object is taken as sent
             continue
         with pytest.raises(RecordError):
-            auth.open("error", value)
+            unseal(auth, "error", value)
 
 
 def test_a_forged_backend_record_fails_the_set_up_instead_of_redirecting_it():

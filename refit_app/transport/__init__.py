@@ -1,8 +1,9 @@
 """Moving bytes between ranks: where and how a group forms (:mod:`~refit_app.transport.spec`), who may join
-(:mod:`~refit_app.transport.auth`), the rendezvous and its store, the control channel (phase reports, the first
-error), the collective backends behind the core's ``BroadcastGroup`` seam, the chain relay, and a connected
-:class:`~refit_app.transport.groups.RefitGroup` (built by :func:`~refit_app.transport.groups.connect`, or from a
-trainer's own process group by :func:`~refit_app.transport.process_group.from_process_group`).
+(:mod:`~refit_app.transport.auth`), the control records in the store (:mod:`~refit_app.transport.records`), the
+rendezvous and its store, the control channel (phase reports, the first error), the collective backends behind the
+core's ``BroadcastGroup`` seam, the chain relay, and a connected :class:`~refit_app.transport.groups.RefitGroup`
+(built by :func:`~refit_app.transport.groups.connect`, or from a trainer's own process group by
+:func:`~refit_app.transport.process_group.from_process_group`).
 
 Rooms: :mod:`refit_app.transport.shm` (``group.backend=shm``, shared memory between ranks on one host: a package,
 start at its ``__init__``) and :mod:`refit_app.transport.elastic` (the generations of an elastic session's group).

@@ -1,4 +1,4 @@
-"""Who may join a refit group, and which control records to believe.
+"""Who may join a refit group: the run's key, the signatures made with it, and which records were not believed.
 
 Anything that reaches the producer's port can talk to its store: list every key, read it, overwrite it. So nothing
 read from the store is trusted for what it says about itself. With ``group.token`` every rank derives one key per
@@ -8,7 +8,8 @@ itself never travels: the producer publishes a random nonce, a consumer proves i
 check-in over that nonce, and the producer proves the same to the consumer by signing its greeting.
 
 Without a token records are still parsed defensively (a malformed one is ignored and logged, never a crash), but
-anyone who reaches the port can join, abort or feed the run: hence the loopback-only default.
+anyone who reaches the port can join, abort or feed the run: hence the loopback-only default. How a record is
+parsed, sealed and opened, and the store every rank reads them through: :mod:`refit_app.transport.records`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 import secrets
 import socket
 from dataclasses import dataclass, field
-from typing import Any
 
 from refit_app.common.errors import ConfigError
 
@@ -32,8 +31,6 @@ TOKEN_ENV = "REFIT_APP_TOKEN"
 TOKEN_DEFAULT = "${oc.env:" + TOKEN_ENV + ",null}"
 """``group.token``'s default in the schema, and what a saved config says instead of the secret."""
 MAC_BYTES = 32
-MAX_RECORD_BYTES = 1 << 20
-"""A control record longer than this is not one of ours; it is refused before it is parsed."""
 _TAG_HEX = 16
 """Hex digits of the signature that names a phase report's key (64 bits: unguessable for one run's lifetime)."""
 
@@ -45,10 +42,6 @@ def new_secret() -> str:
 
 def new_run_id() -> str:
     return secrets.token_hex(4)
-
-
-class RecordError(ValueError):
-    """A control record that is malformed or whose signature does not check; its text says which."""
 
 
 @dataclass
@@ -64,7 +57,8 @@ class RunAuth:
     key: bytes | None
     """None: no token; records are parsed defensively but not signed."""
     rank: int = 0
-    _distrusted: set[str] = field(default_factory=set, repr=False)
+    ignored: set[str] = field(default_factory=set, repr=False)
+    """What this rank has logged as ignored, each once (:func:`refit_app.transport.records.distrust`)."""
 
     @classmethod
     def derive(cls, token: str | None, run_id: str, nonce: str, rank: int) -> RunAuth:
@@ -108,60 +102,6 @@ class RunAuth:
         greeting, so a public name could be pre-set: a rank claimed, a counter made a non-number (an ``add`` on it
         closes the caller's store connection), an outcome or an error put where the ranks look."""
         return key + self.tag(key)
-
-    def seal(self, kind: str, doc: dict[str, Any]) -> str:
-        """``doc`` as a store value, signed as a ``kind`` record."""
-        body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-        if self.key is None:
-            return body
-        return json.dumps({"body": body, "mac": self.mac(kind, body.encode()).hex()}, separators=(",", ":"))
-
-    def open(self, kind: str, raw: bytes | str) -> dict[str, Any]:
-        """The record ``seal(kind, ...)`` made, or :class:`RecordError` saying why ``raw`` is not one."""
-        doc = load_record(raw)
-        if self.key is None:
-            return doc
-        body, mac = doc.get("body"), doc.get("mac")
-        if not isinstance(body, str) or not isinstance(mac, str):
-            raise RecordError("is not signed")
-        try:
-            good = hmac.compare_digest(bytes.fromhex(mac), self.mac(kind, body.encode()))
-        except ValueError:
-            good = False
-        if not good:
-            raise RecordError("has a signature that does not check (another group.token, or forged)")
-        return load_record(body)
-
-    def distrust(self, what: str, where: str, reason: RecordError | str) -> None:
-        """Log, once per ``what``, that a record was ignored; the run goes on as if it were absent."""
-        if what in self._distrusted:
-            return
-        self._distrusted.add(what)
-        logger.warning(
-            "rank %d: ignored %s at %s: it %s; only this run's ranks are believed", self.rank, what, where, reason
-        )
-
-
-def load_record(raw: bytes | str) -> dict[str, Any]:
-    """A JSON object read defensively: too long, not JSON, too deep or not an object is a RecordError."""
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"is {len(raw)} bytes long (at most {MAX_RECORD_BYTES})")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise RecordError(f"is not JSON ({type(e).__name__})") from None
-    if not isinstance(doc, dict):
-        raise RecordError("is not a JSON object")
-    return doc
-
-
-def need(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """``doc[name]``, checked to be of ``kind`` (bools are not ints), or :class:`RecordError`."""
-    value = doc.get(name)
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise RecordError(f"lacks a valid {name!r}")
-    return value
 
 
 def is_loopback(host: str) -> bool | None:

@@ -3,9 +3,8 @@
 Collectives only say *that* a peer went away; this channel carries *why*, so every rank can fail with the reason
 from the rank that failed first. A consumer reaches the store through a :class:`DeadlineStore`, so that a stopped
 producer cannot freeze it, and every phase gather has the group's deadline. Anyone who reaches the store can write
-to it: the first error is a signed record and a phase report a key only a rank can name
-(:mod:`refit_app.transport.auth`);
-what does not check is ignored and logged once.
+to it: the first error is a signed record (:class:`~refit_app.transport.records.RunStore`) and a phase report a
+key only a rank can name (:mod:`refit_app.transport.auth`); what does not check is ignored and logged once.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from refit_app.common.errors import PeerError, RefitError, one_line, some_of
-from refit_app.transport.auth import RecordError, RunAuth, need
+from refit_app.transport.auth import RunAuth
+from refit_app.transport.records import RecordError, RecordKind, RunStore, need
 from refit_app.transport.spec import PRODUCER_RANK
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,13 @@ _K_ERROR = "refit/ctl/error"
 
 def _k_report(phase: str, seq: int, rank: int) -> str:
     return f"refit/ctl/{phase}/{seq}/{rank}"
+
+
+def _check_error(doc: dict[str, Any]) -> None:
+    need(doc, "rank", int), need(doc, "message", str), need(doc, "phase", (str, type(None)))
+
+
+_ERROR = RecordKind("error", "an error report", _check_error)
 
 
 class Poller:
@@ -159,9 +166,9 @@ class Control:
         elastic session (:mod:`refit_app.transport.elastic`), whose ranks keep their numbers as members come and go."""
         self.timeout_s = timeout_s
         self._address = address
+        self._records = RunStore(store, self.auth, address)
+        """The same store for the first error and the leave count: keys only a rank can name, records signed."""
         self._reported: dict[str, int] = {}
-        self._k_error = self.auth.hide(_K_ERROR)
-        self._k_left = self.auth.hide(_K_LEFT)
         self.failed = False
         """Set once this rank published, reported or observed an error; ``RefitGroup.close`` then lingers."""
         self._explained = False
@@ -185,44 +192,29 @@ class Control:
         ``phase`` ties the failure to a phase gather, which then raises its own error type for it.
         """
         self.failed = True
-        payload = self.auth.seal("error", {"rank": rank, "message": message, "phase": phase})
         try:
             with self._short_timeout():
-                current = self._store.compare_set(self._k_error, "", payload)
                 # A value that is not this run's ranks' (a malformed or forged one) must not hide the real reason.
-                for _ in range(_REPLACE_TRIES):
-                    if current == payload.encode() or self._open_error(current) is not None:
-                        break
-                    current = self._store.compare_set(self._k_error, current, payload)
+                self._records.settle(
+                    _K_ERROR, _ERROR, {"rank": rank, "message": message, "phase": phase}, tries=_REPLACE_TRIES
+                )
+        except RecordError:
+            pass  # a flooded store: peers will see the broken collective instead of the reason
         except dist.DistError as e:
             # The producer's store is gone; peers will see the broken collective instead of the reason.
             logger.warning("rank %d: could not publish its error to %s: %s", self.rank, self._address, one_line(e))
 
     def _read_error(self) -> tuple[str, str | None] | None:
         """The first published failure as ``("rank N failed: ...", phase)``, or None."""
-        if not self._store.check([self._k_error]):
-            return None
-        doc = self._open_error(self._store.get(self._k_error))
+        doc = self._records.find_record(_K_ERROR, _ERROR)
         if doc is None:
             return None
         self.failed = True
         return f"rank {doc['rank']} failed: {doc['message']}", doc["phase"]
 
-    def _open_error(self, raw: bytes) -> dict[str, Any] | None:
-        """The error record, checked; None (logged once) for one that is malformed or not from this run's ranks."""
-        try:
-            doc = self.auth.open("error", raw)
-            need(doc, "rank", int), need(doc, "message", str), need(doc, "phase", (str, type(None)))
-            return doc
-        except RecordError as e:
-            self.auth.distrust("an error report", self._address, e)
-            return None
-
     def failed_rank(self) -> int | None:
         """The rank whose failure was published first, or None; does not wait."""
-        if not self._store.check([self._k_error]):
-            return None
-        doc = self._open_error(self._store.get(self._k_error))
+        doc = self._records.find_record(_K_ERROR, _ERROR)
         return None if doc is None else doc["rank"]
 
     def error(self) -> str | None:
@@ -341,7 +333,7 @@ class Control:
         """A consumer is done with the store, so the producer may close it without breaking a late read."""
         try:
             with self._short_timeout():
-                self._store.add(self._k_left, 1)
+                self._records.add(_K_LEFT, 1)
         except dist.DistError as e:
             logger.debug("rank %d: producer store already gone at leave: %s", self.rank, one_line(e))
 
@@ -351,7 +343,7 @@ class Control:
         deadline = time.monotonic() + seconds
         poller = Poller()
         try:
-            while self._store.add(self._k_left, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            while self._records.add(_K_LEFT, 0) < self.world_size - 1 and time.monotonic() < deadline:
                 poller.sleep(deadline)
         except dist.DistError as e:
             # Without a token the count's key is public: a non-number written there closes this connection. The
@@ -371,3 +363,4 @@ class Control:
         """Drop this rank's store connection; on the producer, with the group gone, this stops the store server
         and frees the port."""
         self._store = None
+        self._records = None

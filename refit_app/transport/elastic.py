@@ -6,7 +6,7 @@ consumer is lost (it died, stalled past a deadline, or failed for a reason of it
 producer ends the generation and forms the next one from the consumers that ask for it; a consumer keeps its rank
 number (``group.rank``) across generations, and its index in each generation's group is its place among the
 members. Every record below lies in the producer's store, under the run's prefix, at a name only a key holder can
-form (:meth:`RunAuth.hide`), and is signed (:meth:`RunAuth.seal`)::
+form, and is signed (both by :class:`~refit_app.transport.records.RunStore`)::
 
     consumer                                        producer
     greeting checked (token, run id, continue) <--- greeting (as for every session, marked elastic)
@@ -32,20 +32,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 
 from refit_app.common.errors import ConfigError, PeerError, one_line
-from refit_app.transport.auth import RecordError, RunAuth, need, new_secret
+from refit_app.transport.auth import new_secret
 from refit_app.transport.backends import gloo_devices, make_group
 from refit_app.transport.control import Control, DeadlineStore, Poller, ranks_text
 from refit_app.transport.groups import RefitGroup
+from refit_app.transport.records import RecordError, RecordKind, RunStore, need
 from refit_app.transport.rendezvous import (
     announce,
     await_producer,
     join_store,
-    read_count,
     run_store,
     start_store,
 )
@@ -76,6 +77,20 @@ def _k_generation(gen: int) -> str:
     return f"elastic/gen/{gen}"
 
 
+_PLAN = RecordKind("plan", "an elastic plan record")
+_ANSWER = RecordKind("answer", "an elastic answer record")
+_ENDED = RecordKind("ended", "an elastic ended record")
+_JOIN = RecordKind("join", "a join request")
+"""A join request as its consumer writes it; the producer checks its fields against the session."""
+
+
+def _check_join(doc: dict[str, Any], run_id: str, world_size: int) -> None:
+    rank = need(doc, "rank", int)
+    need(doc, "incarnation", str), need(doc, "producer_address", str)
+    if not 0 < rank < world_size or need(doc, "run_id", str) != run_id:
+        raise RecordError("names a rank or run that is not this session's")
+
+
 def answer_wait_s(timeout_s: float) -> float:
     """How long a consumer waits for the producer's answer to its request: the producer notices a lost consumer
     within one deadline (a collective's), then waits up to one more for the others to ask again."""
@@ -102,16 +117,16 @@ def _lost_producer(spec: GroupSpec, e: BaseException) -> PeerError:
 class _Generation:
     """What both sides build a generation's group from."""
 
-    def __init__(self, spec: GroupSpec, auth: RunAuth, rstore: dist.Store) -> None:
+    def __init__(self, spec: GroupSpec, records: RunStore) -> None:
         self.spec = spec
-        self.auth = auth
-        self.rstore = rstore
+        self.auth = records.auth
+        self.records = records
 
     def group(self, plan: dict[str, Any], rank: int, address: str, *, producer: bool) -> RefitGroup:
         """This rank's group of generation ``plan["gen"]``: a fresh gloo group under the generation's own prefix
         (a failed one cannot be reused, and its keys must not meet the next one's), and a control channel there."""
         members = plan["members"]
-        store = dist.PrefixStore(self.auth.hide(_k_generation(plan["gen"])), self.rstore)
+        store = self.records.prefix_store(_k_generation(plan["gen"]))
         spec = replace(self.spec, rank=members.index(rank), world_size=len(members), backend=BACKEND)
         control_store = store if producer else DeadlineStore(store, spec.timeout_s)
         control = Control(control_store, rank, len(members), spec.timeout_s, self.spec.address, self.auth, members)
@@ -151,8 +166,9 @@ class ProducerMembership:
         self.spec = spec
         self._store = start_store(spec)
         self.auth = announce(self._store, spec, elastic=True)
-        self._rstore = run_store(self._store, self.auth)
-        self._generation = _Generation(spec, self.auth, self._rstore)
+        self._records = RunStore(run_store(self._store, self.auth), self.auth, spec.address)
+        self._join = replace(_JOIN, check=partial(_check_join, run_id=self.auth.run_id, world_size=spec.world_size))
+        self._generation = _Generation(spec, self._records)
         self._read = 0
         """Join slots read so far."""
         self._requests: dict[int, dict[str, dict[str, Any]]] = {}
@@ -175,22 +191,14 @@ class ProducerMembership:
 
     def poll(self) -> None:
         """Read the join requests that arrived since the last poll: one store read when none did."""
-        count = read_count(self._rstore, self.auth.hide(_K_JOINS))
+        count = self._records.count(_K_JOINS)
         for n in range(self._read + 1, count + 1):
-            key = self.auth.hide(_k_join(n))
-            if not self._rstore.check([key]):
+            if not self._records.check([_k_join(n)]):
                 break  # counted and not yet written: read at the next poll
             self._read = n
-            try:
-                doc = self.auth.open("join", self._rstore.get(key))
-                rank, incarnation = need(doc, "rank", int), need(doc, "incarnation", str)
-                need(doc, "producer_address", str)
-                if not 0 < rank < self.spec.world_size or need(doc, "run_id", str) != self.auth.run_id:
-                    raise RecordError("names a rank or run that is not this session's")
-            except RecordError as e:
-                self.auth.distrust("a join request", self.spec.address, e)
-                continue
-            self._requests.setdefault(rank, {})[incarnation] = {**doc, "slot": n}
+            doc = self._records.get_record(_k_join(n), self._join)
+            if doc is not None:
+                self._requests.setdefault(doc["rank"], {})[doc["incarnation"]] = {**doc, "slot": n}
 
     def newcomers(self) -> list[int]:
         """Ranks that asked to join and hold no place in the current generation (a joiner, a restarted consumer)."""
@@ -251,7 +259,7 @@ class ProducerMembership:
             "incarnations": {str(r): i for r, i in chosen.items()},
             "round": next_round,
         }
-        self._rstore.set(self.auth.hide(_k_plan(self.gen)), self.auth.seal("plan", plan))
+        self._records.put(_k_plan(self.gen), _PLAN, plan)
         for rank, incarnation in chosen.items():
             self._answer(self._requests[rank].pop(incarnation), {"gen": self.gen})
         self.holders = chosen
@@ -275,14 +283,13 @@ class ProducerMembership:
             self.holders.pop(rank, None)
 
     def _answer(self, request: dict[str, Any], doc: dict[str, Any]) -> None:
-        key = _k_answer(request["rank"], request["incarnation"], request["slot"])
-        self._rstore.set(self.auth.hide(key), self.auth.seal("answer", doc))
+        self._records.put(_k_answer(request["rank"], request["incarnation"], request["slot"]), _ANSWER, doc)
 
     def end(self, rounds: int, error: str | None) -> None:
         """The session is over (after ``rounds`` rounds, or failed with ``error``): a consumer still waiting for an
         answer learns it at once. The current generation closes as any group does."""
         try:
-            self._rstore.set(self.auth.hide(_K_ENDED), self.auth.seal("ended", {"rounds": rounds, "error": error}))
+            self._records.put(_K_ENDED, _ENDED, {"rounds": rounds, "error": error})
         except dist.DistError as e:  # the store is this process's own; only a stranger's flood gets here
             logger.warning("rank 0: could not record the end of the session: %s", one_line(e))
         if self.group is not None:
@@ -295,7 +302,7 @@ class ProducerMembership:
     def release(self) -> None:
         """Stop the store (frees the port): nothing else holds it once the generations' groups are gone."""
         self._store = None
-        self._rstore = None
+        self._records = None
 
 
 class ConsumerMembership:
@@ -321,8 +328,8 @@ class ConsumerMembership:
         gloo_devices(spec, self._route.local)
         self._store = store  # held: the prefix stores below do not keep the connection alive on their own
         rstore = run_store(store, self.auth)
-        self._dstore = DeadlineStore(rstore, spec.timeout_s)
-        self._generation = _Generation(spec, self.auth, rstore)
+        self._records = RunStore(DeadlineStore(rstore, spec.timeout_s), self.auth, spec.address)
+        self._generation = _Generation(spec, RunStore(rstore, self.auth, spec.address))
         self.incarnation = new_secret()[:16]
         self.plan: dict[str, Any] | None = None
 
@@ -338,25 +345,22 @@ class ConsumerMembership:
             "incarnation": self.incarnation,
             "producer_address": self._route.producer,
         }
-        ended_key = auth.hide(_K_ENDED)
+        records = self._records
         deadline = time.monotonic() + wait_s
         try:
-            n = self._dstore.add(auth.hide(_K_JOINS), 1)
-            self._dstore.set(auth.hide(_k_join(n)), auth.seal("join", request))
-            answer_key = auth.hide(_k_answer(spec.rank, self.incarnation, n))
+            n = records.add(_K_JOINS, 1)
+            records.put(_k_join(n), _JOIN, request)
             poller = Poller()
             while True:
-                if self._dstore.check([answer_key]):
-                    answer = self._open("answer", self._dstore.get(answer_key))
-                    if answer is not None:
-                        break
-                if self._dstore.check([ended_key]):
-                    ended = self._open("ended", self._dstore.get(ended_key))
-                    if ended is not None:
-                        if ended.get("error"):
-                            raise PeerError(f"rank {PRODUCER_RANK} failed: {ended['error']}")
-                        logger.info("rank %d: the session ended after round %s", spec.rank, ended.get("rounds"))
-                        return None
+                answer = records.find_record(_k_answer(spec.rank, self.incarnation, n), _ANSWER)
+                if answer is not None:
+                    break
+                ended = records.find_record(_K_ENDED, _ENDED)
+                if ended is not None:
+                    if ended.get("error"):
+                        raise PeerError(f"rank {PRODUCER_RANK} failed: {ended['error']}")
+                    logger.info("rank %d: the session ended after round %s", spec.rank, ended.get("rounds"))
+                    return None
                 if time.monotonic() >= deadline:
                     raise PeerError(
                         f"the producer at {spec.address} did not admit consumer rank {spec.rank} within {wait_s:g}s "
@@ -368,7 +372,7 @@ class ConsumerMembership:
             if "dropped" in answer:
                 raise PeerError(str(answer["dropped"]))
             gen = need(answer, "gen", int)
-            plan = self._open("plan", self._dstore.get(auth.hide(_k_plan(gen))))
+            plan = records.get_record(_k_plan(gen), _PLAN)
         except dist.DistError as e:
             raise _lost_producer(spec, e) from e
         if plan is None or plan.get("incarnations", {}).get(str(spec.rank)) != self.incarnation:
@@ -383,13 +387,6 @@ class ConsumerMembership:
         )
         return self._generation.group(plan, spec.rank, self._route.local, producer=False)
 
-    def _open(self, kind: str, raw: bytes) -> dict[str, Any] | None:
-        try:
-            return self.auth.open(kind, raw)
-        except RecordError as e:
-            self.auth.distrust(f"an elastic {kind} record", self.spec.address, e)
-            return None
-
     def release(self) -> None:
         self._store = None
-        self._dstore = None
+        self._records = None

@@ -8,7 +8,8 @@ Everything in :func:`connect` shares one deadline of ``spec.timeout_s``; so does
 
 The pieces: :mod:`refit_app.transport.rendezvous` (the store and the check-in), :mod:`refit_app.transport.control`
 (phase reports,
-errors, the deadline store), :mod:`refit_app.transport.signed_store` (the store as gloo sees it, signed),
+errors, the deadline store), :mod:`refit_app.transport.records` (the control records in the store, signed),
+:mod:`refit_app.transport.signed_store` (the store as gloo sees it, signed),
 :mod:`refit_app.transport.backends` (gloo, NCCL, pynccl behind one seam).
 """
 
@@ -24,6 +25,7 @@ from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.transport.auth import check_exposure
 from refit_app.transport.backends import BackendGroup, check_backend_here, make_group
 from refit_app.transport.control import Control, DeadlineStore
+from refit_app.transport.records import RunStore
 from refit_app.transport.rendezvous import (
     announce,
     await_producer,
@@ -148,12 +150,15 @@ def connect(spec: GroupSpec) -> RefitGroup:
     # The producer's own client talks to a server thread in its own process, which cannot stall apart from it.
     control_store = rstore if producer else DeadlineStore(rstore, spec.timeout_s)
     control = Control(control_store, spec.rank, spec.world_size, spec.timeout_s, spec.address, auth)
+    # The check-in's records: on the producer's store under public keys (the greeting, the check-in areas), and
+    # under the run's prefix at keys only its ranks can name.
+    public, run = RunStore(store, auth, spec.address, hide_keys=False), RunStore(rstore, auth, spec.address)
     try:
         try:
             if producer:
-                backend, address = producer_checkin(store, rstore, spec, auth, deadline)
+                backend, address = producer_checkin(public, run, spec, deadline)
             else:
-                backend, address = consumer_checkin(store, rstore, spec, auth, producer_size, deadline, route)
+                backend, address = consumer_checkin(public, run, spec, producer_size, deadline, route)
         except dist.DistError as e:
             raise _lost_producer(spec, e) from e
         try:

@@ -21,7 +21,8 @@ Anything that reaches the port can read and write the store, so the check-in is 
 Everything after the check-in lives under the run's own key prefix (:attr:`RunAuth.namespace`), one per producer
 start, so a consumer of an earlier run on the same port never reads this run's keys. That prefix is in the public
 greeting, so with a token every key a rank writes, adds to or waits for (claims, check-ins, the outcome) also has a
-name only a key holder can form (:meth:`RunAuth.hide`): a stranger cannot pre-claim a rank or break a counter.
+name only a key holder can form: a stranger cannot pre-claim a rank or break a counter. Every record here is read
+and written through a :class:`~refit_app.transport.records.RunStore`, which hides keys and seals records.
 """
 
 from __future__ import annotations
@@ -31,24 +32,18 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 
 from refit_app.common.errors import ConfigError, PeerError, RefitError, one_line
-from refit_app.transport.auth import (
-    TOKEN_ENV,
-    RecordError,
-    RunAuth,
-    load_record,
-    need,
-    new_run_id,
-    new_secret,
-)
+from refit_app.transport.auth import TOKEN_ENV, RunAuth, new_run_id, new_secret
 from refit_app.transport.backends import capabilities, resolve_backend, shm_ring_problem
 from refit_app.transport.control import Poller, ranks_text
+from refit_app.transport.records import RecordError, RecordKind, RunStore, envelope, need
 from refit_app.transport.spec import BACKENDS, PRODUCER_RANK, GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -69,26 +64,24 @@ _K_HELLO = "refit/rdzv/hello"
 _PUBLIC_AREA = "refit/rdzv"
 """Where a consumer whose greeting did not check leaves its check-in, so that the producer can say why it never
 joined; anyone can write here, so what lies here only ever counts as ignored."""
-# Keys in the run's namespace, each hidden (RunAuth.hide) where the run has a token.
+# Keys in the run's namespace, each hidden by its RunStore where the run has a token.
 _K_OUTCOME = "rdzv/outcome"
+# Keys in a check-in area.
+_K_COUNT = "checkins"
 
 
 def _k_claim(rank: int) -> str:
     return f"rdzv/claim/{rank}"
 
 
-def _checkin_area(auth: RunAuth, trusted: bool) -> str:
+def _k_slot(n: int) -> str:
+    return f"checkin/{n}"
+
+
+def _checkin_area(public: RunStore, trusted: bool) -> RunStore:
     """Where a consumer's check-in goes: under a name only the run's ranks can form if it verified the greeting
     (the public area itself without a token), in the public area if it did not."""
-    return auth.hide(_PUBLIC_AREA) if trusted else _PUBLIC_AREA
-
-
-def _k_count(area: str) -> str:
-    return f"{area}/checkins"
-
-
-def _k_slot(area: str, n: int) -> str:
-    return f"{area}/checkin/{n}"
+    return public.area(_PUBLIC_AREA, hidden=trusted)
 
 
 _ERROR_TYPES: dict[str, type[RefitError]] = {"ConfigError": ConfigError, "PeerError": PeerError}
@@ -103,47 +96,39 @@ def _outcome_error(doc: dict[str, Any]) -> RefitError:
     return _ERROR_TYPES.get(doc["kind"], PeerError)(doc["message"])
 
 
-def _read_outcome(auth: RunAuth, raw: bytes, where: str) -> dict[str, Any] | None:
-    """The outcome record, checked; None (logged once) for one that is malformed or not this run's."""
+def _check_outcome(doc: dict[str, Any]) -> None:
+    if need(doc, "ok", bool):
+        if need(doc, "backend", str) not in BACKENDS:
+            raise RecordError("names an unknown backend")
+    else:
+        need(doc, "kind", str), need(doc, "message", str)
+
+
+_OUTCOME = RecordKind("outcome", "a rendezvous outcome", _check_outcome)
+_HELLO = RecordKind("hello", "the producer's greeting")
+_CHECKIN = RecordKind("checkin", "a check-in")
+"""A check-in as its consumer writes it; the producer checks its fields against the run (:func:`producer_checkin`)."""
+
+
+def _settle(run: RunStore, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """Make ``doc`` the outcome unless one of this run's ranks set one first; returns that earlier outcome,
+    or None if ``doc`` stands. A value that is not this run's is overwritten."""
     try:
-        doc = auth.open("outcome", raw)
-        if need(doc, "ok", bool):
-            if need(doc, "backend", str) not in BACKENDS:
-                raise RecordError("names an unknown backend")
-        else:
-            need(doc, "kind", str), need(doc, "message", str)
-        return doc
-    except RecordError as e:
-        auth.distrust("a rendezvous outcome", where, e)
-        return None
+        return run.settle(_K_OUTCOME, _OUTCOME, doc, tries=_OUTCOME_TRIES)
+    except RecordError:
+        raise PeerError(
+            f"the rendezvous at {run.where} keeps being overwritten by a client that is not one of this run's ranks; "
+            "set group.token, or keep the port off untrusted networks"
+        ) from None
 
 
-def _settle(store: dist.Store, auth: RunAuth, payload: str, where: str) -> dict[str, Any] | None:
-    """Make ``payload`` the outcome unless one of this run's ranks set one first; returns that earlier outcome,
-    or None if ``payload`` stands. A value that is not this run's is overwritten."""
-    key = auth.hide(_K_OUTCOME)
-    current = store.compare_set(key, "", payload)
-    for _ in range(_OUTCOME_TRIES):
-        if current == payload.encode():
-            return None
-        doc = _read_outcome(auth, current, where)
-        if doc is not None:
-            return doc
-        current = store.compare_set(key, current, payload)
-    raise PeerError(
-        f"the rendezvous at {where} keeps being overwritten by a client that is not one of this run's ranks; "
-        "set group.token, or keep the port off untrusted networks"
-    )
-
-
-def fail_rendezvous(store: dist.Store, auth: RunAuth, exc: RefitError, where: str) -> RefitError:
+def fail_rendezvous(run: RunStore, exc: RefitError) -> RefitError:
     """Make ``exc`` the rendezvous outcome so every rank stops with it; return what to raise here.
 
     If the rendezvous already failed, that earlier failure is the root cause and wins. If it already
     succeeded without this rank (a late duplicate, say), the others are not disturbed.
     """
-    payload = auth.seal("outcome", {"ok": False, "kind": type(exc).__name__, "message": str(exc)})
-    earlier = _settle(store, auth, payload, where)
+    earlier = _settle(run, {"ok": False, "kind": type(exc).__name__, "message": str(exc)})
     if earlier is None or earlier["ok"]:
         return exc
     return _outcome_error(earlier)
@@ -268,16 +253,15 @@ def announce(store: dist.Store, spec: GroupSpec, *, elastic: bool = False) -> Ru
     hello = {"protocol": PROTOCOL, "run_id": auth.run_id, "nonce": auth.nonce, "world_size": spec.world_size}
     if elastic:
         hello["elastic"] = True
-    store.set(_K_HELLO, auth.seal("hello", hello))
+    RunStore(store, auth, spec.address, hide_keys=False).put(_K_HELLO, _HELLO, hello)
     return auth
 
 
-def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any]:
-    doc = auth.open("checkin", raw)
+def _check_checkin(doc: dict[str, Any], run_id: str, world_size: int) -> None:
     rank = need(doc, "rank", int)
     if not 0 < rank < world_size:
         raise RecordError(f"claims rank {rank}, not one of 1..{world_size - 1}")
-    if need(doc, "run_id", str) != auth.run_id:
+    if need(doc, "run_id", str) != run_id:
         raise RecordError("is for another run")
     caps = need(doc, "caps", dict)
     if need(caps, "backend", str) not in BACKENDS:
@@ -288,7 +272,6 @@ def _checkin_record(auth: RunAuth, raw: bytes, world_size: int) -> dict[str, Any
     need(doc, "producer_address", str)
     if not isinstance(doc.get("refused", ""), str):
         raise RecordError("has a refusal that is not text")
-    return doc
 
 
 class _Slots:
@@ -297,32 +280,22 @@ class _Slots:
     The counter is read, never added to: a non-number a stranger wrote there must not close the producer's store
     connection (an ``add`` on it does)."""
 
-    def __init__(self, area: str, limit: int) -> None:
+    def __init__(self, area: RunStore, limit: int) -> None:
         self._area = area
         self._limit = limit
         self._counted = 0
         self._unread: list[int] = []
 
-    def new_records(self, store: dist.Store) -> list[bytes]:
-        total = min(read_count(store, _k_count(self._area)), self._limit)
+    def new_records(self) -> list[bytes]:
+        total = min(self._area.count(_K_COUNT), self._limit)
         self._unread += range(self._counted + 1, total + 1)
         self._counted = max(self._counted, total)
         records = []
         for n in list(self._unread):
-            if store.check([_k_slot(self._area, n)]):  # else: the consumer counted its slot and is about to write it
+            if self._area.check([_k_slot(n)]):  # else: the consumer counted its slot and is about to write it
                 self._unread.remove(n)
-                records.append(store.get(_k_slot(self._area, n)))
+                records.append(self._area.get(_k_slot(n)))
         return records
-
-
-def read_count(store: dist.Store, key: str) -> int:
-    """The counter at ``key`` (0 where it is unset or not a number: a stranger may have written there)."""
-    if not store.check([key]):
-        return 0
-    try:
-        return max(int(store.get(key)), 0)
-    except ValueError:
-        return 0
 
 
 def _claimed_twice(rank: int, world_size: int, auth: RunAuth) -> ConfigError:
@@ -347,31 +320,32 @@ def _why_not_joined(pending: list[int], refused: int, spec: GroupSpec) -> PeerEr
     )
 
 
-def _refused_greeting(rank: int, why: str, store: dist.Store, auth: RunAuth, spec: GroupSpec) -> PeerError:
+def _refused_greeting(rank: int, why: str, public: RunStore) -> PeerError:
     """What the producer says when one of its consumers refused the greeting: its own was replaced if it no longer
     checks with the run's key (a client wrote the public key), else the consumer's settings differ."""
     try:
-        auth.open("hello", store.get(_K_HELLO))
+        public.open(_HELLO, public.get(_K_HELLO))
         replaced = ""
     except (RecordError, dist.DistError):
         replaced = (
             "; this producer's greeting was overwritten by a client that is not one of this run's ranks: keep "
             "group.port off untrusted networks and start the refit again"
         )
-    return PeerError(f"consumer rank {rank} refused the greeting it read at {spec.address} ({why}){replaced}")
+    return PeerError(f"consumer rank {rank} refused the greeting it read at {public.where} ({why}){replaced}")
 
 
-def producer_checkin(
-    store: dist.Store, rstore: dist.Store, spec: GroupSpec, auth: RunAuth, deadline: float
-) -> tuple[str, str]:
+def producer_checkin(public: RunStore, run: RunStore, spec: GroupSpec, deadline: float) -> tuple[str, str]:
     """Wait for every consumer's check-in; returns the backend and this producer's address as the consumers reached
-    it (where its gloo connections must listen). ``store``: the producer's store; ``rstore``: the run's prefix."""
+    it (where its gloo connections must listen). ``public``: the producer's store (keys as given: the greeting, the
+    check-in areas); ``run``: the run's prefix of it (hidden keys: the outcome)."""
+    auth = run.auth
     infos = {PRODUCER_RANK: capabilities(spec)}
     records: dict[int, dict[str, Any]] = {}
     pending = list(range(1, spec.world_size))
     limit = _MAX_SLOTS_PER_RANK * spec.world_size
-    areas = {_checkin_area(auth, trusted) for trusted in (True, False)}  # one area without a token
-    slots = [_Slots(area, limit) for area in sorted(areas)]
+    trusted = [True] if auth.signed else []  # without a token the trusted area is the public one
+    slots = [_Slots(_checkin_area(public, t), limit) for t in [False, *trusted]]
+    checkin = replace(_CHECKIN, check=partial(_check_checkin, run_id=auth.run_id, world_size=spec.world_size))
     refused = 0
     logger.info(
         "rank 0: waiting up to %gs for %d consumer(s) at port %d, run %s (group.host of the consumers: this host's "
@@ -385,23 +359,20 @@ def producer_checkin(
     ring_problem = shm_ring_problem(spec) if spec.backend in ("auto", "shm") else None
     poller = Poller()
     while pending:
-        _raise_if_settled(rstore, auth, spec)
-        for raw in [raw for area in slots for raw in area.new_records(store)]:
-            try:
-                doc = _checkin_record(auth, raw, spec.world_size)
-            except RecordError as e:
+        _raise_if_settled(run)
+        for raw in [raw for area in slots for raw in area.new_records()]:
+            doc = public.believe(raw, checkin)
+            if doc is None:
                 refused += 1
-                auth.distrust("a check-in", spec.address, e)
                 continue
             rank = doc["rank"]
             if doc.get("refused"):
                 # Signed with this run's key: one of this run's consumers, which read a greeting it could not
                 # believe and has exited. Waiting for it would end in "did not join" at the deadline.
-                refusal = _refused_greeting(rank, doc["refused"], store, auth, spec)
-                raise fail_rendezvous(rstore, auth, refusal, spec.address)
+                raise fail_rendezvous(run, _refused_greeting(rank, doc["refused"], public))
             if rank in records:
                 if records[rank] != doc:  # the same record again is a replay, and harmless
-                    raise fail_rendezvous(rstore, auth, _claimed_twice(rank, spec.world_size, auth), spec.address)
+                    raise fail_rendezvous(run, _claimed_twice(rank, spec.world_size, auth))
                 continue
             records[rank] = doc
             infos[rank] = {**doc["caps"], "producer_address": doc["producer_address"]}
@@ -410,54 +381,65 @@ def producer_checkin(
             try:
                 resolve_backend(infos, ring_problem)
             except ConfigError as e:
-                raise fail_rendezvous(rstore, auth, e, spec.address) from None
+                raise fail_rendezvous(run, e) from None
         if not pending:
             break
         if time.monotonic() >= deadline:
-            raise fail_rendezvous(rstore, auth, _why_not_joined(pending, refused, spec), spec.address)
+            raise fail_rendezvous(run, _why_not_joined(pending, refused, spec))
         poller.sleep(deadline)
     try:
         backend = resolve_backend(infos, ring_problem)
     except ConfigError as e:
-        raise fail_rendezvous(rstore, auth, e, spec.address) from None
+        raise fail_rendezvous(run, e) from None
     if ring_problem is not None and backend != "shm" and resolve_backend(infos) == "shm":
         logger.warning("rank 0: group.backend=auto takes gloo rather than shm: the ring's %s", ring_problem)
-    earlier = _settle(rstore, auth, auth.seal("outcome", {"ok": True, "backend": backend}), spec.address)
+    earlier = _settle(run, {"ok": True, "backend": backend})
     if earlier is not None:
         raise _outcome_error(earlier) if not earlier["ok"] else PeerError("the rendezvous succeeded twice")
     # Where consumers reached this producer; with several routes, the first consumer's (gloo listens on one).
     return backend, str(infos[PRODUCER_RANK + 1].get("producer_address") or spec.host)
 
 
-def _raise_if_settled(rstore: dist.Store, auth: RunAuth, spec: GroupSpec) -> None:
+def _raise_if_settled(run: RunStore) -> None:
     """Raise the failure a consumer made the rendezvous outcome (a world size that differs, say)."""
-    key = auth.hide(_K_OUTCOME)
-    if rstore.check([key]):
-        doc = _read_outcome(auth, rstore.get(key), spec.address)
-        if doc is not None and not doc["ok"]:
-            raise _outcome_error(doc)
+    doc = run.find_record(_K_OUTCOME, _OUTCOME)
+    if doc is not None and not doc["ok"]:
+        raise _outcome_error(doc)
 
 
-def _wait_key(store: dist.Store, key: str, deadline: float, late: RefitError, spec: GroupSpec) -> None:
-    try:
-        store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
-    except dist.DistError as e:
-        if time.monotonic() >= deadline or "timeout" in str(e).lower():
-            raise late from e
-        raise PeerError(
-            f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died"
-        ) from e
+def _await_record(
+    store: RunStore, name: str, kind: RecordKind, deadline: float, late: RefitError, spec: GroupSpec
+) -> tuple[bytes, dict[str, Any]]:
+    """The first record at ``name`` that is believed, and its raw value; ``late`` where none is by ``deadline``
+    (a record that does not check is ignored: the rightful one may still replace it)."""
+    poller = Poller()
+    while True:
+        try:
+            store.wait([name], deadline)
+        except dist.DistError as e:
+            if time.monotonic() >= deadline or "timeout" in str(e).lower():
+                raise late from e
+            raise PeerError(
+                f"lost the producer at {spec.address} during the rendezvous ({one_line(e)}); it may have died"
+            ) from e
+        raw = store.get(name)
+        doc = store.believe(raw, kind)
+        if doc is not None:
+            return raw, doc
+        if time.monotonic() >= deadline:
+            raise late
+        poller.sleep(deadline)
 
 
-def _hello(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """The greeting's fields and whether it is signed, or RecordError; not yet checked against any key."""
-    outer = load_record(raw)
-    signed = set(outer) == {"body", "mac"}
-    doc = load_record(need(outer, "body", str)) if signed else outer
+def _check_greeting(outer: dict[str, Any]) -> None:
+    doc, _ = envelope(outer)
     if need(doc, "protocol", int) != PROTOCOL:
         raise RecordError(f"is of protocol {doc['protocol']}, this consumer speaks {PROTOCOL}")
     need(doc, "run_id", str), need(doc, "nonce", str), need(doc, "world_size", int)
-    return doc, signed
+
+
+_GREETING = RecordKind("hello", "the producer's greeting", _check_greeting)
+"""The greeting as a consumer reads it first: against no key, as it does not know the run's key yet."""
 
 
 def await_producer(
@@ -470,19 +452,10 @@ def await_producer(
         f"the process at {spec.address} did not start a refit rendezvous within {spec.timeout_s:g}s; "
         "is group.port the refit producer's?"
     )
-    poller = Poller()
-    unchecked = RunAuth.derive(None, "", "", spec.rank)
-    while True:
-        _wait_key(store, _K_HELLO, deadline, late, spec)
-        raw = store.get(_K_HELLO)
-        try:
-            hello, signed = _hello(raw)
-            break
-        except RecordError as e:
-            unchecked.distrust("the producer's greeting", spec.address, e)
-            if time.monotonic() >= deadline:
-                raise late from None
-            poller.sleep(deadline)
+    # The greeting is read before the run's key is known: against no key (its signature is checked below).
+    unchecked = RunStore(store, RunAuth("", "", None, spec.rank), spec.address, hide_keys=False)
+    raw, outer = _await_record(unchecked, _K_HELLO, _GREETING, deadline, late, spec)
+    hello, signed = envelope(outer)
     run_id = hello["run_id"]
     if spec.run_id is not None and run_id != spec.run_id:
         raise ConfigError(
@@ -490,10 +463,11 @@ def await_producer(
             "refusing another run's producer: give this consumer its own run's group.host/group.port"
         )
     auth = RunAuth.derive(spec.token, run_id, hello["nonce"], spec.rank)
-    problem = _greeting_problem(auth, raw, signed, spec.address)
+    public = RunStore(store, auth, spec.address, hide_keys=False)
+    problem = _greeting_problem(public, raw, signed)
     if problem is not None:
         # Left where the producer looks, so that it can say why this rank never joined.
-        _leave_untrusted_checkin(store, auth, spec, problem)
+        _leave_untrusted_checkin(public, spec, problem)
         raise ConfigError(f"{problem}; set the same group.token (or {TOKEN_ENV}) on every rank")
     if hello.get("elastic", False) is not elastic:
         # Either way the two would wait for each other in different places until a deadline: say why now.
@@ -505,19 +479,20 @@ def await_producer(
     return auth, hello["world_size"]
 
 
-def _greeting_problem(auth: RunAuth, raw: bytes, signed: bool, where: str) -> str | None:
+def _greeting_problem(public: RunStore, raw: bytes, signed: bool) -> str | None:
     """Why this consumer cannot believe the greeting, or None. Anyone can write the greeting's key, so a greeting
     that does not check may be a stranger's as well as another producer's: the text names both."""
-    if signed and not auth.signed:
+    where = public.where
+    if signed and not public.auth.signed:
         return f"the producer at {where} requires group.token, and this consumer has none"
-    if auth.signed and not signed:
+    if public.auth.signed and not signed:
         return (
             f"the greeting at {where} is not signed: the producer there runs without group.token, or a client that "
             "is not the producer wrote it"
         )
     if signed:
         try:
-            auth.open("hello", raw)
+            public.open(_HELLO, raw)
         except RecordError:
             return (
                 f"the greeting at {where} does not check with this consumer's group.token: the producer there holds "
@@ -526,63 +501,52 @@ def _greeting_problem(auth: RunAuth, raw: bytes, signed: bool, where: str) -> st
     return None
 
 
-def _write_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, route: Route, *, refused: str = "") -> None:
+def _write_checkin(public: RunStore, spec: GroupSpec, route: Route, *, refused: str = "") -> None:
     """``refused``: why this consumer could not believe the greeting; its check-in then goes to the public area,
     and where it is signed with the run's key after all (a stranger copied the real greeting unsigned), the
     producer reads the reason instead of counting the rank as joined."""
-    area = _checkin_area(auth, trusted=not refused)
-    n = store.add(_k_count(area), 1)
-    record = {"rank": spec.rank, "run_id": auth.run_id, "caps": capabilities(spec), "producer_address": route.producer}
+    area = _checkin_area(public, trusted=not refused)
+    n = area.add(_K_COUNT, 1)
+    record = {
+        "rank": spec.rank,
+        "run_id": public.auth.run_id,
+        "caps": capabilities(spec),
+        "producer_address": route.producer,
+    }
     if refused:
         record["refused"] = refused
-    store.set(_k_slot(area, n), auth.seal("checkin", record))
+    area.put(_k_slot(n), _CHECKIN, record)
 
 
-def _leave_untrusted_checkin(store: dist.Store, auth: RunAuth, spec: GroupSpec, why: str) -> None:
+def _leave_untrusted_checkin(public: RunStore, spec: GroupSpec, why: str) -> None:
     """Best effort: the public area's counter is anyone's to break, and the caller is about to raise its reason."""
     try:
-        _write_checkin(store, auth, spec, Route("", ""), refused=why)
+        _write_checkin(public, spec, Route("", ""), refused=why)
     except dist.DistError as e:
         logger.debug("rank %d: could not leave a check-in at %s: %s", spec.rank, spec.address, one_line(e))
 
 
 def consumer_checkin(
-    store: dist.Store,
-    rstore: dist.Store,
-    spec: GroupSpec,
-    auth: RunAuth,
-    producer_size: int,
-    deadline: float,
-    route: Route,
+    public: RunStore, run: RunStore, spec: GroupSpec, producer_size: int, deadline: float, route: Route
 ) -> tuple[str, str]:
     """Check in with the producer; returns the backend and this consumer's address on its route to the producer.
-    ``store``: the producer's store; ``rstore``: the run's prefix of it."""
+    ``public`` and ``run``: as for :func:`producer_checkin`."""
     if producer_size != spec.world_size:
         raise fail_rendezvous(
-            rstore,
-            auth,
+            run,
             ConfigError(
                 f"group.world_size differs: the producer has {producer_size}, consumer rank {spec.rank} has "
                 f"{spec.world_size}; set the same group.world_size on every rank"
             ),
-            spec.address,
         )
-    if rstore.add(auth.hide(_k_claim(spec.rank)), 1) > 1:
-        raise fail_rendezvous(rstore, auth, _claimed_twice(spec.rank, producer_size, auth), spec.address)
-    _write_checkin(store, auth, spec, route)
+    if run.add(_k_claim(spec.rank), 1) > 1:
+        raise fail_rendezvous(run, _claimed_twice(spec.rank, producer_size, run.auth))
+    _write_checkin(public, spec, route)
     late = PeerError(
         f"the producer at {spec.address} did not complete the rendezvous within {spec.timeout_s:g}s; "
         "another consumer may be missing"
     )
-    poller = Poller()
-    while True:
-        _wait_key(rstore, auth.hide(_K_OUTCOME), deadline, late, spec)
-        outcome = _read_outcome(auth, rstore.get(auth.hide(_K_OUTCOME)), spec.address)
-        if outcome is not None:
-            break
-        if time.monotonic() >= deadline:
-            raise late
-        poller.sleep(deadline)
+    _, outcome = _await_record(run, _K_OUTCOME, _OUTCOME, deadline, late, spec)
     if not outcome["ok"]:
         raise _outcome_error(outcome)
     return str(outcome["backend"]), route.local

@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from refit_app.transport.auth import RecordError, RunAuth, load_record, new_secret
+from refit_app.transport.auth import RunAuth, new_secret
+from refit_app.transport.records import RecordError, distrust, load_record
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ def accept_consumers(
                         continue
                     rank, cuda = _check_join(msg, auth, nonce, world_size, links)
                 except (RecordError, ValueError, OSError) as e:
-                    auth.distrust("a shared-memory connection", "the producer's socket", str(e))
+                    distrust(auth, "a shared-memory connection", "the producer's socket", str(e))
                     poller.unregister(fd)
                     del pending[fd]
                     link.close()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.core.wire import tensor_bytes
-from refit_app.transport.auth import RecordError, need
 from refit_app.transport.control import Control, Poller
+from refit_app.transport.records import RecordError, RecordKind, RunStore, need
 from refit_app.transport.shm.consumer import CudaShmConsumerGroup, ShmConsumerGroup, explain_loss
 from refit_app.transport.shm.cuda import HOST, CudaSegment, copy_bytes
 from refit_app.transport.shm.link import (
@@ -51,6 +51,8 @@ STAGING_MIN_BYTES = 1 << 20
 SPARE_SEGMENTS = 2
 """Idle segments kept for reuse (one left a ring slot because a consumer kept views, and was freed since)."""
 _K_ADDRESS = "shm/address"
+_ADDRESS = RecordKind("shm", "the producer's shared-memory record", lambda doc: need(doc, "name", str))
+"""Where the producer's socket listens (an abstract name)."""
 _SETUP_POLL_S = 0.2
 """During set-up, how often a waiting rank looks for an error another rank published (it then fails at once)."""
 
@@ -414,13 +416,13 @@ def _group_bytes(tensor: torch.Tensor, device: torch.device, *, writable: bool) 
     return tensor_bytes(tensor)
 
 
-def _wait_address(store: dist.Store, key: str, control: Control, deadline: float) -> bytes:
+def _wait_address(records: RunStore, control: Control, deadline: float) -> bytes:
     """The producer's socket record, polling the store so that an error another rank published ends the wait."""
     poller = Poller(0.001, _SETUP_POLL_S)
     while True:
         try:
-            if store.check([key]):
-                return store.get(key)
+            if records.check([_K_ADDRESS]):
+                return records.get(_K_ADDRESS)
         except dist.DistError as e:
             raise PeerError(control.explain(e)) from e
         published = control.error()
@@ -436,14 +438,14 @@ def make_shm_group(store: dist.Store, spec: GroupSpec, control: Control) -> ShmP
     connects; both within one ``spec.timeout_s``, each wait ending early at an error another rank published."""
     deadline = time.monotonic() + spec.timeout_s
     auth = control.auth
-    key = auth.hide(_K_ADDRESS)
+    records = RunStore(store, auth, spec.address)
     cuda_here = torch.cuda.is_available()
     if spec.rank == PRODUCER_RANK:
         # Every consumer may connect at once: a smaller queue made those beyond it fail (they retry, see
         # link._connect, but each retry costs them time).
         listener, name = listen(auth, max(spec.world_size, socket.SOMAXCONN))
         try:
-            store.set(key, auth.seal("shm", {"name": name}))
+            records.put(_K_ADDRESS, _ADDRESS, {"name": name})
             try:
                 links, device = accept_consumers(listener, auth, spec.world_size, cuda_here, deadline, control.error)
             except TimeoutError as e:
@@ -454,9 +456,9 @@ def make_shm_group(store: dist.Store, spec: GroupSpec, control: Control) -> ShmP
             listener.close()
         logger.info("rank 0: %d consumer(s) share this host's %s memory", len(links), _MEMORY[device])
         return ShmProducerGroup(links, spec.world_size, control, spec.timeout_s, _device(device))
-    raw = _wait_address(store, key, control, deadline)
+    raw = _wait_address(records, control, deadline)
     try:
-        name = need(auth.open("shm", raw), "name", str)
+        name = records.open(_ADDRESS, raw)["name"]
     except RecordError as e:
         raise PeerError(f"the producer's shared-memory record at {spec.address} {e}; refusing it") from e
     try:
