@@ -17,9 +17,9 @@ from refit_app.common.errors import HandshakeError, RefitError
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.packed_tensor import (
     ChunkCallback,
-    _packed_broadcast_consumer_batches,
     get_num_buffers,
     packed_broadcast_consumer,
+    packed_broadcast_consumer_batches,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta.receive import ConsumerDelta
@@ -384,7 +384,7 @@ class ConsumerSession(Session):
         """A dense round into ``targets``: received into rotating buffers, each tensor copied into its target."""
         manifest = self.manifest
         assert manifest is not None
-        for batch in _packed_broadcast_consumer_batches(
+        for batch in packed_broadcast_consumer_batches(
             ((t.name, (t.shape, t.dtype)) for t in manifest.tensors),
             self.group.group,
             PRODUCER_RANK,
