@@ -23,7 +23,7 @@ from refit_app.packed_tensor import (
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta.receive import ConsumerDelta
-from refit_app.protocol.delta.send import DeltaStats, TensorDelta, delta_chunk_bytes
+from refit_app.protocol.delta.types import DeltaStats, TensorDelta, delta_chunk_bytes
 from refit_app.protocol.handshake import (
     accept_manifest,
     finish,
@@ -71,9 +71,9 @@ class ConsumerSession(Session):
             the callback and the iterator get views of it. For a consumer that keeps no tensors of its own but
             wants the producer's deltas.
         accept_deltas: in a delta round, hand each changed tensor's changes to the callback as a
-            :class:`~refit_app.protocol.delta.send.TensorDelta` (an engine that applies them through its own loader),
+            :class:`~refit_app.protocol.delta.types.TensorDelta` (an engine that applies them through its own loader),
             where :meth:`receive`'s ``targets`` do not hold the tensors. With ``mirror`` too, the copy is patched
-            first and each change carries it (:attr:`~refit_app.protocol.delta.send.TensorDelta.mirror`): for an engine
+            first and each change carries it (:attr:`~refit_app.protocol.delta.types.TensorDelta.mirror`): for an engine
             that must reload some tensors whole, with their unchanged neighbours.
         check_base: before claiming the tensors it holds (``targets`` or the mirror) as a delta round's base, check
             that their bytes are still the round's: their per-tensor checksums, taken as each round's data is in

@@ -24,7 +24,8 @@ from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta.auto import DELTA as DELTA_ROUND
 from refit_app.protocol.delta.auto import KEEP
 from refit_app.protocol.delta.auto import PLAIN as PLAIN_ROUND
-from refit_app.protocol.delta.send import ProducerDelta, delta_chunk_bytes
+from refit_app.protocol.delta.send import ProducerDelta
+from refit_app.protocol.delta.types import delta_chunk_bytes
 from refit_app.protocol.handshake import (
     finish,
     send_checksums,

@@ -29,7 +29,7 @@ sessions here and the elastic ones (:mod:`refit_app.protocol.elastic`) both sati
 """
 
 from refit_app.protocol.consumer_session import ConsumerSession
-from refit_app.protocol.delta.send import TensorDelta
+from refit_app.protocol.delta.types import TensorDelta
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
 from refit_app.protocol.session_api import ConsumerSessionLike, ProducerSessionLike, SessionLike

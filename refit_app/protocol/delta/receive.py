@@ -20,7 +20,7 @@ from refit_app.core.group import BroadcastGroup
 from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.protocol.checksum import available_algorithms, checksum_all, checksum_function, default_algorithm
-from refit_app.protocol.delta.send import DeltaStats, TensorDelta, apply_positions
+from refit_app.protocol.delta.types import DeltaStats, TensorDelta, apply_positions
 
 logger = logging.getLogger(__name__)
 
