@@ -77,6 +77,8 @@ __all__ = [  # noqa: RUF022 - grouped as the spec lists them, not sorted
     "packed_broadcast_producer",
     "_packed_broadcast_consumer_batches",
     "packed_broadcast_consumer",
+    # The batch form under a public name, for this package's own callers.
+    "packed_broadcast_consumer_batches",
     # Settings.
     "BUFFER_MEMORY_RATIO_ENV",
     "DEFAULT_BUFFER_MEMORY_RATIO",
@@ -183,7 +185,7 @@ def packed_broadcast_producer(
 # Consumer.
 
 
-def _packed_broadcast_consumer_batches(
+def packed_broadcast_consumer_batches(
     iterator: Iterator[Any],
     group: Any,
     src: int,
@@ -222,6 +224,11 @@ def _packed_broadcast_consumer_batches(
         while (batch := rx.next_batch(force=True)) is not None:
             yield batch
             del batch  # do not hold the batch while asking for the next one
+
+
+_packed_broadcast_consumer_batches = packed_broadcast_consumer_batches
+"""The spec's name for :func:`packed_broadcast_consumer_batches` (NeMo-RL's, underscore included): the same function,
+kept for code written against the spec; this package's own modules import the public name."""
 
 
 def _make_receiver(

@@ -46,7 +46,7 @@ from refit_app.core.delta import codec
 from refit_app.core.delta.stream import HEADER_WORDS
 from refit_app.core.meta import TensorMeta
 from refit_app.protocol.delta.receive import ConsumerDelta
-from refit_app.protocol.delta.send import DeltaStats
+from refit_app.protocol.delta.types import DeltaStats
 
 HERE = Path(__file__).resolve().parent
 PATHS = ["kernel", "numpy"]

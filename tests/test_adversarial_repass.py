@@ -21,7 +21,7 @@ from refit_app.common.errors import HandshakeError
 from refit_app.core.delta import codec
 from refit_app.core.meta import TensorMeta
 from refit_app.protocol.delta.receive import _RecordReader
-from refit_app.protocol.delta.send import DeltaStats
+from refit_app.protocol.delta.types import DeltaStats
 from refit_app.protocol.session import ConsumerSession, ProducerSession
 from refit_app.transport.groups import connect
 

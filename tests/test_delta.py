@@ -10,7 +10,7 @@ import zstandard
 
 from refit_app.core.delta import codec
 from refit_app.core.wire import tensor_bytes
-from refit_app.protocol.delta.send import TensorDelta, apply_positions
+from refit_app.protocol.delta.types import TensorDelta, apply_positions
 
 DTYPES = [
     torch.bfloat16,

@@ -27,6 +27,7 @@ from refit_app.app.metrics import summary_line
 from refit_app.app.rank_harness import RankOutcome
 from refit_app.common.errors import ConfigError, PeerError, RefitError
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
+from refit_app.protocol.session import ConsumerSessionLike, ProducerSessionLike
 
 TIMEOUT_S = 6.0
 TOKEN = "elastic-test-token-0123456789abcdef"
@@ -110,6 +111,7 @@ def _receive_all(session: ElasticConsumerSession, die_in: int | None = None, kil
 def _killed_and_restarted(rank: int, world_size: int, port: int, restart, stranger_done, killed_at) -> object:
     if rank == 0:
         with ElasticProducerSession(_spec(0, port), buffer_size_bytes=16384, delta="on") as s:
+            assert isinstance(s, ProducerSessionLike)
             rounds = []
             for k in range(1, ROUNDS + 1):
                 if k == RESTARTED_AT:
@@ -122,6 +124,7 @@ def _killed_and_restarted(rank: int, world_size: int, port: int, restart, strang
             return rounds
     if rank in (1, 2, 3):
         with ElasticConsumerSession(_spec(rank, port), verify=True, mirror=True) as s:
+            assert isinstance(s, ConsumerSessionLike)
             return _receive_all(s, die_in=KILLED_IN if rank == 3 else None, killed_at=killed_at)
     assert restart.wait(EVENT_WAIT_S)
     if rank == 5:  # a stranger: another token, then the run's token with another run id

@@ -9,7 +9,7 @@ from mp_utils import RankFailure, gloo_spec, run_ranks
 from tensor_utils import raw_bytes
 
 from refit_app.common.errors import HandshakeError, PeerError, RefitError, SourceError, VerificationError
-from refit_app.protocol.session import ConsumerSession, ProducerSession
+from refit_app.protocol.session import ConsumerSession, ConsumerSessionLike, ProducerSession, ProducerSessionLike
 from refit_app.transport.groups import connect
 
 TIMEOUT_S = 30.0
@@ -54,11 +54,13 @@ def _plain_rounds(rank: int, world_size: int, port: int, plans: list[dict], back
         if rank == 0:
             out = []
             with ProducerSession(rg, buffer_size_bytes=BUFFER) as session:
+                assert isinstance(session, ProducerSessionLike)
                 for i, plan in enumerate(plans):
                     r = session.send(_weights(i + 1, **plan))
                     out.append((r.round, r.manifest_sent, r.bytes, r.checksums is not None))
             return out
         session = ConsumerSession(rg, verify=True)
+        assert isinstance(session, ConsumerSessionLike)
         out = []
         while True:
             received: dict[str, tuple] = {}

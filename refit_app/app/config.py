@@ -1,7 +1,11 @@
 """Validation at the edge: a composed config (checked against :mod:`refit_app.app.schema` while Hydra composed it)
 becomes the typed :class:`RunSettings` the rest of the code takes as they are. Ranges and cross-key rules (a
 consumer's rank, the world size of a local run) cannot be expressed as types; ``validate`` checks them all at once
-and names every offending key in one line."""
+and names every offending key in one line.
+
+Over 500 lines as one module on purpose: every section's check writes into the one :class:`_Checker` that
+:func:`validate` reports from, and reads other sections' values for the cross-key rules, so the checks of all sections
+form one pass that reads top to bottom here."""
 
 from __future__ import annotations
 

@@ -354,52 +354,13 @@ def run_ranks(
         p.start()
     signals = DeferredSignals()
     outcomes: dict[int, RankOutcome] = {}
-    first_failure: tuple[float, int] | None = None
     cause = ""
     try:
         if start is not None:
             outcomes.update(_start_together(procs, start, startup_s, signals))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(outcomes) < world_size:
-            signals.check()
-            try:
-                outcome = results.get(timeout=0.1)
-            except queue.Empty:
-                outcome = None
-            if outcome is not None:
-                outcomes[outcome.rank] = outcome
-                if not outcome.ok:
-                    outcome.failed_at = time.monotonic()
-                    first_failure = first_failure or (outcome.failed_at, outcome.rank)
-                continue
-            silent_dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
-            if silent_dead:
-                _drain(results, outcomes, timeout=0.5)  # a result may still be in the pipe
-                for r in silent_dead:
-                    if r not in outcomes:
-                        outcomes[r] = RankOutcome(
-                            r,
-                            False,
-                            error=f"rank {r} died (exit code {procs[r].exitcode})",
-                            exc_type="Died",
-                            failed_at=time.monotonic(),
-                        )
-                        first_failure = first_failure or (time.monotonic(), r)
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                cause = f"did not finish within {timeout_s:g}s; killed"
-                break
-            if first_failure is not None and grace_s is not None and now - first_failure[0] >= grace_s:
-                cause = f"did not exit within {grace_s:g}s after rank {first_failure[1]} failed; killed"
-                break
+        cause = _supervise(procs, results, outcomes, signals, timeout_s, grace_s)
     finally:
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                if r in outcomes:
-                    p.join(_JOIN_S)
-                if p.is_alive():
-                    p.kill()
-            p.join(_JOIN_S)
+        _reap(procs, outcomes)
         results.close()
         lifeline.close()
         lifeline_writer.close()  # any rank still alive now kills itself
@@ -410,6 +371,62 @@ def run_ranks(
         if not outcomes[r].ok:
             outcomes[r].activity = _read_activity(activity, r)
     return [outcomes[r] for r in range(world_size)]
+
+
+def _supervise(
+    procs: list[Any],
+    results: Any,
+    outcomes: dict[int, RankOutcome],
+    signals: DeferredSignals,
+    timeout_s: float | None,
+    grace_s: float | None,
+) -> str:
+    """Collect the ranks' outcomes into ``outcomes`` until every rank has one, or the deadline or the grace after
+    the first failure has passed: then the reason the ranks still running are killed ("" when none is)."""
+    first_failure: tuple[float, int] | None = None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(outcomes) < len(procs):
+        signals.check()
+        try:
+            outcome = results.get(timeout=0.1)
+        except queue.Empty:
+            outcome = None
+        if outcome is not None:
+            outcomes[outcome.rank] = outcome
+            if not outcome.ok:
+                outcome.failed_at = time.monotonic()
+                first_failure = first_failure or (outcome.failed_at, outcome.rank)
+            continue
+        silent_dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
+        if silent_dead:
+            _drain(results, outcomes, timeout=0.5)  # a result may still be in the pipe
+            for r in silent_dead:
+                if r not in outcomes:
+                    outcomes[r] = RankOutcome(
+                        r,
+                        False,
+                        error=f"rank {r} died (exit code {procs[r].exitcode})",
+                        exc_type="Died",
+                        failed_at=time.monotonic(),
+                    )
+                    first_failure = first_failure or (time.monotonic(), r)
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return f"did not finish within {timeout_s:g}s; killed"
+        if first_failure is not None and grace_s is not None and now - first_failure[0] >= grace_s:
+            return f"did not exit within {grace_s:g}s after rank {first_failure[1]} failed; killed"
+    return ""
+
+
+def _reap(procs: list[Any], outcomes: dict[int, RankOutcome]) -> None:
+    """Every rank's process gone: one that has reported gets a moment to exit, the others are killed."""
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            if r in outcomes:
+                p.join(_JOIN_S)
+            if p.is_alive():
+                p.kill()
+        p.join(_JOIN_S)
 
 
 def _start_together(

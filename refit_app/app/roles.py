@@ -30,7 +30,14 @@ from refit_app.models.sources import Source, make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 from refit_app.protocol.manifest import Manifest
-from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
+from refit_app.protocol.session import (
+    ConsumerSession,
+    ConsumerSessionLike,
+    ProducerSession,
+    ProducerSessionLike,
+    Round,
+    SessionLike,
+)
 from refit_app.transport.elastic import BACKEND as ELASTIC_BACKEND
 from refit_app.transport.groups import RefitGroup, connect
 
@@ -45,7 +52,7 @@ class _RoundProgress:
         self._enabled = enabled
         self._rounds = rounds
         self._current: Progress | None = None
-        self.session: ProducerSession | ConsumerSession | None = None
+        self.session: SessionLike | None = None
 
     def on_chunk(self, nbytes: int, ntensors: int) -> None:
         if not self._enabled or self.session is None:
@@ -161,7 +168,7 @@ class ProducerRounds:
             rounds=s.refit.rounds,
         )
         if rg is None:
-            self.session: ProducerSession | ElasticProducerSession = ElasticProducerSession(s.group, **options)
+            self.session: ProducerSessionLike = ElasticProducerSession(s.group, **options)
             self.backend = ELASTIC_BACKEND
         else:
             self.session, self.backend = ProducerSession(rg, **options), rg.backend
@@ -271,7 +278,7 @@ class ConsumerRounds:
             rounds=s.refit.rounds,
         )
         if rg is None:  # refit.on_consumer_loss=continue (see ProducerRounds)
-            self.session: ConsumerSession | ElasticConsumerSession = ElasticConsumerSession(s.group, **options)
+            self.session: ConsumerSessionLike = ElasticConsumerSession(s.group, **options)
             self.backend = ELASTIC_BACKEND
         else:
             self.session, self.backend = ConsumerSession(rg, **options), rg.backend

@@ -46,6 +46,8 @@ from refit_app.transport.spec import (
     DEFAULT_PORT,
     DEFAULT_TIMEOUT_S,
     DEFAULT_TOPOLOGY,
+    MAX_TIMEOUT_WORDS,
+    MIN_TIMEOUT_S,
     ON_CONSUMER_LOSS,
     TOPOLOGIES,
 )
@@ -57,7 +59,11 @@ CONF_PATH = f"pkg://{CONF_MODULE}"
 """The same, as a ``config_path`` for ``@hydra.main``."""
 CONFIG_NAME = "config"
 
-DOC_VALUES = {"DEFAULT_PORT": DEFAULT_PORT}
+DOC_VALUES = {
+    "DEFAULT_PORT": DEFAULT_PORT,
+    "MIN_TIMEOUT_S": MIN_TIMEOUT_S,
+    "MAX_TIMEOUT_WORDS": MAX_TIMEOUT_WORDS,
+}
 """Values a field docstring names as ``{NAME}`` (their home is elsewhere); the reference prints the value."""
 CHOICES = "choices"
 """Field metadata: the values a key takes, from their one home; ``--help`` lists them after the key's meaning."""
@@ -188,9 +194,9 @@ class Group:
     """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
     current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Deadline in seconds (0.001 to a week) for the rendezvous, every collective and every phase gather; a lost
-    peer fails the run after it. A link outage survives only while TCP's backed-off retransmissions fall within it:
-    about 6 s of 10 (docs/failures.md)."""
+    """Deadline in seconds ({MIN_TIMEOUT_S} to {MAX_TIMEOUT_WORDS}) for the rendezvous, every collective and every
+    phase gather; a lost peer fails the run after it. A link outage survives only while TCP's backed-off
+    retransmissions fall within it: about 6 s of 10 (docs/failures.md)."""
     interface: Optional[str] = None
     """Network interface gloo uses (eth0, ...); null: the one on the route to the producer."""
     token: Optional[str] = TOKEN_DEFAULT

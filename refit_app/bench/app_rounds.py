@@ -27,7 +27,7 @@ from typing import Any
 from refit_app.app.config import RunSettings
 from refit_app.app.rank_harness import free_port
 from refit_app.bench.cases import Case, make_source, wire_metas
-from refit_app.bench.measure import _Listed, _timed
+from refit_app.bench.measure import ListedSource, time_transfer
 from refit_app.bench.modes import Session
 from refit_app.bench.report import write_summary
 from refit_app.bench.spawned import COLLECTIVE_TIMEOUT_S, run_local_ranks
@@ -112,7 +112,7 @@ def _rank_main(
 ) -> dict[str, Any]:
     source = make_source(case)
     if rank == 0:
-        source = _Listed(source)
+        source = ListedSource(source)
     metas = wire_metas(source, case.post)
     total = sum(m.nbytes for m in metas)
     groups: dict[str, RefitGroup] = {}
@@ -142,7 +142,7 @@ def _rank_main(
             for rep in range(case.reps + 1):  # repetition 0 warms both
                 kinds = KINDS if rep % 2 else KINDS[::-1]  # ABBA: neither kind always follows the other
                 for name in (f"{backend}/{kind}" for kind in kinds):
-                    elapsed, cpu, _ = _timed(groups[name], runs[name].run, total, name)
+                    elapsed, cpu, _ = time_transfer(groups[name], runs[name].run, total, name)
                     if rep:
                         seconds[name].append(elapsed)
                         cpu_seconds[name].append(cpu)

@@ -63,6 +63,8 @@ def _parse_sizes(values: Sequence[str]) -> list[int | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line. One long function on purpose: it only lists the options, one
+    ``add_argument`` each, in the order ``--help`` shows them; the rules between them live in :func:`main`."""
     p = argparse.ArgumentParser(
         prog="python -m refit_app.bench",
         description="Time the packed refit against the transport limit and per-tensor broadcast over gloo.",

@@ -30,7 +30,7 @@ import torch
 
 from refit_app.app.rank_harness import free_port
 from refit_app.bench.cases import Case, make_source, wire_metas
-from refit_app.bench.measure import _Listed
+from refit_app.bench.measure import ListedSource
 from refit_app.bench.modes import Session, barrier
 from refit_app.bench.report import write_summary
 from refit_app.bench.spawned import COLLECTIVE_TIMEOUT_S, run_local_ranks
@@ -49,7 +49,7 @@ GOALS = {"gloo_over_shm": (">=", 2.5), "shm_over_memcpy": ("<=", 1.5), "shm_n_ov
 class _Memcpy:
     """The model copied by the producer into one resident buffer, one memmove per tensor at its offset."""
 
-    def __init__(self, source: _Listed, total: int) -> None:
+    def __init__(self, source: ListedSource, total: int) -> None:
         self._tensors = [t for _, t in source.tensors()]
         self._spans = []
         offset = 0
@@ -69,7 +69,7 @@ def _rank_main(rank: int, world_size: int, ports: dict[str, int], case: Case) ->
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     source = make_source(case)
     if rank == 0:
-        source = _Listed(source)
+        source = ListedSource(source)
     metas = wire_metas(source, case.post)
     total = sum(m.nbytes for m in metas)
     n = world_size - 1

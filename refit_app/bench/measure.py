@@ -44,7 +44,7 @@ def _rss() -> int | None:
     return probe.baseline_rss
 
 
-def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
+def time_transfer(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) -> tuple[float, float, PeakMemory]:
     """(wall seconds, CPU seconds of every thread of this rank, its peak memory) of one transfer."""
     barrier(rg)
     with PeakMemory() as memory:
@@ -58,7 +58,7 @@ def _timed(rg: RefitGroup, run: Callable[[], int], expected: int, label: str) ->
     return seconds, cpu, memory
 
 
-class _Listed:
+class ListedSource:
     """The producer's model as a trainer holds it: ``(name, tensor)`` pairs in memory, listed once (views of the
     synthetic pools, no copies), so every mode times the library and the transport, not the synthetic generator
     (about 6 us a tensor, which would cap the 25k-tensor adapter at a fraction of the limit)."""
@@ -77,7 +77,7 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     above the model of every flatness call, and the model's figures. Every rank of the group must call it."""
     source = make_source(case)
     if rg.rank == 0:
-        source = _Listed(source)
+        source = ListedSource(source)
     metas = wire_metas(source, case.post)
     total = sum(m.nbytes for m in metas)
     runners: dict[str, Callable[[], int]] = {
@@ -95,7 +95,7 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
     cpu_seconds: dict[str, list[float]] = {mode: [] for mode in case.modes}
     for rep in range(case.reps + 1):  # repetition 0 warms caches, connections and the limit's buffers
         for mode in case.modes:
-            elapsed, cpu, _ = _timed(rg, runners[mode], total, mode)
+            elapsed, cpu, _ = time_transfer(rg, runners[mode], total, mode)
             if rep:
                 seconds[mode].append(elapsed)
                 cpu_seconds[mode].append(cpu)
@@ -114,7 +114,7 @@ def run_case(rg: RefitGroup, case: Case) -> dict[str, Any]:
         flat_runners["session"] = session.run
     for mode, run in flat_runners.items():
         for _ in range(case.flat_refits):
-            _, _, memory = _timed(rg, run, total, mode)
+            _, _, memory = time_transfer(rg, run, total, mode)
             above = None if memory.peak_rss is None or model_rss is None else memory.peak_rss - model_rss
             flat[mode].append({"baseline_rss_bytes": memory.baseline_rss, "peak_extra_bytes": above})
     if session is not None:
@@ -146,7 +146,7 @@ def _round_figures(r: Round) -> dict[str, Any]:
     }
 
 
-def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[TensorMeta]) -> dict[str, Any]:
+def run_delta(rg: RefitGroup, case: Case, source: ListedSource | None, metas: list[TensorMeta]) -> dict[str, Any]:
     """This rank's side of the dense-against-delta comparison: at each of ``case.delta_shares``, ``case.reps``
     timed rounds of each delta mode's session, the model changed at that share before each repetition; then the
     memory over ``case.delta_rounds`` delta rounds. Every rank of the group must call it; ``source`` is the
@@ -174,7 +174,7 @@ def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[Te
             order = DELTA_MODES[rep % len(DELTA_MODES) :] + DELTA_MODES[: rep % len(DELTA_MODES)]
             for mode in order:
                 run = _SessionRound(sessions, mode)
-                elapsed, cpu, _ = _timed(rg, run, total, mode)
+                elapsed, cpu, _ = time_transfer(rg, run, total, mode)
                 if rep:
                     seconds[mode].append(elapsed)
                     cpu_seconds[mode].append(cpu)
@@ -186,7 +186,8 @@ def run_delta(rg: RefitGroup, case: Case, source: _Listed | None, metas: list[Te
 
 
 class _SessionRound:
-    """One round of a delta mode's session, as :func:`_timed` runs it (returning its bytes); keeps its figures."""
+    """One round of a delta mode's session, as :func:`time_transfer` runs it (returning its bytes); keeps its
+    figures."""
 
     def __init__(self, sessions: DeltaSessions, mode: str) -> None:
         self._sessions, self._mode = sessions, mode
@@ -219,7 +220,7 @@ def _delta_flatness(
         # positions): RSS before a round would otherwise follow the largest round before it.
         _return_free_memory_to_os()
         run = _SessionRound(sessions, "on")
-        _, _, memory = _timed(rg, run, total, "delta flatness")
+        _, _, memory = time_transfer(rg, run, total, "delta flatness")
         rounds.append(
             {
                 "round": k,

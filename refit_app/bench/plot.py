@@ -121,33 +121,7 @@ def figure(data: PlotData) -> Figure:
     if data.title:
         fig.suptitle(data.title, fontsize="medium")
 
-    def draw(ax: Any, series: dict[str, list[Any]], colors: dict[str, str]) -> list[tuple[float, float, Any]]:
-        """Grouped bars; (y, width, entry) of every bar drawn."""
-        height = 0.8 / max(len(series), 1)
-        drawn = []
-        for j, (name, entries) in enumerate(series.items()):
-            rows = [(i + (j - (len(series) - 1) / 2) * height, e) for i, e in enumerate(entries) if e is not None]
-            if not rows:
-                continue
-            ys = [y for y, _ in rows]
-            widths = [e.median if isinstance(e, Bar) else e for _, e in rows]
-            xerr = None
-            if all(isinstance(e, Bar) for _, e in rows):
-                xerr = [[e.median - e.low for _, e in rows], [e.high - e.median for _, e in rows]]
-            ax.barh(
-                ys,
-                widths,
-                height=height,
-                xerr=xerr,
-                color=colors[name],
-                label=name,
-                capsize=2,
-                error_kw={"elinewidth": 0.8, "ecolor": "0.2"},
-            )
-            drawn += [(y, w, e) for (y, e), w in zip(rows, widths)]
-        return drawn
-
-    draw(
+    _bars(
         speed,
         {MODE_LABELS[m]: bars for m, bars in data.throughput.items()},
         {MODE_LABELS[m]: MODE_COLORS[m] for m in data.throughput},
@@ -165,30 +139,61 @@ def figure(data: PlotData) -> Figure:
         fontsize="small",
         frameon=False,
     )
-
     if share is not None:
-        colors = {label: MODE_COLORS[mode] for label, mode in RATIOS.values()}
-        for y, width, _ in draw(share, data.ratios, colors):
-            share.annotate(
-                f"{width:.2f}x", (width, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize="small"
-            )
-        share.axvline(1.0, color=MODE_COLORS["limit"], linestyle="--", linewidth=1)
-        share.annotate(
-            "limit",
-            (1.0, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, 2),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize="small",
-            color=MODE_COLORS["limit"],
-        )
-        top = max((r for rs in data.ratios.values() for r in rs if r is not None), default=1.0)
-        share.set_xlim(0, max(1.0, top) * 1.25)  # room for the figures written after each bar
-        share.set_xlabel("fraction of the limit (medians)")
-        share.grid(True, axis="x", alpha=0.3)
+        _ratio_panel(share, data.ratios)
     return fig
+
+
+def _bars(ax: Any, series: dict[str, list[Any]], colors: dict[str, str]) -> list[tuple[float, float, Any]]:
+    """Grouped horizontal bars, one group per case; (y, width, entry) of every bar drawn."""
+    height = 0.8 / max(len(series), 1)
+    drawn = []
+    for j, (name, entries) in enumerate(series.items()):
+        rows = [(i + (j - (len(series) - 1) / 2) * height, e) for i, e in enumerate(entries) if e is not None]
+        if not rows:
+            continue
+        ys = [y for y, _ in rows]
+        widths = [e.median if isinstance(e, Bar) else e for _, e in rows]
+        xerr = None
+        if all(isinstance(e, Bar) for _, e in rows):
+            xerr = [[e.median - e.low for _, e in rows], [e.high - e.median for _, e in rows]]
+        ax.barh(
+            ys,
+            widths,
+            height=height,
+            xerr=xerr,
+            color=colors[name],
+            label=name,
+            capsize=2,
+            error_kw={"elinewidth": 0.8, "ecolor": "0.2"},
+        )
+        drawn += [(y, w, e) for (y, e), w in zip(rows, widths)]
+    return drawn
+
+
+def _ratio_panel(share: Any, ratios: dict[str, list[float | None]]) -> None:
+    """The right panel: each ratio against 1 (the limit, a dashed line), its figure written after its bar."""
+    colors = {label: MODE_COLORS[mode] for label, mode in RATIOS.values()}
+    for y, width, _ in _bars(share, ratios, colors):
+        share.annotate(
+            f"{width:.2f}x", (width, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize="small"
+        )
+    share.axvline(1.0, color=MODE_COLORS["limit"], linestyle="--", linewidth=1)
+    share.annotate(
+        "limit",
+        (1.0, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(0, 2),
+        textcoords="offset points",
+        ha="center",
+        va="bottom",
+        fontsize="small",
+        color=MODE_COLORS["limit"],
+    )
+    top = max((r for rs in ratios.values() for r in rs if r is not None), default=1.0)
+    share.set_xlim(0, max(1.0, top) * 1.25)  # room for the figures written after each bar
+    share.set_xlabel("fraction of the limit (medians)")
+    share.grid(True, axis="x", alpha=0.3)
 
 
 def throughput_png(doc: dict[str, Any]) -> bytes:

@@ -1,11 +1,15 @@
-"""An engine's end of a session: :class:`ConsumerSession` (see :mod:`refit_app.protocol.session`)."""
+"""An engine's end of a session: :class:`ConsumerSession` (see :mod:`refit_app.protocol.session`).
+
+Over 500 lines as one module on purpose: it is one class, a consumer's round, whose steps (the header, the manifest,
+the three ways a round's data lands, the trailers, the base it claims for the next round) share the session's state;
+the byte-level work is already below it (:mod:`refit_app.protocol.delta.receive`, :mod:`refit_app.core`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -13,13 +17,13 @@ from refit_app.common.errors import HandshakeError, RefitError
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.packed_tensor import (
     ChunkCallback,
-    _packed_broadcast_consumer_batches,
     get_num_buffers,
     packed_broadcast_consumer,
+    packed_broadcast_consumer_batches,
 )
 from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta.receive import ConsumerDelta
-from refit_app.protocol.delta.send import DeltaStats, TensorDelta, delta_chunk_bytes
+from refit_app.protocol.delta.types import DeltaStats, TensorDelta, delta_chunk_bytes
 from refit_app.protocol.handshake import (
     accept_manifest,
     finish,
@@ -67,9 +71,9 @@ class ConsumerSession(Session):
             the callback and the iterator get views of it. For a consumer that keeps no tensors of its own but
             wants the producer's deltas.
         accept_deltas: in a delta round, hand each changed tensor's changes to the callback as a
-            :class:`~refit_app.protocol.delta.send.TensorDelta` (an engine that applies them through its own loader),
+            :class:`~refit_app.protocol.delta.types.TensorDelta` (an engine that applies them through its own loader),
             where :meth:`receive`'s ``targets`` do not hold the tensors. With ``mirror`` too, the copy is patched
-            first and each change carries it (:attr:`~refit_app.protocol.delta.send.TensorDelta.mirror`): for an engine
+            first and each change carries it (:attr:`~refit_app.protocol.delta.types.TensorDelta.mirror`): for an engine
             that must reload some tensors whole, with their unchanged neighbours.
         check_base: before claiming the tensors it holds (``targets`` or the mirror) as a delta round's base, check
             that their bytes are still the round's: their per-tensor checksums, taken as each round's data is in
@@ -162,61 +166,102 @@ class ConsumerSession(Session):
             return None
         k = self.rounds + 1
         result = Round(round=k)
-        given = targets
         self._landed = None
         try:
-            if self._delta_on:
-                self._exchange_held(self._held(given))
-            header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-            self._broadcast_header(header)
-            magic, round_index, flags, extra_len, base = (int(x) for x in header.cpu().tolist())
-            if magic != ROUND_MAGIC:
-                raise HandshakeError(
-                    "the producer's round header is not a refit_app session's; run the same refit_app version "
-                    "with a session on every rank"
-                )
-            if flags & (END | REGROUP):
-                self.closed = True
-                self.regroup_to = base if flags & REGROUP else 0
+            header = self._begin(k, targets, on_manifest, result)
+            if header is None:
                 return None
-            if round_index != k:
-                raise HandshakeError(f"the producer is in round {round_index}, this consumer in round {k}")
-            if flags & MANIFEST:
-                started = time.perf_counter()
-                self._accept(on_manifest)
-                result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
-            elif self.manifest is None:
-                raise HandshakeError("the producer sent no manifest in the first round")
-            if flags & DELTA and base != self._delta.held_round:
-                held = self._delta.held_round
-                raise HandshakeError(
-                    f"the producer sends round {k} as changes to round {base}, but this consumer "
-                    f"holds {f'round {held}' if held else 'no round'}"
-                )
-            manifest = self.manifest
-            assert manifest is not None
-            targets = given() if callable(given) else given
-            store = (
-                self._delta.targets_for(manifest.tensors, targets)
-                if (self._delta.mirror or targets is not None)
-                else None
-            )
+            targets = targets() if callable(targets) else targets
+            store = self._store(targets)
         except BaseException as e:
             self._fail(k, e)
-        started = time.perf_counter()
+        ending = _Ending(header.extra_len, on_round_end, targets)
         # A plain round leaves the copy behind: it is received as without deltas (into targets where given).
-        self._plain = result.plain = bool(flags & PLAIN)
-        if flags & DELTA or (self._delta.mirror and not self._plain) or targets is not None:
-            result.base_round = base if flags & DELTA else 0
-            batches = self._stored_batches(result, store, targets, post_unpack_func)
-            if return_iterator:
-                return self._iterate(_flatten(batches), result, extra_len, on_round_end, targets)
-            try:
-                for _ in batches:
-                    pass
-            except BaseException as e:
-                self._fail(k, e)
-            return self._end_round(result, started, extra_len, on_round_end, targets)
+        self._plain = result.plain = bool(header.flags & PLAIN)
+        if header.flags & DELTA or (self._delta.mirror and not self._plain) or targets is not None:
+            result.base_round = header.base if header.flags & DELTA else 0
+            return self._receive_stored(result, store, post_unpack_func, return_iterator, ending)
+        return self._receive_packed(result, post_unpack_func, return_iterator, ending)
+
+    def _begin(
+        self,
+        k: int,
+        given: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None,
+        on_manifest: Callable[[Manifest], None] | None,
+        result: Round,
+    ) -> _Header | None:
+        """Round ``k``'s opening: the held round (deltas on), the header, the manifest where a fresh one comes, and
+        a delta round's base checked against what this consumer holds. None: the producer ended the session."""
+        if self._delta_on:
+            self._exchange_held(self._held(given))
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        self._broadcast_header(header)
+        magic, round_index, flags, extra_len, base = (int(x) for x in header.cpu().tolist())
+        if magic != ROUND_MAGIC:
+            raise HandshakeError(
+                "the producer's round header is not a refit_app session's; run the same refit_app version "
+                "with a session on every rank"
+            )
+        if flags & (END | REGROUP):
+            self.closed = True
+            self.regroup_to = base if flags & REGROUP else 0
+            return None
+        if round_index != k:
+            raise HandshakeError(f"the producer is in round {round_index}, this consumer in round {k}")
+        if flags & MANIFEST:
+            started = time.perf_counter()
+            self._accept(on_manifest)
+            result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
+        elif self.manifest is None:
+            raise HandshakeError("the producer sent no manifest in the first round")
+        if flags & DELTA and base != self._delta.held_round:
+            held = self._delta.held_round
+            raise HandshakeError(
+                f"the producer sends round {k} as changes to round {base}, but this consumer "
+                f"holds {f'round {held}' if held else 'no round'}"
+            )
+        return _Header(flags, extra_len, base)
+
+    def _store(self, targets: Mapping[str, torch.Tensor] | None) -> list[Any] | None:
+        """Where the round's bytes go, tensor by tensor (the mirror or ``targets``); None: nowhere of the session's."""
+        manifest = self.manifest
+        assert manifest is not None
+        if self._delta.mirror or targets is not None:
+            return self._delta.targets_for(manifest.tensors, targets)
+        return None
+
+    def _receive_stored(
+        self,
+        result: Round,
+        store: list[Any] | None,
+        post_unpack_func: Callable[[Batch], None] | None,
+        return_iterator: bool,
+        ending: _Ending,
+    ) -> Round | Iterator[tuple[str, Any]]:
+        """A round the session writes into tensors (mirror or targets), or a delta round handed out as changes."""
+        started = time.perf_counter()
+        batches = self._stored_batches(result, store, ending.targets, post_unpack_func)
+        if return_iterator:
+            return self._iterate(_flatten(batches), result, ending)
+        try:
+            for _ in batches:
+                pass
+        except BaseException as e:
+            self._fail(result.round, e)
+        return self._end_round(result, started, ending)
+
+    def _receive_packed(
+        self,
+        result: Round,
+        post_unpack_func: Callable[[Batch], None] | None,
+        return_iterator: bool,
+        ending: _Ending,
+    ) -> Round | Iterator[tuple[str, Any]]:
+        """A dense round into receive buffers only, as :func:`~refit_app.packed_tensor.packed_broadcast_consumer`
+        receives it (its lazy iterator's buffer lifetimes included)."""
+        manifest = self.manifest
+        assert manifest is not None
+        started = time.perf_counter()
         result.num_broadcasts = self._broadcasts
         try:
             stream = packed_broadcast_consumer(
@@ -232,11 +277,11 @@ class ConsumerSession(Session):
                 plan=self._plan,
             )
         except BaseException as e:
-            self._fail(k, e)
+            self._fail(result.round, e)
         if return_iterator:
-            return self._iterate(stream, result, extra_len, on_round_end, targets)
+            return self._iterate(stream, result, ending)
         result.wire_bytes = result.bytes
-        return self._end_round(result, started, extra_len, on_round_end, targets)
+        return self._end_round(result, started, ending)
 
     def _held(self, given: Any) -> int:
         """The round this consumer can take changes against (0: send it a dense round)."""
@@ -259,82 +304,88 @@ class ConsumerSession(Session):
         changes out: each batch is shown to the verifier and ``post_unpack_func`` before it is yielded."""
         manifest = self.manifest
         assert manifest is not None
-        metas = manifest.tensors
-        verifier = self._verifier
-        hand_out = self.accept_deltas and targets is None
-
         kept = not (self._plain and self._delta.mirror)
-        landed: dict[str, int] | None = None
         self._landed = None
         if self._delta_on and self._delta.check_base and kept and not manifest.checksums:
-            landed = self._landed = {}
-            function = checksum_function(default_algorithm())
-
-        def deliver(batch: Batch, final: Batch | None = None, landing: Batch | None = None) -> Batch:
-            """``batch`` to the callback; ``final`` (default: ``batch``'s tensors) to the verifier. ``landing``
-            (default: ``final``): the tensors now final, hashed first, so that what the callback writes into them
-            is not taken as what the round left."""
-            if landed is not None:
-                for name, t in landing if landing is not None else (final if final is not None else batch):
-                    if not isinstance(t, TensorDelta):
-                        landed[name] = function(host_bytes(t))
-            if post_unpack_func is not None and batch:
-                post_unpack_func(batch)
-            if verifier is not None:
-                verifier.consume(
-                    final if final is not None else [(n, t) for n, t in batch if not isinstance(t, TensorDelta)]
-                )
-            return batch
-
+            self._landed = {}
+        deliver = _Delivery(self._landed, post_unpack_func, self._verifier)
         result.bytes = manifest.total_bytes
-        result.num_tensors = len(metas)
+        result.num_tensors = len(manifest.tensors)
         if result.base_round:
-            # The verifier sees every tensor once it is final (changed or not); the callback only what changed.
-            stats = DeltaStats()
-            for final, _, deltas in self._delta.receive_delta(
-                metas,
-                self.group.group,
-                PRODUCER_RANK,
-                stats,
-                device=self.device,
-                targets=store,
-                chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
-                on_chunk=self._stream_counter(result),
-                hand_out=hand_out,
-            ):
-                views = (
-                    [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
-                    if (store is not None and (not hand_out or verifier is not None))
-                    else None
-                )
-                if hand_out:
-                    landing = (
-                        [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
-                        if store is not None and landed is not None
-                        else None
-                    )
-                    yield deliver([(d.name, d) for d in deltas], final=views, landing=landing)
-                else:
-                    yield deliver(views)
-            record_delta(result, result.base_round, stats)
+            yield from self._delta_batches(result, store, targets, deliver)
             return
         result.num_broadcasts = self._broadcasts
         result.wire_bytes = manifest.total_bytes
         if self._delta.mirror and not self._plain:
-            assert self._delta.image is not None
-            num_buffers = self.num_buffers or get_num_buffers()
-            for chunk in self._delta.receive_dense(
-                self._chunks, self.group.group, PRODUCER_RANK, num_buffers=num_buffers, device=self.device
-            ):
-                result.num_chunks += 1
-                if self.on_chunk is not None:
-                    self.on_chunk(chunk.nbytes, chunk.count)
-                yield deliver([(metas[i].name, self._delta.image.view(i)) for i in range(chunk.first, chunk.stop)])
+            yield from self._mirror_batches(result, deliver)
             return
-        # Targets: receive into rotating buffers, copy each tensor into its target.
         assert targets is not None
-        for batch in _packed_broadcast_consumer_batches(
-            ((t.name, (t.shape, t.dtype)) for t in metas),
+        yield from self._target_batches(result, targets, deliver)
+
+    def _delta_batches(
+        self,
+        result: Round,
+        store: list[Any] | None,
+        targets: Mapping[str, torch.Tensor] | None,
+        deliver: _Delivery,
+    ) -> Iterator[Batch]:
+        """A delta round's records applied into the store (or handed out as changes, ``accept_deltas`` without
+        targets). The verifier sees every tensor once it is final (changed or not); the callback only what
+        changed, where changes are handed out."""
+        manifest = self.manifest
+        assert manifest is not None
+        metas = manifest.tensors
+        hand_out = self.accept_deltas and targets is None
+        stats = DeltaStats()
+        for final, _, deltas in self._delta.receive_delta(
+            metas,
+            self.group.group,
+            PRODUCER_RANK,
+            stats,
+            device=self.device,
+            targets=store,
+            chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
+            on_chunk=self._stream_counter(result),
+            hand_out=hand_out,
+        ):
+            views = (
+                [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
+                if (store is not None and (not hand_out or deliver.verifier is not None))
+                else None
+            )
+            if hand_out:
+                landing = (
+                    [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
+                    if store is not None and deliver.landed is not None
+                    else None
+                )
+                yield deliver([(d.name, d) for d in deltas], final=views, landing=landing)
+            else:
+                yield deliver(views)
+        record_delta(result, result.base_round, stats)
+
+    def _mirror_batches(self, result: Round, deliver: _Delivery) -> Iterator[Batch]:
+        """A dense round into the session's copy: each chunk's tensors as views of it."""
+        manifest = self.manifest
+        image = self._delta.image
+        assert manifest is not None and image is not None
+        num_buffers = self.num_buffers or get_num_buffers()
+        for chunk in self._delta.receive_dense(
+            self._chunks, self.group.group, PRODUCER_RANK, num_buffers=num_buffers, device=self.device
+        ):
+            result.num_chunks += 1
+            if self.on_chunk is not None:
+                self.on_chunk(chunk.nbytes, chunk.count)
+            yield deliver([(manifest.tensors[i].name, image.view(i)) for i in range(chunk.first, chunk.stop)])
+
+    def _target_batches(
+        self, result: Round, targets: Mapping[str, torch.Tensor], deliver: _Delivery
+    ) -> Iterator[Batch]:
+        """A dense round into ``targets``: received into rotating buffers, each tensor copied into its target."""
+        manifest = self.manifest
+        assert manifest is not None
+        for batch in packed_broadcast_consumer_batches(
+            ((t.name, (t.shape, t.dtype)) for t in manifest.tensors),
             self.group.group,
             PRODUCER_RANK,
             num_buffers=self.num_buffers,
@@ -411,9 +462,7 @@ class ConsumerSession(Session):
         self,
         stream: Iterator[tuple[str, Any]],
         result: Round,
-        extra_len: int,
-        on_round_end: Callable[[Round], dict[str, Any] | None] | None,
-        targets: Mapping[str, torch.Tensor] | None,
+        ending: _Ending,
     ) -> Iterator[tuple[str, Any]]:
         started = time.perf_counter()
         try:
@@ -427,17 +476,12 @@ class ConsumerSession(Session):
             self._fail(result.round, e)
         if not result.wire_bytes:
             result.wire_bytes = result.bytes
-        self._end_round(result, started, extra_len, on_round_end, targets)
+        self._end_round(result, started, ending)
 
-    def _end_round(
-        self,
-        result: Round,
-        started: float,
-        extra_len: int,
-        on_round_end: Callable[[Round], dict[str, Any] | None] | None,
-        targets: Mapping[str, torch.Tensor] | None,
-    ) -> Round:
+    def _end_round(self, result: Round, started: float, ending: _Ending) -> Round:
+        """The round's trailers, verdict and base, ``on_round_end``, then the all-ranks "done"."""
         k = result.round
+        targets = ending.targets
         manifest = self.manifest
         assert manifest is not None
         kept = not (self._plain and self._delta.mirror)
@@ -446,7 +490,7 @@ class ConsumerSession(Session):
             if manifest.checksums:
                 result.checksums = recv_checksums(self.group, len(manifest.tensors))
             result.seconds = time.perf_counter() - started
-            result.extra = self._extra(None, extra_len)
+            result.extra = self._extra(None, ending.extra_len)
             if self._verifier is not None:
                 result.facts.update(self._verifier.verdict(result.checksums))
                 result.verified = True
@@ -459,8 +503,8 @@ class ConsumerSession(Session):
                     checksums = [landed[m.name] for m in manifest.tensors]
                     algorithm = default_algorithm()
                 fingerprint = self._delta.fingerprint(targets, checksums=checksums, algorithm=algorithm)
-            if on_round_end is not None:
-                result.facts.update(on_round_end(result) or {})
+            if ending.on_round_end is not None:
+                result.facts.update(ending.on_round_end(result) or {})
         except BaseException as e:
             self._fail(k, e)
         finish(self.group, None)
@@ -480,6 +524,56 @@ class ConsumerSession(Session):
     def close(self) -> None:
         """Nothing to tell the producer: it ends the session. Marks this side closed."""
         self.closed = True
+
+
+class _Header(NamedTuple):
+    """A round header's words after the checks: its flags, the extra payload's length, a delta round's base."""
+
+    flags: int
+    extra_len: int
+    base: int
+
+
+class _Ending(NamedTuple):
+    """What ends a round once its data is in: the extra payload's length, the caller's ``on_round_end``, the
+    targets the round wrote into (its base for the next one)."""
+
+    extra_len: int
+    on_round_end: Callable[[Round], dict[str, Any] | None] | None
+    targets: Mapping[str, torch.Tensor] | None
+
+
+class _Delivery:
+    """Shows each batch, as it is final, to the base's hashes (``landed``), ``post_unpack_func`` and the verifier,
+    in that order: the tensors are hashed before the callback may write into them, so that what it writes is not
+    taken as what the round left."""
+
+    def __init__(
+        self,
+        landed: dict[str, int] | None,
+        post_unpack_func: Callable[[Batch], None] | None,
+        verifier: Verifier | None,
+    ) -> None:
+        self.landed = landed
+        self.post_unpack_func = post_unpack_func
+        self.verifier = verifier
+        self._function = checksum_function(default_algorithm()) if landed is not None else None
+
+    def __call__(self, batch: Batch, final: Batch | None = None, landing: Batch | None = None) -> Batch:
+        """``batch`` to the callback; ``final`` (default: ``batch``'s tensors) to the verifier. ``landing``
+        (default: ``final``): the tensors now final, hashed first."""
+        if self.landed is not None:
+            assert self._function is not None
+            for name, t in landing if landing is not None else (final if final is not None else batch):
+                if not isinstance(t, TensorDelta):
+                    self.landed[name] = self._function(host_bytes(t))
+        if self.post_unpack_func is not None and batch:
+            self.post_unpack_func(batch)
+        if self.verifier is not None:
+            self.verifier.consume(
+                final if final is not None else [(n, t) for n, t in batch if not isinstance(t, TensorDelta)]
+            )
+        return batch
 
 
 def _flatten(batches: Iterator[Batch]) -> Iterator[tuple[str, Any]]:

@@ -1,7 +1,9 @@
 """Sessions that go on when consumers come and go (``refit.on_consumer_loss=continue``).
 
 :class:`ElasticProducerSession` and :class:`ElasticConsumerSession` have the session API (``send`` per step on the
-trainer, ``receive`` on each engine) and connect themselves from a :class:`~refit_app.transport.spec.GroupSpec`:
+trainer, ``receive`` on each engine: they satisfy :class:`~refit_app.protocol.session_api.ProducerSessionLike` and
+:class:`~refit_app.protocol.session_api.ConsumerSessionLike`, forwarding to the current generation's session
+explicitly) and connect themselves from a :class:`~refit_app.transport.spec.GroupSpec`:
 the group changes under them, generation by generation (:mod:`refit_app.transport.elastic`). Inside a generation
 each side runs a plain :class:`~refit_app.protocol.session.ProducerSession` or
 :class:`~refit_app.protocol.session.ConsumerSession`; what happens between generations:
@@ -34,12 +36,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from refit_app.common.errors import HandshakeError, PeerError, RefitError, one_line
+from refit_app.core.meta import TensorMeta
 from refit_app.protocol.consumer_session import ConsumerSession
+from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
 from refit_app.transport.control import Poller, ranks_text
@@ -102,11 +108,27 @@ class ElasticProducerSession:
         assert self._membership.group is not None
         return self._membership.group
 
-    def __getattr__(self, name: str) -> Any:
-        # The current generation's figures: manifest, probe_tokens, checksums_needed, num_chunks, ...
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.session, name)
+    # The current generation's figures (ProducerSessionLike); anything else of it is on :attr:`session`.
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The current generation's manifest in force."""
+        return self.session.manifest
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of the current generation's manifest."""
+        return self.session.num_chunks
+
+    @property
+    def probe_tokens(self) -> int:
+        """The longest model probe a consumer of the current generation asked for (0: none)."""
+        return self.session.probe_tokens
+
+    @property
+    def checksums_needed(self) -> bool:
+        """Whether some consumer of the current generation verifies."""
+        return self.session.checksums_needed
 
     def wait_for_joiners(self, ranks: Iterable[int], timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until each of ``ranks`` is a member or has asked to join (it is then admitted
@@ -125,8 +147,11 @@ class ElasticProducerSession:
         self,
         named_tensors: Iterable[tuple[str, Any]] | Callable[[], Iterable[tuple[str, Any]]],
         *,
+        metas: list[TensorMeta] | None = None,
+        metadata: dict[str, str] | None = None,
+        files: dict[str, str | bytes] | None = None,
+        source: str = "",
         extra: bytes | Callable[[], bytes] = b"",
-        **options: Any,
     ) -> Round:
         """Send one round to the current members (:meth:`ProducerSession.send`'s arguments) and return it once
         they all have it; consumers that asked to join are admitted first. A round a consumer was lost in is sent
@@ -144,7 +169,9 @@ class ElasticProducerSession:
                 tensors = named_tensors() if callable(named_tensors) else named_tensors
                 payload = extra() if callable(extra) else extra
                 try:
-                    result = self.session.send(tensors, extra=payload, **options)
+                    result = self.session.send(
+                        tensors, metas=metas, metadata=metadata, files=files, source=source, extra=payload
+                    )
                     break
                 except _LOST as e:
                     self._lost(k, e)
@@ -288,7 +315,7 @@ class ElasticConsumerSession:
         self._session: ConsumerSession | None = None
         self.rounds = 0
         """Rounds received."""
-        self._manifest = None
+        self._manifest: Manifest | None = None
         self.last_round: Round | None = None
         self.closed = False
         try:
@@ -308,14 +335,15 @@ class ElasticConsumerSession:
         return self._session
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest | None:
         """The manifest in force: the current generation's, else the last round's (None before any)."""
         return self._session.manifest if self._session is not None and self._session.manifest else self._manifest
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.session, name)
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of the current generation's manifest (ConsumerSessionLike); anything else of the generation's
+        session is on :attr:`session`."""
+        return self.session.num_chunks
 
     def _join(self) -> None:
         while True:
@@ -355,7 +383,10 @@ class ElasticConsumerSession:
         self,
         post_unpack_func: Callable[[list[tuple[str, Any]]], None] | None = None,
         return_iterator: bool = False,
-        **options: Any,
+        *,
+        on_manifest: Callable[[Manifest], None] | None = None,
+        on_round_end: Callable[[Round], dict[str, Any] | None] | None = None,
+        targets: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
     ) -> Round | None:
         """Receive one round (:meth:`ConsumerSession.receive`'s arguments); None once the producer ended the
         session. A round cut by a lost peer is received again, in full, from the next generation: the callbacks may
@@ -366,7 +397,9 @@ class ElasticConsumerSession:
         while not self.closed:
             rg = self._rg
             try:
-                result = self.session.receive(post_unpack_func, **options)
+                result = self.session.receive(
+                    post_unpack_func, on_manifest=on_manifest, on_round_end=on_round_end, targets=targets
+                )
             except RefitError as e:
                 assert rg is not None
                 if not isinstance(e, PeerError) and rg.control.failed_rank() == self._spec.rank:

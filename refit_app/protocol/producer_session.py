@@ -24,7 +24,8 @@ from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.delta.auto import DELTA as DELTA_ROUND
 from refit_app.protocol.delta.auto import KEEP
 from refit_app.protocol.delta.auto import PLAIN as PLAIN_ROUND
-from refit_app.protocol.delta.send import ProducerDelta, delta_chunk_bytes
+from refit_app.protocol.delta.send import ProducerDelta
+from refit_app.protocol.delta.types import delta_chunk_bytes
 from refit_app.protocol.handshake import (
     finish,
     send_checksums,
@@ -155,16 +156,7 @@ class ProducerSession(Session):
                 torch.tensor([ROUND_MAGIC, k, flags, len(extra), base], dtype=torch.int64, device=self.device)
             )
             if fresh:
-                if self.manifest is not None:
-                    changes = tensor_list_changes(self.manifest.tensors, manifest.tensors) or ["settings or files"]
-                    logger.info(
-                        "round %d: the tensor list changed (%s); sending a fresh manifest", k, "; ".join(changes)
-                    )
-                started = time.perf_counter()
-                send_manifest(self.group, manifest)
-                result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
-                self.manifest = manifest
-                self._new_plan()
+                self._send_manifest(manifest, result)
             started = time.perf_counter()
             # Parameters require grad; packing only reads their values, which must not join an autograd graph.
             with torch.no_grad():
@@ -183,6 +175,19 @@ class ProducerSession(Session):
         # The whole round but the manifest's handshake: until every consumer has applied and checked it.
         self._delta.observe(kind, time.perf_counter() - round_started - result.handshake_seconds, cold=fresh)
         return result
+
+    def _send_manifest(self, manifest: Manifest, result: Round) -> None:
+        """A fresh manifest goes out (every consumer accepts it or every rank stops) and is in force from now on."""
+        if self.manifest is not None:
+            changes = tensor_list_changes(self.manifest.tensors, manifest.tensors) or ["settings or files"]
+            logger.info(
+                "round %d: the tensor list changed (%s); sending a fresh manifest", result.round, "; ".join(changes)
+            )
+        started = time.perf_counter()
+        send_manifest(self.group, manifest)
+        result.manifest_sent, result.handshake_seconds = True, time.perf_counter() - started
+        self.manifest = manifest
+        self._new_plan()
 
     def _send_data(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, result: Round, kind: str, k: int

@@ -23,11 +23,23 @@ Every round, over the group::
 At the start, the producer says whether it may send deltas and each consumer whether it verifies and how long a
 probe it wants, so the producer computes checksums and probes only for a consumer that uses them. A failure on any
 rank in round k ends every rank within the group's deadline, with that rank's reason and the round.
+
+Code that drives rounds types its session as :class:`ProducerSessionLike` or :class:`ConsumerSessionLike`: the plain
+sessions here and the elastic ones (:mod:`refit_app.protocol.elastic`) both satisfy them.
 """
 
 from refit_app.protocol.consumer_session import ConsumerSession
-from refit_app.protocol.delta.send import TensorDelta
+from refit_app.protocol.delta.types import TensorDelta
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
+from refit_app.protocol.session_api import ConsumerSessionLike, ProducerSessionLike, SessionLike
 
-__all__ = ["ConsumerSession", "ProducerSession", "Round", "TensorDelta"]
+__all__ = [
+    "ConsumerSession",
+    "ConsumerSessionLike",
+    "ProducerSession",
+    "ProducerSessionLike",
+    "Round",
+    "SessionLike",
+    "TensorDelta",
+]

@@ -65,6 +65,8 @@ MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """group.timeout_s's bounds: below a millisecond c10d's clients round it to no deadline at all, and a deadline past a
 week (or infinite) is a hang by another name."""
+MAX_TIMEOUT_WORDS = "a week"
+""":data:`MAX_TIMEOUT_S` in words, for the messages and the configuration reference that state the bounds."""
 MAX_WORLD_SIZE = 1024
 """The most ranks a refit group may have. Every consumer holds a connection to the producer's store and, on gloo, to
 its neighbours in the broadcast tree; far past a thousand a typo (an extra zero) is likelier than a deployment, and
@@ -154,7 +156,7 @@ class GroupSpec:
             p.fail(
                 "group.timeout_s",
                 self.timeout_s,
-                f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (a week)",
+                f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} ({MAX_TIMEOUT_WORDS})",
             )
         if self.token is not None and not (isinstance(self.token, str) and self.token.strip()):
             p.fail(

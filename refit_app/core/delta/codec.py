@@ -139,78 +139,126 @@ def diff(
         raise ValueError(f"a tensor of {n} bytes cannot be compared with a snapshot of {old.size}")
     if n % itemsize:
         raise ValueError(f"{n} bytes are not a whole number of {itemsize}-byte elements")
-    positions: list[np.ndarray] = []
-    values: list[np.ndarray] = []
     words = n // 8 * 8
     # A block is a whole number of words and of elements (itemsize divides 16 for every dtype torch has).
     step = BLOCK_BYTES - BLOCK_BYTES % max(16, itemsize)
-    use_kernel = kernel is not None and itemsize in (1, 2, 4, 8, 16)
-    if use_kernel:
-        # The kernel writes straight into arrays that grow by doubling: no copy per block, one trim at the end.
-        per_block = step // itemsize
-        pos_out = np.empty(min(n // itemsize, 4 * per_block), dtype=np.int64)
-        val_out = np.empty(pos_out.size * itemsize, dtype=np.uint8)
-        count = 0
+    finder: _KernelFinder | _NumpyFinder
+    if kernel is not None and itemsize in (1, 2, 4, 8, 16):
+        finder = _KernelFinder(n, itemsize, step, update)
     else:
-        mask = np.empty(step // 8, dtype=bool)
-    changed_so_far = 0
+        finder = _NumpyFinder(itemsize, step, update)
     first = min(_FIRST_BLOCK_BYTES, step)
     for start in itertools.chain((0,), range(first, words, step)) if words else ():
-        if start and changed_so_far > dense_above * (start // itemsize):
+        if start and finder.count > dense_above * (start // itemsize):
             if update:
                 np.copyto(old[start:], new[start:])
             if hasher is not None:
                 hasher.update(new[start:])
-            return Whole(round(changed_so_far * (n // itemsize) / (start // itemsize)))
+            return Whole(round(finder.count * (n // itemsize) / (start // itemsize)))
         stop = min(start + (first if start == 0 else step), words)
-        nb, ob = new[start:stop], old[start:stop]
-        if use_kernel:
-            room = (stop - start) // itemsize
-            if count + room > pos_out.size:
-                size = max(2 * pos_out.size, count + room)
-                pos_out = np.resize(pos_out, size)  # np.resize copies into a new array of that size
-                val_out = np.resize(val_out, size * itemsize)
-            found = kernel.diff(
-                nb, ob, itemsize, pos_out[count:], val_out[count * itemsize :], start // itemsize, update
-            )
-            if hasher is not None:
-                hasher.update(nb)
-            count += found
-            changed_so_far = count
-            continue
-        nw, ow = nb.view(np.uint64), ob.view(np.uint64)
-        m = mask[: nw.size]
-        np.not_equal(nw, ow, out=m)
-        changed = np.flatnonzero(m)
+        finder.compare(new[start:stop], old[start:stop], start)
         if hasher is not None:
-            hasher.update(nb)
-        if changed.size == 0:
-            continue
-        local = _changed_elements(nw, ow, changed, itemsize)
-        changed_so_far += local.size
-        positions.append(local + start // itemsize)
-        values.append(_gather(nb, local, itemsize))
-        if update:
-            ow[changed] = nw[changed]
-    if use_kernel and count:
-        positions.append(pos_out[:count])
-        values.append(val_out[: count * itemsize])
+            hasher.update(new[start:stop])
+    positions, values = finder.found()
     if words < n:  # the last < 8 bytes: whole elements of 1, 2 or 4 bytes
-        dt = _UINT[itemsize]
-        nt, ot = new[words:].view(dt), old[words:].view(dt)
-        local = np.flatnonzero(nt != ot)
         if hasher is not None:
             hasher.update(new[words:])
-        if local.size:
-            positions.append(local + words // itemsize)
-            values.append(nt[local].view(np.uint8))
-            if update:
-                ot[local] = nt[local]
+        _compare_tail(new, old, words, itemsize, update, positions, values)
     if not positions:
         return Changes(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint8))
     if len(positions) == 1:
         return Changes(positions[0].astype(np.int64, copy=False), values[0])
     return Changes(np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values))
+
+
+class _KernelFinder:
+    """:func:`diff`'s blocks compared by the C kernel, which writes the changes straight into arrays that grow by
+    doubling: no copy per block, one trim at the end."""
+
+    def __init__(self, n: int, itemsize: int, step: int, update: bool) -> None:
+        self.itemsize, self.update = itemsize, update
+        self.positions = np.empty(min(n // itemsize, 4 * (step // itemsize)), dtype=np.int64)
+        self.values = np.empty(self.positions.size * itemsize, dtype=np.uint8)
+        self.count = 0
+        """Changed elements found so far."""
+
+    def compare(self, nb: np.ndarray, ob: np.ndarray, start: int) -> None:
+        """The block of ``new`` and ``old`` from byte ``start``; with ``update``, the kernel patches ``ob``."""
+        itemsize = self.itemsize
+        room = nb.size // itemsize
+        if self.count + room > self.positions.size:
+            size = max(2 * self.positions.size, self.count + room)
+            self.positions = np.resize(self.positions, size)  # np.resize copies into a new array of that size
+            self.values = np.resize(self.values, size * itemsize)
+        self.count += kernel.diff(
+            nb,
+            ob,
+            itemsize,
+            self.positions[self.count :],
+            self.values[self.count * itemsize :],
+            start // itemsize,
+            self.update,
+        )
+
+    def found(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The changes' positions and values, as lists of parts."""
+        if not self.count:
+            return [], []
+        return [self.positions[: self.count]], [self.values[: self.count * self.itemsize]]
+
+
+class _NumpyFinder:
+    """:func:`diff`'s blocks compared with numpy: 8-byte words first (most words are unchanged), then the changed
+    elements inside the changed words."""
+
+    def __init__(self, itemsize: int, step: int, update: bool) -> None:
+        self.itemsize, self.update = itemsize, update
+        self.mask = np.empty(step // 8, dtype=bool)
+        self.positions: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.count = 0
+        """Changed elements found so far."""
+
+    def compare(self, nb: np.ndarray, ob: np.ndarray, start: int) -> None:
+        """The block of ``new`` and ``old`` from byte ``start``; with ``update``, its changed words written into
+        ``ob``."""
+        nw, ow = nb.view(np.uint64), ob.view(np.uint64)
+        m = self.mask[: nw.size]
+        np.not_equal(nw, ow, out=m)
+        changed = np.flatnonzero(m)
+        if changed.size == 0:
+            return
+        local = _changed_elements(nw, ow, changed, self.itemsize)
+        self.count += local.size
+        self.positions.append(local + start // self.itemsize)
+        self.values.append(_gather(nb, local, self.itemsize))
+        if self.update:
+            ow[changed] = nw[changed]
+
+    def found(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The changes' positions and values, as lists of parts (one per block with changes)."""
+        return self.positions, self.values
+
+
+def _compare_tail(
+    new: np.ndarray,
+    old: np.ndarray,
+    words: int,
+    itemsize: int,
+    update: bool,
+    positions: list[np.ndarray],
+    values: list[np.ndarray],
+) -> None:
+    """:func:`diff` of the bytes after the last whole word (fewer than 8: elements of 1, 2 or 4 bytes), its
+    changes appended to ``positions`` and ``values``."""
+    dt = _UINT[itemsize]
+    nt, ot = new[words:].view(dt), old[words:].view(dt)
+    local = np.flatnonzero(nt != ot)
+    if local.size:
+        positions.append(local + words // itemsize)
+        values.append(nt[local].view(np.uint8))
+        if update:
+            ot[local] = nt[local]
 
 
 def _changed_elements(nw: np.ndarray, ow: np.ndarray, changed: np.ndarray, itemsize: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from refit_app.core.group import BroadcastGroup
 from refit_app.core.meta import TensorMeta
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.protocol.checksum import available_algorithms, checksum_all, checksum_function, default_algorithm
-from refit_app.protocol.delta.send import DeltaStats, TensorDelta, apply_positions
+from refit_app.protocol.delta.types import DeltaStats, TensorDelta, apply_positions
 
 logger = logging.getLogger(__name__)
 
@@ -388,31 +388,9 @@ class _RecordReader:
             yield from self._read(codec.padded(values_nbytes) - values_nbytes)
             started = time.perf_counter()
             if target is not None and not direct:
-                if section is not None and positions is None:
-                    try:
-                        target.apply_record(encoding, section, count, escapes, values, itemsize)
-                    except ValueError as e:
-                        raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
-                elif positions is None:
-                    target.write_dense(values)
-                else:
-                    target.apply(positions, values, itemsize)
+                _apply(target, meta, encoding, section, positions, count, escapes, values)
             if self._hand_out:
-                # A dense record read straight into the mirror hands out a view of it (no copy), unless the
-                # tensor's offset there is not aligned for its dtype.
-                raw = torch.from_numpy(values)
-                if raw.data_ptr() % itemsize:
-                    raw = raw.clone()
-                self._deltas.append(
-                    TensorDelta(
-                        meta.name,
-                        meta.shape,
-                        meta.dtype,
-                        None if positions is None else torch.from_numpy(positions),
-                        raw.view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
-                        mirror=self._mirror,
-                    )
-                )
+                self._deltas.append(self._delta(meta, positions, values))
             self._stats.seconds += time.perf_counter() - started
             self._stats.changed_elements += count
             self._stats.changed_tensors += 1
@@ -420,6 +398,21 @@ class _RecordReader:
             self._changed.append(index)
             self._final_upto = index + 1
             last = index
+
+    def _delta(self, meta: TensorMeta, positions: np.ndarray | None, values: np.ndarray) -> TensorDelta:
+        """One record as the change handed out. A dense record read straight into the mirror hands out a view of
+        it (no copy), unless the tensor's offset there is not aligned for its dtype."""
+        raw = torch.from_numpy(values)
+        if raw.data_ptr() % meta.dtype.itemsize:
+            raw = raw.clone()
+        return TensorDelta(
+            meta.name,
+            meta.shape,
+            meta.dtype,
+            None if positions is None else torch.from_numpy(positions),
+            raw.view(meta.dtype) if values.size else torch.empty(0, dtype=meta.dtype),
+            mirror=self._mirror,
+        )
 
     def _decompress(self, section: np.ndarray, raw_nbytes: int, name: str) -> np.ndarray:
         if self._decompressor is None:
@@ -445,3 +438,26 @@ class _RecordReader:
                 f"the delta record of {name!r}: its positions decompress to {len(data)} bytes, not {raw_nbytes}"
             )
         return np.frombuffer(data, dtype=np.uint8)
+
+
+def _apply(
+    target: Target,
+    meta: TensorMeta,
+    encoding: int,
+    section: np.ndarray | None,
+    positions: np.ndarray | None,
+    count: int,
+    escapes: int,
+    values: np.ndarray,
+) -> None:
+    """One record written into its tensor: a host target decodes the positions section on the way, a dense record
+    is written whole, else the decoded positions take the values."""
+    if section is not None and positions is None:
+        try:
+            target.apply_record(encoding, section, count, escapes, values, meta.dtype.itemsize)
+        except ValueError as e:
+            raise HandshakeError(f"the delta record of {meta.name!r}: {e}") from e
+    elif positions is None:
+        target.write_dense(values)
+    else:
+        target.apply(positions, values, meta.dtype.itemsize)

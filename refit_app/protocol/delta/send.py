@@ -1,15 +1,13 @@
 """The producer's side of delta rounds (:mod:`refit_app.protocol.delta` describes the whole scheme): the snapshot
-of what was sent last, each tensor compared with it and its changes written to the stream, and the types both sides
-share (:class:`DeltaStats`, :class:`TensorDelta`, :func:`apply_positions`)."""
+of what was sent last, and each tensor compared with it and its changes written to the stream. What both sides
+share is in :mod:`refit_app.protocol.delta.types`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +23,7 @@ from refit_app.core.wire import is_dense_host, tensor_bytes
 from refit_app.protocol.checksum import Incremental, checksum_function, split_point
 from refit_app.protocol.defaults import DELTA_MODES
 from refit_app.protocol.delta.auto import DELTA, KEEP, AutoPolicy, Sampler
+from refit_app.protocol.delta.types import DeltaStats
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +34,6 @@ def host_bytes_array(t: torch.Tensor) -> np.ndarray:
     if t.device.type == "cpu" and is_dense_host(t):
         return tensor_bytes(t).numpy()
     return tensor_bytes(t.detach()).cpu().numpy()
-
-
-@dataclass
-class DeltaStats:
-    """What a round's delta work measured (both sides fill what they see)."""
-
-    wire_bytes: int = 0
-    changed_elements: int = 0
-    total_elements: int = 0
-    changed_tensors: int = 0
-    encodings: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-    """Producer: comparing and encoding. Consumer: decoding and applying."""
-
-    @property
-    def changed_fraction(self) -> float | None:
-        return self.changed_elements / self.total_elements if self.total_elements else None
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -278,17 +260,6 @@ class ProducerDelta:
             self.auto.changed, self.auto.share = estimate
 
 
-DELTA_CHUNK_BYTES = 2 << 20
-"""A delta round's stream goes out in chunks of at most this (or the buffer size, if smaller): a 1% round of a 1 GB
-model is ~18 MB, which in 16 MiB chunks would reach the consumer only once the producer had compared nearly every
-tensor; in 2 MiB chunks the consumer applies and hashes while the producer is still comparing."""
-
-
-def delta_chunk_bytes(buffer_size_bytes: int) -> int:
-    """The stream chunk of a delta round, the same on both sides: the consumer refuses a chunk header over it."""
-    return min(buffer_size_bytes, DELTA_CHUNK_BYTES)
-
-
 PARALLEL_MIN_BYTES = 8 << 20
 """Tensors at least this large are compared in two halves at once: the C comparison releases the GIL, and a
 round's critical path is this comparison while the consumer waits for the changes."""
@@ -341,52 +312,3 @@ def _zstd_compressor() -> Any:
     import zstandard
 
     return zstandard.ZstdCompressor(level=codec.ZSTD_LEVEL)
-
-
-# -------------------------------------------------------------------------------------------------------------
-# Consumer.
-
-
-@dataclass
-class TensorDelta:
-    """One tensor's changes in a delta round, for a consumer that applies them itself (an engine's loader).
-
-    ``positions`` (int64, flat element indices, strictly increasing) is None where the tensor came whole
-    (``values`` is then the tensor, flat); else ``values`` holds the new elements at those positions, in order.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    positions: torch.Tensor | None
-    values: torch.Tensor
-    mirror: Mapping[str, torch.Tensor] | None = None
-    """Where the session keeps a copy of the model (``mirror=True``): every tensor of it by name, as the round
-    leaves it (this change already applied; the round's later changes once its data is in). For an engine that
-    takes some changes in place and must reload others whole, with their unchanged neighbours. Read it, never
-    write it: a write makes this consumer ask for a dense round."""
-
-    def apply_to(self, t: torch.Tensor) -> None:
-        """Write the changes into ``t`` (this tensor's previous round, on any device), bit for bit."""
-        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            raise ValueError(
-                f"{self.name}: changes for {list(self.shape)} {self.dtype} cannot apply to {list(t.shape)} {t.dtype}"
-            )
-        if self.positions is None:
-            tensor_bytes(t).copy_(tensor_bytes(self.values.to(t.device)))
-            return
-        apply_positions(t, self.positions.to(t.device), self.values.to(t.device))
-
-
-def apply_positions(t: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-    """``t.flatten()[positions] = values`` on the raw bits (integer views: NaN payloads and -0.0 stay exact)."""
-    if not t.is_contiguous():
-        raise ValueError("changes apply to contiguous tensors only")
-    itemsize = t.element_size()
-    int_type = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(itemsize)
-    if int_type is not None:
-        flat = t.view(-1).view(int_type) if t.dtype != int_type else t.view(-1)
-        flat[positions] = values.reshape(-1).view(int_type)
-    else:
-        rows = t.view(-1).view(torch.uint8).view(-1, itemsize)
-        rows[positions] = values.reshape(-1).view(torch.uint8).view(-1, itemsize)
