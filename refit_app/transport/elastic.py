@@ -146,16 +146,8 @@ class _Generation:
 def abandon(rg: RefitGroup | None) -> None:
     """Drop a generation's group after a failure: its sockets close now, so that members still blocked in one of
     its collectives fail at once instead of at their deadline. Never raises (the next generation is what counts)."""
-    if rg is None:
-        return
-    rg.control.failed = True
-    try:
-        rg.group.shutdown(abort=True)
-    except RuntimeError as e:
-        logger.debug("rank %d: teardown of an abandoned generation: %s", rg.control.rank, one_line(e))
-    if not rg.is_producer:
-        rg.control.leave()  # ends the producer's linger early where it ends the session
-    rg._closed = True
+    if rg is not None:
+        rg.abandon()
 
 
 class ProducerMembership:

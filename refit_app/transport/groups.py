@@ -97,6 +97,19 @@ class RefitGroup:
         # control.rank: the rank number the user gave (an elastic generation numbers its group by members).
         logger.info("rank %d: left the refit group at %s", self.control.rank, self.spec.address)
 
+    def abandon(self) -> None:
+        """Drop the group after a failure without the leave-taking of :meth:`close`: its sockets close now, so that
+        members still blocked in one of its collectives fail at once instead of at their deadline (an elastic
+        session's generation that failed). Never raises; :meth:`close` does nothing after it."""
+        self.control.failed = True
+        try:
+            self.group.shutdown(abort=True)
+        except RuntimeError as e:
+            logger.debug("rank %d: teardown of an abandoned group: %s", self.control.rank, one_line(e))
+        if not self.is_producer:
+            self.control.leave()  # ends the producer's linger early where it ends the session
+        self._closed = True
+
     def _shutdown_group(self, *, abort: bool) -> None:
         try:
             self.group.shutdown(abort=abort)
