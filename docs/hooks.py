@@ -6,8 +6,8 @@ Text parts, committed in their pages so that the pages read the same on GitHub a
 - ``configuration.md``: the reference of every key and option, from the schema, as ``python -m refit_app --help``
   prints it (:func:`refit_app.app.reference.markdown_reference`);
 - ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it;
-- ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``: the examples they show complete
-  (copies rather than ``--8<--`` snippets, which show raw on GitHub).
+- ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``, ``sharded.md``: the examples they show
+  complete (copies rather than ``--8<--`` snippets, which show raw on GitHub).
 
 Each part lies between its marker (the keys of :data:`GENERATED`) and :data:`END`. After changing the code they
 come from, rewrite them with
@@ -79,6 +79,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "library.md": {"<!-- generated: README.md section library -->": _readme_section("library")},
     "rl-loop.md": {"<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python")},
     "ray.md": {"<!-- generated: examples/ray_refit.py -->": _file_block("examples/ray_refit.py", "python")},
+    "sharded.md": {"<!-- generated: examples/sharded_fsdp.py -->": _file_block("examples/sharded_fsdp.py", "python")},
 }
 """Page -> {marker: what lies between it and :data:`END`}."""
 END = "<!-- end of generated part: python docs/hooks.py rewrites it -->"

@@ -14,6 +14,8 @@ Sources (docs/figures/ and docs/data/):
   session). ``#`` starts a comment; ``\\n`` in a text breaks the line.
 - ``*.flow``: a data flow. ``lane label: box | box | ...``, one lane a line, top to bottom; an arrow joins each box
   to the next, and a lane's last box to the next lane's first. ``note: text`` lines go under the picture.
+- ``sharded-plan.txt``: producers, consumers and tensors whose sharded-refit plan (``refit_app.core.reshard``) is
+  drawn as it is computed.
 - ``*.csv``: measured figures, each file headed by ``#`` lines that say where they were measured and by which
   command (docs/results.md has the runs); the plots draw them as they are.
 
@@ -316,6 +318,57 @@ def delta_speedup_svg() -> str:
     return _svg(fig)
 
 
+# The plan of a sharded refit ----------------------------------------------------------------------------------------
+
+_RANK_FILLS = ("#9ec3ea", "#f6c28b", "#b5dfa9", "#e9a9c7", "#cdbdf0")
+
+
+def sharded_plan_svg() -> str:
+    """Each tensor of docs/figures/sharded-plan.txt as a grid of its elements: every region of the plan filled with
+    its source producer's colour and labelled source -> destination, each consumer's box outlined."""
+    _setup()
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    sys.path.insert(0, str(ROOT))
+    from refit_app.core.reshard.plan import Layout, Need, Shard, TensorSpec, plan, shard_box
+
+    k = m = 0
+    tensors: list[tuple[str, int, int, str]] = []
+    for line in (FIGURES_DIR / "sharded-plan.txt").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words[:1] == ["producers:"]:
+            k = int(words[1])
+        elif words[:1] == ["consumers:"]:
+            m = int(words[1])
+        elif words[:1] == ["tensor"]:
+            tensors.append((words[1], int(words[2]), int(words[3]), words[4]))
+    fig, axes = plt.subplots(1, len(tensors), figsize=(3.6 * len(tensors), 4.2))
+    for ax, (name, rows, cols, how) in zip(axes, tensors):
+        spec = TensorSpec(name, "bfloat16", (rows, cols), 2, Layout.one_dim(list(range(k)), Shard(0)))
+        dim = 0 if how == "column" else 1
+        needs = [Need(k + c, name, shard_box((rows, cols), dim, m, c)) for c in range(m)]
+        for t in plan([spec], needs):
+            (r0, r1), (c0, c1) = t.box
+            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=_RANK_FILLS[t.src], edgecolor=_INK, lw=0.6))
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, f"{t.src} \u2192 {t.dst}", ha="center", va="center", fontsize=9)
+        for need in needs:
+            (r0, r1), (c0, c1) = need.box
+            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor=_DATA, lw=2.2))
+        ax.set_xlim(-0.5, cols + 0.5)
+        ax.set_ylim(rows + 0.5, -0.5)
+        ax.set_aspect("equal")
+        ax.set_title(f"{name} [{rows}, {cols}], {how}-parallel", fontsize=9)
+        ax.set_xlabel("columns")
+        ax.set_ylabel("rows")
+    handles = [Rectangle((0, 0), 1, 1, facecolor=_RANK_FILLS[r], edgecolor=_INK) for r in range(k)]
+    handles.append(Rectangle((0, 0), 1, 1, fill=False, edgecolor=_DATA, lw=2.2))
+    labels = [f"sent by producer rank {r}" for r in range(k)] + ["one consumer rank's box"]
+    fig.legend(handles, labels, loc="lower center", ncol=k + 1, fontsize=8, frameon=False)
+    fig.subplots_adjust(bottom=0.2)
+    return _svg(fig)
+
+
 def _from(source: str, draw: Callable[[str], str]) -> Callable[[], str]:
     return lambda: draw((FIGURES_DIR / source).read_text())
 
@@ -327,26 +380,29 @@ FIGURES: dict[str, Callable[[], str]] = {
     "shm-ring.svg": _from("shm-ring.seq", sequence_svg),
     "buffer-sweep.svg": buffer_sweep_svg,
     "delta-speedup.svg": delta_speedup_svg,
+    "sharded-plan.svg": sharded_plan_svg,
 }
 """The site's img/<name> -> what draws it."""
 
-SOURCES: dict[str, Path] = {
-    "round-dataflow.svg": FIGURES_DIR / "round-dataflow.flow",
-    "session-rounds.svg": FIGURES_DIR / "session-rounds.seq",
-    "elastic-generation.svg": FIGURES_DIR / "elastic-generation.seq",
-    "shm-ring.svg": FIGURES_DIR / "shm-ring.seq",
-    "buffer-sweep.svg": DATA_DIR / "buffer-sweep.csv",
-    "delta-speedup.svg": DATA_DIR / "delta-speedup.csv",
+SOURCES: dict[str, tuple[Path, ...]] = {
+    "round-dataflow.svg": (FIGURES_DIR / "round-dataflow.flow",),
+    "session-rounds.svg": (FIGURES_DIR / "session-rounds.seq",),
+    "elastic-generation.svg": (FIGURES_DIR / "elastic-generation.seq",),
+    "shm-ring.svg": (FIGURES_DIR / "shm-ring.seq",),
+    "buffer-sweep.svg": (DATA_DIR / "buffer-sweep.csv",),
+    "delta-speedup.svg": (DATA_DIR / "delta-speedup.csv",),
+    "sharded-plan.svg": (FIGURES_DIR / "sharded-plan.txt", ROOT / "refit_app" / "core" / "reshard" / "plan.py"),
 }
-"""The site's img/<name> -> the file it is drawn from."""
+"""The site's img/<name> -> the files it is drawn from (the plan's picture: its layouts and the planner)."""
 
 
 def digest(name: str) -> str:
-    """What picture ``name`` is drawn from, as one hash: its source file and this script. docs/hooks.py keeps it in
+    """What picture ``name`` is drawn from, as one hash: its source files and this script. docs/hooks.py keeps it in
     the committed picture, so a picture whose source or drawing changed is found stale without drawing it (and
     without depending on the matplotlib version that drew it)."""
     h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(SOURCES[name].read_bytes())
+    for source in SOURCES[name]:
+        h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
 

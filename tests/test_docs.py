@@ -150,9 +150,10 @@ def test_the_committed_pictures_are_drawn_from_todays_sources(hooks: ModuleType,
     drawn = hooks._script("draw_figures")
     name = next(iter(drawn.SOURCES))
     before = drawn.digest(name)
-    changed = tmp_path / drawn.SOURCES[name].name
-    changed.write_bytes(drawn.SOURCES[name].read_bytes() + b"\n# one more line\n")
-    drawn.SOURCES[name] = changed
+    (source,) = drawn.SOURCES[name]
+    changed = tmp_path / source.name
+    changed.write_bytes(source.read_bytes() + b"\n# one more line\n")
+    drawn.SOURCES[name] = (changed,)
     assert drawn.digest(name) != before
 
 

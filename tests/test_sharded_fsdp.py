@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,15 @@ def test_a_wrong_layout_on_one_rank_stops_every_rank_in_one_line_before_any_data
     (line,) = lines
     assert "\n" not in line and "34" in line and "33" in line, line
     assert max(r[2] for r in results) < 5.0, [r[2] for r in results]
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sharded_fsdp.py"
+
+
+def test_the_sharded_example_runs_and_the_docs_show_the_file_itself(cli):
+    page = EXAMPLE.parent.parent / "docs" / "sharded.md"
+    assert EXAMPLE.read_text().strip() in page.read_text()
+    result = cli.script(EXAMPLE)
+    assert result.returncode == 0, result.describe()
+    assert "every engine rank holds exactly its slices of the trainer's last weights: True" in result.stdout
+    assert result.stdout.count("received") == 6, result.describe()
