@@ -137,7 +137,8 @@ class RayRole(Role):
 
 @dataclass
 class RefitDebug:
-    """Test-only fault hooks that prove the failure paths work; users never need them."""
+    """Fault hooks that show the failure paths at work: the tests use them, and so do the README's and the docs'
+    demonstrations (a consumer killed mid-run under refit.on_consumer_loss=continue). Never set in a real run."""
 
     corrupt_chunk: Optional[int] = None
     """Index of a received chunk whose bytes a consumer flips, to show that ``sink=verify`` catches corruption."""
@@ -172,7 +173,7 @@ class Refit:
     restarted with the run's group.run_id and token joins at a round boundary. continue needs group.token, gloo and
     group.topology=tree; same on every rank (docs/elastic.md)."""
     debug: RefitDebug = field(default_factory=RefitDebug)
-    """Test-only fault hooks; not for users."""
+    """Fault hooks for tests and demonstrations of the failure paths; never set in a real run."""
 
 
 @dataclass
