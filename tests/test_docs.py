@@ -174,3 +174,17 @@ def test_dates_issues_and_machine_load_only_on_the_results_page() -> None:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             found += [f"{page.name}:{n}: {what}: {line.strip()}" for what, rx in _LAB_LOG.items() if rx.search(line)]
     assert found == [], "\n".join(found)
+
+
+def test_every_environment_variable_the_project_reads_or_sets_is_in_the_table() -> None:
+    # The *_ENV constants are the one home of each variable's name (a variable used without one is a finding too).
+    names, bare = set(), []
+    for path in (ROOT / "refit_app").rglob("*.py"):
+        text = path.read_text()
+        for match in re.finditer(r'^[A-Z_]+_ENVS? = \(?((?:"[A-Z0-9_]+",? ?)+)\)?$', text, re.M):
+            names |= set(re.findall(r'"([A-Z0-9_]+)"', match.group(1)))
+        bare += [f"{path.name}: {m}" for m in re.findall(r'environ(?:\.get|\.setdefault|\[)\(?"([A-Z0-9_]+)"', text)]
+    assert bare == [], "name these variables in an *_ENV constant"
+    assert {"REFIT_APP_TOKEN", "NRL_REFIT_NUM_BUFFERS", "RAY_DEDUP_LOGS", "SLURM_JOB_NODELIST"} <= names, names
+    table = (DOCS / "configuration.md").read_text().split("## Environment variables", 1)[1]
+    assert sorted(n for n in names if f"`{n}`" not in table) == []

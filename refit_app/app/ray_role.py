@@ -43,6 +43,9 @@ from refit_app.app.rank_harness import DeferredSignals, RankOutcome, outcome_of
 from refit_app.common.errors import ConfigError, RefitError, one_line
 from refit_app.integrations.ray.defaults import RAY_EXTRA
 
+RAY_DEDUP_LOGS_ENV = "RAY_DEDUP_LOGS"
+"""Set to ``0`` unless the user set it: Ray would fold the ranks' lines that look alike."""
+
 logger = logging.getLogger(__name__)
 
 RAY_EXIT_GRACE_S = 10.0
@@ -75,7 +78,7 @@ def run_ray(s: RunSettings) -> dict[str, Any]:
 def _import_ray() -> Any:
     # Ray folds the ranks' lines that look alike ("[repeated 2x across cluster]"), hiding the consumers' own;
     # read when Ray is imported. A user's own setting wins.
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault(RAY_DEDUP_LOGS_ENV, "0")
     try:
         return importlib.import_module("ray")
     except ImportError as e:
