@@ -51,7 +51,9 @@ from refit_app.transport.spec import (
 
 @dataclass(frozen=True)
 class RefitSpec:
-    """How tensors are packed and moved, and how many refits one run performs."""
+    """How tensors are packed and moved, and how many refits one run performs: the keys of ``refit`` (their
+    meaning is the schema's, :class:`refit_app.app.schema.Refit`; ``refit.debug.*`` flattened), with what the typed
+    value adds noted here."""
 
     buffer_size_bytes: int | None = None
     """None: the library default on a producer, the producer's value on a consumer (which otherwise insists on
@@ -63,14 +65,10 @@ class RefitSpec:
     """Refits one run performs over one group; None only on a consumer: adopt the producer's (which otherwise
     insists on its own at the handshake)."""
     delta: str = DEFAULT_DELTA
-    """Delta rounds: off, on or auto (:data:`refit_app.protocol.defaults.DELTA_MODES`)."""
     corrupt_chunk: int | None = None
-    """Test-only fault hook: a consumer flips one byte of this received chunk."""
     die_in_round: int | None = None
-    """Test-only fault hook: consumer ``die_rank`` SIGKILLs itself at its first batch of this round."""
     die_rank: int = 1
     on_consumer_loss: str = DEFAULT_ON_CONSUMER_LOSS
-    """``fail`` or ``continue`` (:data:`refit_app.transport.spec.ON_CONSUMER_LOSS`)."""
 
     @property
     def elastic(self) -> bool:
