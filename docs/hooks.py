@@ -5,7 +5,8 @@ Text parts, committed in their pages so that the pages read the same on GitHub a
 
 - ``configuration.md``: the reference of every key and option, from the schema, as ``python -m refit_app --help``
   prints it (:func:`refit_app.app.reference.markdown_reference`);
-- ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it;
+- ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it; ``rl-loop.md``:
+  the sessions' signatures and a round's fields, from the code;
 - ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``, ``sharded.md``: the examples they show
   complete (copies rather than ``--8<--`` snippets, which show raw on GitHub).
 
@@ -70,6 +71,36 @@ def _metrics_table(rounds: bool) -> Callable[[], str]:
     return make
 
 
+def _session_signatures() -> str:
+    """The sessions' constructors and round calls as the code declares them, and the fields of a round."""
+    import dataclasses
+    import inspect
+
+    from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
+
+    def sig(f: Callable[..., Any]) -> str:
+        signature = inspect.signature(f)
+        parts, starred = [], False
+        for p in list(signature.parameters.values())[1:]:  # not self
+            if p.kind is p.KEYWORD_ONLY and not starred:
+                parts.append("*")
+                starred = True
+            text = f"{p.name}: {p.annotation}" if p.annotation is not p.empty else p.name
+            parts.append(text if p.default is p.empty else f"{text} = {p.default!r}")
+        returns = signature.return_annotation
+        return f"({', '.join(parts)})" + ("" if returns in (signature.empty, "None") else f" -> {returns}")
+
+    fields = ", ".join(f.name for f in dataclasses.fields(Round))
+    lines = [
+        f"ProducerSession{sig(ProducerSession.__init__)}",
+        f"ProducerSession.send{sig(ProducerSession.send)}",
+        f"ConsumerSession{sig(ConsumerSession.__init__)}",
+        f"ConsumerSession.receive{sig(ConsumerSession.receive)}",
+        f"Round: {fields}",
+    ]
+    return "```text\n" + "\n".join(lines) + "\n```"
+
+
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "configuration.md": {"<!-- generated: configuration reference -->": _config_reference},
     "metrics.md": {
@@ -77,7 +108,10 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "<!-- generated: round keys -->": _metrics_table(rounds=True),
     },
     "library.md": {"<!-- generated: README.md section library -->": _readme_section("library")},
-    "rl-loop.md": {"<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python")},
+    "rl-loop.md": {
+        "<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python"),
+        "<!-- generated: session signatures -->": _session_signatures,
+    },
     "ray.md": {"<!-- generated: examples/ray_refit.py -->": _file_block("examples/ray_refit.py", "python")},
     "sharded.md": {"<!-- generated: examples/sharded_fsdp.py -->": _file_block("examples/sharded_fsdp.py", "python")},
 }
