@@ -3,13 +3,16 @@ chains) that each end with exactly their box of every tensor, bit for bit, again
 
 from __future__ import annotations
 
+import re
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import run_ranks
+from mp_utils import deadline_budget, run_ranks
 
+from refit_app.common.errors import PeerError
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
 from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
 from refit_app.protocol.checksum import checksum_function, default_algorithm
@@ -188,3 +191,70 @@ def test_a_region_that_arrives_other_than_it_was_sent_is_named():
     assert producer == 8 * 8 * 8 * 4
     assert consumer.exc_type == "RegionMismatch", consumer
     assert "region [(0, 8), (0, 8)] of tensor 'w2' from rank 0" in consumer.message, consumer.message
+
+
+def _killed_rank(rank: int, world_size: int, port: int, victim: int, timeout_s: float):
+    import os
+    import signal
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    specs = [TensorSpec(f"w{i}", "float32", (64, 64), 4, Layout.one_dim([0, 1], Shard(0))) for i in range(16)]
+    needs = [Need(2 + c, s.name, shard_box(s.shape, 1, 2, c)) for c in range(2) for s in specs]
+    transfers = plan(specs, needs)
+    options = {"buffer_size_bytes": 4096, "num_buffers": 2}
+    pairs = TorchPairs(rank)
+    if rank == victim:
+
+        class _DiesAtItsThirdMessage:
+            rank = pairs.rank
+            calls = 0
+
+            def _maybe_die(self):
+                self.calls += 1
+                if self.calls == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def isend(self, tensor, dst):
+                self._maybe_die()
+                return pairs.isend(tensor, dst)
+
+            def irecv(self, tensor, src):
+                self._maybe_die()
+                return pairs.irecv(tensor, src)
+
+        pairs = _DiesAtItsThirdMessage()
+    start = time.monotonic()
+    try:
+        if rank < 2:
+            shards = {
+                s.name: Held(torch.ones([b - a for a, b in held_boxes(s)[rank]]), held_boxes(s)[rank]) for s in specs
+            }
+            send_regions(pairs, transfers, shards, **options)
+        else:
+            slices = {n.name: Held(torch.empty([b - a for a, b in n.box]), n.box) for n in needs if n.rank == rank}
+            receive_regions(pairs, transfers, slices, **options)
+    except PeerError as e:
+        return ("failed", time.monotonic() - start, str(e))
+    return ("done", time.monotonic() - start, "")
+
+
+@pytest.mark.parametrize("victim", [0, 3])  # a producer, a consumer
+def test_a_rank_killed_mid_transfer_makes_its_peers_fail_within_the_deadline(victim):
+    timeout_s = 6.0
+    results = run_ranks(_killed_rank, 4, victim, timeout_s, timeout=60, return_exceptions=True)
+    assert results[victim].exc_type == "Died", results[victim]
+    peers = [r for rank, r in enumerate(results) if rank != victim]
+    # Whoever exchanged bytes with the dead rank fails (a peer that had finished its part before may be done), and
+    # nobody waits much past one deadline for it.
+    assert any(r[0] == "failed" for r in peers), peers
+    assert all(r[1] < deadline_budget(timeout_s) for r in peers), peers
+    # Each names the rank it lost: the dead one, or a peer that gave up on it and exited first.
+    for r in peers:
+        assert r[0] == "done" or (re.search(r"lost rank \d while", r[2]) and "\n" not in r[2]), r
+    assert any(f"lost rank {victim} while" in r[2] for r in peers), peers

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from refit_app.common.errors import PeerError, one_line
 from refit_app.core.chunks import Chunk, plan_chunks
 from refit_app.core.group import Work
 from refit_app.core.reshard.plan import Box, Transfer, volume
@@ -94,6 +95,15 @@ def _as_words(hashes: Sequence[int]) -> torch.Tensor:
     return torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for h in hashes], dtype=torch.int64)
 
 
+def _wait(work: Work, group: PairGroup, peer: int, what: str) -> None:
+    """Wait for one send or receive (the group bounds it by its timeout); a peer that died or stalled is named in one
+    line (:class:`~refit_app.common.errors.PeerError`), with the backend's own first line after it."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise PeerError(f"rank {group.rank}: lost rank {peer} while {what} it: {one_line(e)[:300]}") from e
+
+
 def _nbytes(t: Transfer, held: Mapping[str, Held]) -> int:
     return volume(t.box) * held[t.name].tensor.element_size()
 
@@ -156,7 +166,7 @@ def _unpack(
 def _check_hashes(group: PairGroup, pair: _Pair) -> None:
     """Receive ``pair``'s hashes from its source and compare them with those of the bytes that arrived."""
     theirs = torch.empty(len(pair.regions), dtype=torch.int64)
-    group.irecv(theirs, pair.peer).wait()
+    _wait(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
     for t, mine, sent in zip(pair.regions, _as_words(pair.hashes).tolist(), theirs.tolist()):
         if mine != sent:
             raise RegionMismatch(
@@ -196,15 +206,15 @@ def _send_next(
     when all are in flight; once all are sent, wait for what is left."""
     if pair.next_chunk >= len(pair.chunks):
         while pair.slots:
-            pair.slots.popleft()[0].wait()
+            _wait(pair.slots.popleft()[0], group, pair.peer, "sending to")
         if pair.trailer is not None:
-            pair.trailer[0].wait()
+            _wait(pair.trailer[0], group, pair.peer, "sending to")
             pair.trailer = None
         return 0
     buffer = None
     if len(pair.slots) >= num_buffers:
         work, buffer, _ = pair.slots.popleft()
-        work.wait()
+        _wait(work, group, pair.peer, "sending to")
     if buffer is None:
         buffer = torch.empty(buffer_size_bytes, dtype=torch.uint8)
     chunk = pair.chunks[pair.next_chunk]
@@ -245,7 +255,7 @@ def receive_regions(
             if not pair.slots:
                 continue
             work, buffer, chunk = pair.slots.popleft()
-            work.wait()
+            _wait(work, group, pair.peer, "receiving from")
             landed.update((t.name, t.box) for t in _unpack(pair, chunk, buffer, slices, checksum))
             received += chunk.nbytes
             if pair.next_chunk < len(pair.chunks):
