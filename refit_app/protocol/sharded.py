@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from refit_app.common.errors import HandshakeError
+from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas, receive_delta, send_delta
 from refit_app.core.reshard.plan import (
     Layout,
     LayoutError,
@@ -253,9 +254,15 @@ def send(
     buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     checksum: Callable[[Any], int] | None = None,
+    delta: ProducerDeltas | None = None,
 ) -> int:
-    """Send this producer's regions of the plan; the bytes sent."""
+    """Send this producer's regions of the plan; the bytes sent. With ``delta`` (the producer's state across
+    rounds, :class:`~refit_app.core.reshard.delta.ProducerDeltas`), a delta round: only the changed elements of
+    each piece, dense where the consumer cannot vouch for its base, every piece verified (``checksum`` is then not
+    needed); the consumers pass their :class:`~refit_app.core.reshard.delta.ConsumerBases` to :func:`receive`."""
     group = TorchPairs(rank, pg)
+    if delta is not None:
+        return send_delta(group, transfers, shards, delta, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
     return send_regions(
         group, transfers, shards, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
     )
@@ -270,9 +277,23 @@ def receive(
     buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     checksum: Callable[[Any], int] | None = None,
+    bases: ConsumerBases | None = None,
+    check_base: bool = True,
 ) -> int:
-    """Receive this consumer's regions into ``slices`` (and relay its replica's); the bytes received."""
+    """Receive this consumer's regions into ``slices`` (and relay its replica's); the bytes received. With
+    ``bases`` (this consumer's state across rounds), a delta round, whose producers passed ``delta``; with
+    ``check_base``, the consumer hashes its pieces first and asks for a dense round where they were written since."""
     group = TorchPairs(rank, pg)
+    if bases is not None:
+        return receive_delta(
+            group,
+            transfers,
+            slices,
+            bases,
+            buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers,
+            check_base=check_base,
+        )
     return receive_regions(
         group, transfers, slices, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
     )

@@ -67,7 +67,7 @@ class RegionMismatch(RuntimeError):
 
 
 @dataclass
-class _Pair:
+class Pair:
     """One (this rank, peer) stream: its regions, their chunks, the buffers in flight, the regions' hashes."""
 
     peer: int
@@ -91,11 +91,11 @@ def _hashes(checksum: Checksum, buffer: torch.Tensor, sizes: Sequence[int]) -> l
     return out
 
 
-def _as_words(hashes: Sequence[int]) -> torch.Tensor:
+def as_words(hashes: Sequence[int]) -> torch.Tensor:
     return torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for h in hashes], dtype=torch.int64)
 
 
-def _wait(work: Work, group: PairGroup, peer: int, what: str) -> None:
+def wait_for(work: Work, group: PairGroup, peer: int, what: str) -> None:
     """Wait for one send or receive (the group bounds it by its timeout); a peer that died or stalled is named in one
     line (:class:`~refit_app.common.errors.PeerError`), with the backend's own first line after it."""
     try:
@@ -126,7 +126,9 @@ def pieces(box: Box, itemsize: int, limit: int) -> list[Box]:
     return [box]
 
 
-def _pairs(transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int) -> list[_Pair]:
+def pair_streams(
+    transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int
+) -> list[Pair]:
     by_peer: dict[int, list[Transfer]] = {}
     for t in transfers:
         size = held[t.name].tensor.element_size()
@@ -134,12 +136,12 @@ def _pairs(transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, bu
             replace(t, box=box) for box in pieces(t.box, size, buffer_size_bytes)
         )
     return [
-        _Pair(peer, regions, plan_chunks([_nbytes(t, held) for t in regions], buffer_size_bytes))
+        Pair(peer, regions, plan_chunks([_nbytes(t, held) for t in regions], buffer_size_bytes))
         for peer, regions in sorted(by_peer.items())
     ]
 
 
-def _pack(pair: _Pair, chunk: Chunk, held: Mapping[str, Held], buffer: torch.Tensor) -> torch.Tensor:
+def _pack(pair: Pair, chunk: Chunk, held: Mapping[str, Held], buffer: torch.Tensor) -> torch.Tensor:
     """``chunk``'s regions, packed from ``held`` into ``buffer`` (grown for a region larger than a buffer)."""
     if buffer.numel() < chunk.nbytes:
         buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
@@ -150,7 +152,7 @@ def _pack(pair: _Pair, chunk: Chunk, held: Mapping[str, Held], buffer: torch.Ten
 
 
 def _unpack(
-    pair: _Pair, chunk: Chunk, buffer: torch.Tensor, held: Mapping[str, Held], checksum: Checksum | None
+    pair: Pair, chunk: Chunk, buffer: torch.Tensor, held: Mapping[str, Held], checksum: Checksum | None
 ) -> list[Transfer]:
     offset = 0
     landed = pair.regions[chunk.first : chunk.stop]
@@ -163,11 +165,11 @@ def _unpack(
     return landed
 
 
-def _check_hashes(group: PairGroup, pair: _Pair) -> None:
+def _check_hashes(group: PairGroup, pair: Pair) -> None:
     """Receive ``pair``'s hashes from its source and compare them with those of the bytes that arrived."""
     theirs = torch.empty(len(pair.regions), dtype=torch.int64)
-    _wait(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
-    for t, mine, sent in zip(pair.regions, _as_words(pair.hashes).tolist(), theirs.tolist()):
+    wait_for(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
+    for t, mine, sent in zip(pair.regions, as_words(pair.hashes).tolist(), theirs.tolist()):
         if mine != sent:
             raise RegionMismatch(
                 f"rank {group.rank}: region {list(t.box)} of tensor {t.name!r} from rank {t.src} arrived other "
@@ -186,7 +188,7 @@ def send_regions(
 ) -> int:
     """Send every region this rank is the source of (its local shards, ``shards``: tensor name -> :class:`Held`);
     returns the bytes sent. Returns once every send has completed."""
-    pairs = _pairs([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes)
     sent = 0
     while not all(p.done() for p in pairs):
         for pair in pairs:
@@ -196,7 +198,7 @@ def send_regions(
 
 def _send_next(
     group: PairGroup,
-    pair: _Pair,
+    pair: Pair,
     held: Mapping[str, Held],
     buffer_size_bytes: int,
     num_buffers: int,
@@ -206,15 +208,15 @@ def _send_next(
     when all are in flight; once all are sent, wait for what is left."""
     if pair.next_chunk >= len(pair.chunks):
         while pair.slots:
-            _wait(pair.slots.popleft()[0], group, pair.peer, "sending to")
+            wait_for(pair.slots.popleft()[0], group, pair.peer, "sending to")
         if pair.trailer is not None:
-            _wait(pair.trailer[0], group, pair.peer, "sending to")
+            wait_for(pair.trailer[0], group, pair.peer, "sending to")
             pair.trailer = None
         return 0
     buffer = None
     if len(pair.slots) >= num_buffers:
         work, buffer, _ = pair.slots.popleft()
-        _wait(work, group, pair.peer, "sending to")
+        wait_for(work, group, pair.peer, "sending to")
     if buffer is None:
         buffer = torch.empty(buffer_size_bytes, dtype=torch.uint8)
     chunk = pair.chunks[pair.next_chunk]
@@ -226,7 +228,7 @@ def _send_next(
     if checksum is not None and pair.next_chunk == len(pair.chunks):
         # At once, not on the pair's next turn: the destination waits for the hashes before it takes its next
         # chunk from anyone.
-        words = _as_words(pair.hashes)
+        words = as_words(pair.hashes)
         pair.trailer = (group.isend(words, pair.peer), words)
     return chunk.nbytes
 
@@ -243,8 +245,8 @@ def receive_regions(
     """Receive every region this rank is the destination of into ``slices`` (tensor name -> :class:`Held`: the
     tensor of the box this rank needs), and pass on each region it relays to a replica as soon as its chunk is
     complete; returns the bytes received. Returns once every receive and relay has completed."""
-    pairs = _pairs([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
-    relays = _pairs([t for t in transfers if t.src == group.rank and t.relayed], slices, "dst", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
+    relays = pair_streams([t for t in transfers if t.src == group.rank and t.relayed], slices, "dst", buffer_size_bytes)
     for pair in pairs:
         while pair.next_chunk < len(pair.chunks) and len(pair.slots) < num_buffers:
             _post_receive(group, pair, buffer_size_bytes)
@@ -255,7 +257,7 @@ def receive_regions(
             if not pair.slots:
                 continue
             work, buffer, chunk = pair.slots.popleft()
-            _wait(work, group, pair.peer, "receiving from")
+            wait_for(work, group, pair.peer, "receiving from")
             landed.update((t.name, t.box) for t in _unpack(pair, chunk, buffer, slices, checksum))
             received += chunk.nbytes
             if pair.next_chunk < len(pair.chunks):
@@ -272,7 +274,7 @@ def receive_regions(
     return received
 
 
-def _post_receive(group: PairGroup, pair: _Pair, buffer_size_bytes: int, buffer: torch.Tensor | None = None) -> None:
+def _post_receive(group: PairGroup, pair: Pair, buffer_size_bytes: int, buffer: torch.Tensor | None = None) -> None:
     chunk = pair.chunks[pair.next_chunk]
     pair.next_chunk += 1
     if buffer is None or buffer.numel() < chunk.nbytes:
@@ -282,7 +284,7 @@ def _post_receive(group: PairGroup, pair: _Pair, buffer_size_bytes: int, buffer:
 
 def _relay_ready(
     group: PairGroup,
-    relay: _Pair,
+    relay: Pair,
     slices: Mapping[str, Held],
     landed: set[tuple[str, Box]],
     buffer_size_bytes: int,
