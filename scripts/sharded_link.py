@@ -3,7 +3,9 @@
 straight to M tensor-parallel consumers (D replicas), each on its own host; every host's link is shaped to
 ``--rate`` (tc tbf on its egress). Compared in the same run, on the same hosts and model, with one producer that
 holds the whole model and sends it whole to every consumer along a chain (what a one-producer refit does), and with
-gathering the shards onto producer 0 first and then doing that.
+gathering the shards onto producer 0 first and then doing that. ``--modes sharded-delta`` adds delta rounds: between
+rounds every producer changes about ``--change`` of its shards' elements in place (scattered, as an optimizer step
+leaves them), and each round sends only those, every piece verified.
 
     sudo .venv/bin/python scripts/sharded_link.py --rate 400mbit --size 512MiB --k 4 --m 4 --rounds 4
 
@@ -34,7 +36,7 @@ HOSTS_SCRIPT = REPO / "scripts" / "netns_hosts.sh"
 PREFIX = "refit-shard"
 PORT = 29870
 RUN_TIMEOUT_S = 1800
-MODES = ("sharded", "one-producer", "gather-broadcast")
+MODES = ("sharded", "one-producer", "gather-broadcast", "sharded-delta")
 
 
 def _parse_rate(text: str) -> float:
@@ -72,6 +74,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
     from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, whole
     from refit_app.core.reshard.transfer import Held
     from refit_app.protocol.checksum import checksum_function, default_algorithm
@@ -139,19 +142,48 @@ def _worker(args: argparse.Namespace) -> None:
             out[spec.name] = Held(torch.cat(parts) if spec.shape else local, whole(spec.shape))
         return out if rank == 0 else None
 
+    def train_step(step: int) -> None:
+        """About ``--change`` of every shard's elements take new values, in place (outside the timed round)."""
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        for held in shards.values():
+            flat = held.tensor.reshape(-1)
+            n = int(flat.numel() * args.change)
+            if n:
+                idx = torch.randint(0, flat.numel(), (n,), generator=g)
+                flat[idx] = torch.randn(n, generator=g).to(flat.dtype)
+
     transfers = None
     whole_model = None
     results = {}
+    deltas, bases = ProducerDeltas(), ConsumerBases()
+    delta_slices = None
     for mode in args.modes:
-        if mode == "sharded":
+        if mode in ("sharded", "sharded-delta"):
             transfers = plan(specs, needs, chains=chains)
         if mode == "one-producer" and whole_model is None:
             whole_model = gather_to_0()  # made once, outside the timed rounds
         times, wire = [], []
-        for _ in range(args.rounds):
+        for step in range(args.rounds):
+            if mode == "sharded-delta" and rank < k and step:
+                train_step(step)
             dist.barrier()
             tx0, t0 = _tx_bytes(), time.perf_counter()
-            if mode == "sharded":
+            if mode == "sharded-delta":
+                if rank < k:
+                    send(dist.group.WORLD, rank, transfers, shards, delta=deltas, **options)
+                else:
+                    if delta_slices is None:
+                        delta_slices = allocate(specs, [n for n in needs if n.rank == rank])
+                    receive(
+                        dist.group.WORLD,
+                        rank,
+                        transfers,
+                        delta_slices,
+                        bases=bases,
+                        check_base=not args.no_check_base,
+                        **options,
+                    )
+            elif mode == "sharded":
                 if rank < k:
                     send(dist.group.WORLD, rank, transfers, shards, **options)
                 else:
@@ -213,7 +245,11 @@ def main() -> int:
     parser.add_argument("--d", type=int, default=1, help="replicas of the consumers' layout")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--buffer", type=int, default=32 << 20, help="bytes of one buffer")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
+    parser.add_argument("--change", type=float, default=0.01, help="sharded-delta: share of elements changed a round")
+    parser.add_argument(
+        "--no-check-base", action="store_true", help="sharded-delta: consumers do not hash their pieces before a round"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,6 +270,7 @@ def main() -> int:
         base = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rate", args.rate]
         base += ["--size", str(args.size), "--preset", args.preset, "--k", str(args.k), "--m", str(args.m)]
         base += ["--d", str(args.d), "--rounds", str(args.rounds), "--buffer", str(args.buffer), "--modes", *args.modes]
+        base += ["--change", str(args.change)] + (["--no-check-base"] if args.no_check_base else [])
         worker_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         for rank in range(world):
             cmd = ["ip", "netns", "exec", f"{PREFIX}{rank + 1}", *base, "--rank", str(rank)]
