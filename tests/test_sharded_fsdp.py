@@ -104,7 +104,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("k, m", [(2, 2), (3, 2), (2, 3), (1, 2)])
+@pytest.mark.parametrize("k, m", [(3, 2), (2, 3)])
 def test_an_fsdp2_trainer_sends_each_tensor_parallel_rank_its_slices_every_round(k, m):
     results = run_ranks(_rank, k + m, k, None, timeout=180)
     assert [r[0] for r in results] == ["trained"] * k + ["received"] * m, [r[0] for r in results]
