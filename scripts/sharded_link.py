@@ -180,7 +180,6 @@ def _worker(args: argparse.Namespace) -> None:
                         transfers,
                         delta_slices,
                         bases=bases,
-                        check_base=not args.no_check_base,
                         **options,
                     )
             elif mode == "sharded":
@@ -247,9 +246,6 @@ def main() -> int:
     parser.add_argument("--buffer", type=int, default=32 << 20, help="bytes of one buffer")
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     parser.add_argument("--change", type=float, default=0.01, help="sharded-delta: share of elements changed a round")
-    parser.add_argument(
-        "--no-check-base", action="store_true", help="sharded-delta: consumers do not hash their pieces before a round"
-    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -270,7 +266,7 @@ def main() -> int:
         base = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rate", args.rate]
         base += ["--size", str(args.size), "--preset", args.preset, "--k", str(args.k), "--m", str(args.m)]
         base += ["--d", str(args.d), "--rounds", str(args.rounds), "--buffer", str(args.buffer), "--modes", *args.modes]
-        base += ["--change", str(args.change)] + (["--no-check-base"] if args.no_check_base else [])
+        base += ["--change", str(args.change)]
         worker_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         for rank in range(world):
             cmd = ["ip", "netns", "exec", f"{PREFIX}{rank + 1}", *base, "--rank", str(rank)]

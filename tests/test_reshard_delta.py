@@ -1,6 +1,6 @@
 """Delta rounds of a sharded refit over real gloo groups: K producers change a few elements of their own shards
 between rounds and send each consumer only those, bit for bit; a consumer whose pieces were written since (through
-``.data``, which torch's version counter does not see) gets a dense round for them instead of a wrong one."""
+``.data``, which torch's version counter does not see) has them sent again whole in the same round, never wrong."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
                 torch.equal(h.tensor, Held(_full(int(name[1:]), round_), whole(SHAPES[int(name[1:])])).region(h.box))
                 for name, h in slices.items()
             )
-            out.append((got, exact))
+            out.append((got, exact, bases.repaired))
         return out
     finally:
         dist.destroy_process_group()
@@ -97,14 +97,17 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
 def test_delta_rounds_send_the_changes_and_every_consumer_ends_exact(k, m):
     results = run_ranks(_rank, k + m, k, 0, timeout=120)
     for consumer in results[k:]:
-        assert all(exact for _, exact in consumer), consumer
-        first, later = consumer[0][0], [got for got, _ in consumer[1:]]
+        assert all(exact for _, exact, _ in consumer), consumer
+        first, later = consumer[0][0], [got for got, _, _ in consumer[1:]]
         assert all(got < first / 3 for got in later), consumer  # about 2% of the elements change a round
+        assert [repaired for _, _, repaired in consumer[1:]] == [0] * (ROUNDS - 1), consumer
 
 
-def test_a_consumer_whose_pieces_were_written_since_gets_them_dense_not_wrong():
+def test_a_consumer_whose_pieces_were_written_since_has_them_sent_whole_not_wrong():
     results = run_ranks(_rank, 3, 2, 3, timeout=120)
     consumer = results[2]
-    assert all(exact for _, exact in consumer), consumer
-    sizes = [got for got, _ in consumer]
-    assert sizes[2] > 3 * max(sizes[1], sizes[3]), sizes  # round 3: t5's pair went dense
+    assert all(exact for _, exact, _ in consumer), consumer
+    sizes = [got for got, _, _ in consumer]
+    assert sizes[2] > 3 * max(sizes[1], sizes[3]), sizes  # round 3: t5's pieces went again, whole
+    # round 3: every piece of t5 (64 x 64 float32 in 1 KiB pieces: 16), from both producers
+    assert [repaired for _, _, repaired in consumer[1:]] == [0, 16, 0, 0], consumer

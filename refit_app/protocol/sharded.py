@@ -258,8 +258,8 @@ def send(
 ) -> int:
     """Send this producer's regions of the plan; the bytes sent. With ``delta`` (the producer's state across
     rounds, :class:`~refit_app.core.reshard.delta.ProducerDeltas`), a delta round: only the changed elements of
-    each piece, dense where the consumer cannot vouch for its base, every piece verified (``checksum`` is then not
-    needed); the consumers pass their :class:`~refit_app.core.reshard.delta.ConsumerBases` to :func:`receive`."""
+    each piece, every piece verified and any that differs sent again whole (``checksum`` is then not needed); the
+    consumers pass their :class:`~refit_app.core.reshard.delta.ConsumerBases` to :func:`receive`."""
     group = TorchPairs(rank, pg)
     if delta is not None:
         return send_delta(group, transfers, shards, delta, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
@@ -278,11 +278,10 @@ def receive(
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     checksum: Callable[[Any], int] | None = None,
     bases: ConsumerBases | None = None,
-    check_base: bool = True,
 ) -> int:
     """Receive this consumer's regions into ``slices`` (and relay its replica's); the bytes received. With
-    ``bases`` (this consumer's state across rounds), a delta round, whose producers passed ``delta``; with
-    ``check_base``, the consumer hashes its pieces first and asks for a dense round where they were written since."""
+    ``bases`` (this consumer's state across rounds), a delta round, whose producers passed ``delta``: every piece is
+    verified, and one that holds other bytes than the producer's (written since) is sent again whole."""
     group = TorchPairs(rank, pg)
     if bases is not None:
         return receive_delta(
@@ -292,7 +291,6 @@ def receive(
             bases,
             buffer_size_bytes=buffer_size_bytes,
             num_buffers=num_buffers,
-            check_base=check_base,
         )
     return receive_regions(
         group, transfers, slices, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum

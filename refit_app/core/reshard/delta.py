@@ -4,21 +4,24 @@ its share of the model.
 
 Per (producer, consumer) pair, a round goes::
 
-    consumer                                          producer
-    base flag (1: my pieces hold last round's bytes) ---->
-                                                       compare each piece with its snapshot (updated as it goes)
-                  <---- length, then the pair's records (the delta codec's, one per changed piece; DENSE where a
-                        piece changed too much, or every piece where the flag was 0), in buffer-sized slices
-                  <---- each piece's xxh3_64 of its bytes now
-    apply the records, hash each piece, compare: a piece that differs is named (RegionMismatch)
+    producer                                          consumer
+    compare each piece with its snapshot (updated as it goes)
+    length, then the pair's records (the delta codec's: one per changed piece; DENSE where a piece changed too much,
+    and every piece in the first round), in buffer-sized slices ---->
+    each piece's xxh3_64 of its bytes now ---------------------->
+                                                      apply the records, hash every piece, compare
+                  <---- the pieces whose hash differs (a base written since, even behind torch's back)
+    those pieces whole ---------------------------------------->
+                                                      apply, hash, compare: a piece that still differs is named
+                                                      (RegionMismatch), the round fails
 
-The consumer vouches for its base by the bytes it holds: the hashes it checked last round are what its pieces must
-still hash to, so a piece written since (a load that writes through ``.data`` included) makes its pair dense rather
-than wrong. Every round is verified, delta or dense: the hashes are of the pieces' whole bytes after the round, so
-a wrong base or a lost record can never pass silently. Replica chains are not served by delta rounds yet.
+So a consumer never claims a base: what it holds after the round is checked against the producer's bytes, and a
+piece that was not what the producer's snapshot says (written since, or anything else) is sent again whole in the
+same round. One pass over the consumer's pieces a round (the verification); ``receive`` returns only once every
+piece is verified. Replica chains are not served by delta rounds yet.
 
 Memory: a producer keeps a snapshot of the bytes it sent (its shards' share the plan sends, once per distinct
-piece); a consumer keeps one hash per piece.
+piece); a consumer keeps nothing but a count of what it had to repair.
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ class ProducerDeltas:
 
 @dataclass
 class ConsumerBases:
-    """A consumer's state across rounds: each piece's hash as verified at the end of the last round."""
+    """A consumer's state across rounds: how many pieces it had to have sent again whole, last round and in all
+    (a base written since, or a round's first)."""
 
-    hashes: dict[tuple[str, Box], int] = field(default_factory=dict)
+    repaired: int = 0
+    repaired_total: int = 0
 
 
 @dataclass
@@ -145,35 +150,55 @@ def send_delta(
     base, and in the first round); returns the bytes sent."""
     _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes)
-    flags = {p.peer: torch.zeros(1, dtype=torch.int64) for p in pairs}
-    asked = [(p.peer, group.irecv(flags[p.peer], p.peer)) for p in pairs]
     pieces: dict[tuple[str, Box], _Piece] = {}
     for pair in pairs:
         for t in pair.regions:
             if (t.name, t.box) not in pieces:
                 pieces[(t.name, t.box)] = _compare(t, shards, state)
-    for peer, work in asked:
-        wait_for(work, group, peer, "receiving the base flag from")
     blobs, sent = [], 0
     for pair in pairs:
-        dense = not int(flags[pair.peer])
-        parts: list[bytes | np.ndarray] = []
-        for i, t in enumerate(pair.regions):
-            parts += _record(i, pieces[(t.name, t.box)], shards[t.name].tensor.element_size(), dense)
-        parts.append(RECORD.pack(END, 0, 0, 0, 0, 0, 0, 0))
-        blob = _blob(parts)
+        blob = _pair_blob(pair, range(len(pair.regions)), pieces, shards, dense=False)
         hashes = as_words([pieces[(t.name, t.box)].digest for t in pair.regions])
         blobs.append((pair, blob, hashes))
         sent += blob.numel()
     _send_blobs(group, blobs, buffer_size_bytes, num_buffers)
+    # Each consumer answers with the pieces it holds other bytes of; they go again, whole.
+    verdicts = {p.peer: torch.zeros(len(p.regions), dtype=torch.int64) for p in pairs}
+    for pair in pairs:
+        wait_for(group.irecv(verdicts[pair.peer], pair.peer), group, pair.peer, "receiving the verdict from")
+    repairs = []
+    for pair in pairs:
+        bad = [i for i, flag in enumerate(verdicts[pair.peer].tolist()) if flag]
+        if bad:
+            blob = _pair_blob(pair, bad, pieces, shards, dense=True)
+            repairs.append((pair, blob, None))
+            sent += blob.numel()
+    _send_blobs(group, repairs, buffer_size_bytes, num_buffers)
     return sent
 
 
+def _pair_blob(
+    pair: Pair,
+    indices: Sequence[int] | range,
+    pieces: Mapping[tuple[str, Box], _Piece],
+    shards: Mapping[str, Held],
+    *,
+    dense: bool,
+) -> torch.Tensor:
+    """The records of ``pair``'s pieces ``indices`` (whole with ``dense``), ended by the END record."""
+    parts: list[bytes | np.ndarray] = []
+    for i in indices:
+        t = pair.regions[i]
+        parts += _record(i, pieces[(t.name, t.box)], shards[t.name].tensor.element_size(), dense)
+    parts.append(RECORD.pack(END, 0, 0, 0, 0, 0, 0, 0))
+    return _blob(parts)
+
+
 def _send_blobs(
-    group: PairGroup, blobs: list[tuple[Pair, torch.Tensor, torch.Tensor]], step: int, num_buffers: int
+    group: PairGroup, blobs: list[tuple[Pair, torch.Tensor, torch.Tensor | None]], step: int, num_buffers: int
 ) -> None:
     """Every pair's length, then its blob in slices (at most ``num_buffers`` in flight a pair, pairs in turn), then
-    its hashes."""
+    its hashes (where given)."""
     works = []
     for pair, blob, _ in blobs:
         length = torch.tensor([blob.numel()], dtype=torch.int64)
@@ -192,7 +217,8 @@ def _send_blobs(
             mine.append(group.isend(blob[a:b], pair.peer))
             position[pair.peer] += 1
     for pair, _, _, hashes in queues:
-        works.append((pair.peer, group.isend(hashes, pair.peer), hashes))
+        if hashes is not None:
+            works.append((pair.peer, group.isend(hashes, pair.peer), hashes))
     for peer, flying in in_flight.items():
         for work in flying:
             wait_for(work, group, peer, "sending to")
@@ -208,21 +234,45 @@ def receive_delta(
     *,
     buffer_size_bytes: int,
     num_buffers: int,
-    check_base: bool = True,
 ) -> int:
-    """One round of this consumer's pairs: say whether its pieces hold last round's bytes (with ``check_base``, by
-    hashing them), apply what arrives, verify every piece; returns the bytes received."""
+    """One round of this consumer's pairs: apply what arrives, verify every piece, have the ones that differ sent
+    again whole; returns the bytes received. Raises RegionMismatch where a piece sent whole still differs."""
     _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
-    flags = {}
+    blobs = _receive_blobs(group, pairs, buffer_size_bytes, num_buffers)
+    received, answers, bad = 0, [], {}
     for pair in pairs:
-        ok = all((t.name, t.box) in bases.hashes for t in pair.regions)
-        if ok and check_base:
-            ok = all(
-                _hash(_bytes_of(slices[t.name].region(t.box))[0]) == bases.hashes[(t.name, t.box)] for t in pair.regions
+        _apply(pair, blobs[pair.peer], slices)
+        received += blobs[pair.peer].numel()
+        theirs = torch.empty(len(pair.regions), dtype=torch.int64)
+        wait_for(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
+        bad[pair.peer] = (theirs, _differing(pair, theirs, slices))
+        verdict = torch.zeros(len(pair.regions), dtype=torch.int64)
+        verdict[bad[pair.peer][1]] = 1
+        answers.append((pair.peer, group.isend(verdict, pair.peer), verdict))
+    again = [p for p in pairs if bad[p.peer][1]]
+    bases.repaired = sum(len(bad[p.peer][1]) for p in pairs)
+    bases.repaired_total += bases.repaired
+    repairs = _receive_blobs(group, again, buffer_size_bytes, num_buffers)
+    for pair in again:
+        _apply(pair, repairs[pair.peer], slices)
+        received += repairs[pair.peer].numel()
+        still = _differing(pair, bad[pair.peer][0], slices)
+        if still:
+            t = pair.regions[still[0]]
+            raise RegionMismatch(
+                f"rank {group.rank}: region {list(t.box)} of tensor {t.name!r} from rank {t.src} holds other bytes "
+                "than the producer's even sent whole (checksums differ)"
             )
-        flags[pair.peer] = torch.tensor([int(ok)], dtype=torch.int64)
-    told = [(p.peer, group.isend(flags[p.peer], p.peer)) for p in pairs]
+    for peer, work, _ in answers:
+        wait_for(work, group, peer, "sending to")
+    return received
+
+
+def _receive_blobs(
+    group: PairGroup, pairs: Sequence[Pair], buffer_size_bytes: int, num_buffers: int
+) -> dict[int, torch.Tensor]:
+    """Each pair's length, then its blob in buffer-sized slices, ``num_buffers`` in flight a pair."""
     lengths = {p.peer: torch.zeros(1, dtype=torch.int64) for p in pairs}
     for pair in pairs:
         wait_for(group.irecv(lengths[pair.peer], pair.peer), group, pair.peer, "receiving from")
@@ -239,16 +289,16 @@ def receive_delta(
                 position[peer] += 1
             if mine:
                 wait_for(mine.pop(0), group, peer, "receiving from")
-    received = 0
-    for pair in pairs:
-        _apply(pair, blobs[pair.peer], slices)
-        received += blobs[pair.peer].numel()
-        theirs = torch.empty(len(pair.regions), dtype=torch.int64)
-        wait_for(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
-        _verify(group, pair, theirs, slices, bases)
-    for peer, work in told:
-        wait_for(work, group, peer, "sending to")
-    return received
+    return blobs
+
+
+def _differing(pair: Pair, theirs: torch.Tensor, slices: Mapping[str, Held]) -> list[int]:
+    """The pieces of ``pair`` whose bytes do not hash to what their producer sent."""
+    return [
+        i
+        for i, (t, sent) in enumerate(zip(pair.regions, theirs.tolist()))
+        if as_words([_hash(_bytes_of(slices[t.name].region(t.box))[0])]).item() != sent
+    ]
 
 
 def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
@@ -281,20 +331,6 @@ def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
             apply_record(target, encoding, section, count, escapes, values, view.element_size())
         if not own:
             view.copy_(torch.from_numpy(target).view(view.dtype).view(view.shape))
-
-
-def _verify(
-    group: PairGroup, pair: Pair, theirs: torch.Tensor, slices: Mapping[str, Held], bases: ConsumerBases
-) -> None:
-    for t, sent in zip(pair.regions, theirs.tolist()):
-        mine = _hash(_bytes_of(slices[t.name].region(t.box))[0])
-        if as_words([mine]).item() != sent:
-            bases.hashes.pop((t.name, t.box), None)
-            raise RegionMismatch(
-                f"rank {group.rank}: region {list(t.box)} of tensor {t.name!r} from rank {t.src} holds other bytes "
-                "than the producer's after a delta round (checksums differ)"
-            )
-        bases.hashes[(t.name, t.box)] = mine
 
 
 __all__ = ["ConsumerBases", "ProducerDeltas", "receive_delta", "send_delta"]
