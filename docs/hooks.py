@@ -7,8 +7,9 @@ Text parts, committed in their pages so that the pages read the same on GitHub a
   prints it (:func:`refit_app.app.reference.markdown_reference`);
 - ``metrics.md``: the keys of metrics.json and of each round, from the dataclasses that write it; ``rl-loop.md``:
   the sessions' signatures and a round's fields, from the code;
-- ``library.md``: the README's library section; ``rl-loop.md``, ``ray.md``, ``sharded.md``: the examples they show
-  complete (copies rather than ``--8<--`` snippets, which show raw on GitHub).
+- ``library.md``, ``index.md``: the README's library and install sections; ``rl-loop.md``, ``ray.md``,
+  ``sharded.md``: the examples they show complete (copies rather than ``--8<--`` snippets, which show raw on
+  GitHub).
 
 Each part lies between its marker (the keys of :data:`GENERATED`) and :data:`END`. After changing the code they
 come from, rewrite them with
@@ -108,6 +109,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "<!-- generated: round keys -->": _metrics_table(rounds=True),
     },
     "library.md": {"<!-- generated: README.md section library -->": _readme_section("library")},
+    "index.md": {"<!-- generated: README.md section install -->": _readme_section("install")},
     "rl-loop.md": {
         "<!-- generated: examples/session_loop.py -->": _file_block("examples/session_loop.py", "python"),
         "<!-- generated: session signatures -->": _session_signatures,

@@ -149,3 +149,60 @@ def test_the_sharded_example_runs_and_the_docs_show_the_file_itself(cli):
     assert result.returncode == 0, result.describe()
     assert "every engine rank holds exactly its slices of the trainer's last weights: True" in result.stdout
     assert result.stdout.count("received") == 6, result.describe()
+
+
+def _mistake_rank(rank: int, world_size: int, port: int, mistake: str):
+    """Two producers with declared row shards, two tensor-parallel consumers; ``mistake`` is one user's error."""
+    from refit_app.common.errors import PeerError
+    from refit_app.core.reshard.plan import Layout, LayoutError, Shard
+    from refit_app.protocol.sharded import Declared, Expected
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20)
+    )
+    try:
+        full = torch.arange(11 * 6, dtype=torch.float32).reshape(11, 6)
+        layout = Layout.one_dim([0, 1], Shard(0))
+        start = time.monotonic()
+        try:
+            if rank < 2:
+                rows = (0, 6) if rank == 0 else (6, 11)
+                specs, shards = from_tensors(
+                    [("w", Declared(full[rows[0] : rows[1]].clone(), (11, 6), layout))], rank=rank
+                )
+                transfers = agree(dist.group.WORLD, rank, specs=specs, delta=mistake == "modes" and rank == 0)
+                return ("sent", send(dist.group.WORLD, rank, transfers, shards))
+            expects = [Expected("w", "float32", (11, 6))]
+            needs = tp_needs(expects, 5 - rank if mistake == "rank" and rank == 2 else rank, rank - 2, 2, rule)
+            transfers = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
+            slices = allocate(expects, needs)
+            if mistake == "dtype" and rank == 2:
+                slices["w"] = type(slices["w"])(slices["w"].tensor.to(torch.bfloat16), slices["w"].box)
+            return ("received", receive(dist.group.WORLD, rank, transfers, slices))
+        except (HandshakeError, LayoutError, PeerError) as e:
+            return (type(e).__name__, str(e), time.monotonic() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_consumer_giving_another_ranks_needs_or_ranks_in_other_modes_stop_every_rank_in_one_line():
+    for mistake, words in [("rank", "rank 2 gave needs for rank 3"), ("modes", "pass the same delta=")]:
+        results = run_ranks(_mistake_rank, 4, mistake, timeout=60)
+        assert [r[0] for r in results] == ["HandshakeError"] * 4, results
+        assert all(words in r[1] and "\n" not in r[1] for r in results), results
+
+
+def test_a_slice_of_another_dtype_is_refused_before_any_byte_moves():
+    results = run_ranks(_mistake_rank, 4, "dtype", timeout=60)
+    assert results[2][:2] == ("LayoutError", "rank 2: tensor 'w' is bfloat16 here, the plan moves it as float32")
+    # its producers lose it and say so in one line, within the group's timeout
+    assert all(r[0] in ("PeerError", "sent") for r in results[:2]), results
+    assert any(r[0] == "PeerError" and "lost rank 2" in r[1] for r in results[:2]), results
+
+
+def test_a_slice_that_cannot_hold_its_box_is_refused():
+    from refit_app.core.reshard.plan import LayoutError
+    from refit_app.core.reshard.transfer import Held
+
+    with pytest.raises(LayoutError, match=r"a tensor of shape \[3, 6\] cannot hold the box \[\(0, 6\), \(0, 6\)\]"):
+        Held(torch.zeros(3, 6), ((0, 6), (0, 6)))

@@ -81,10 +81,14 @@ def from_tensors(
     tensors: Iterable[tuple[str, Any]], *, rank: int, ranks: Callable[[int], int] = lambda r: r
 ) -> tuple[list[TensorSpec], dict[str, Held]]:
     """A producer's tensors as the plan sees them: each one's :class:`TensorSpec` (the same on every producer) and
-    this rank's shard of it. Takes DTensors (FSDP2's ``fully_shard``, tensor parallel: ``to_local()`` is the shard),
-    :class:`Declared` plain shards, and plain tensors, which are whole on every producer (replicated).
+    this rank's shard of it. Takes DTensors (FSDP2's ``fully_shard``, tensor parallel: ``to_local()`` is the shard)
+    and :class:`Declared` plain shards; a plain tensor is refused (say which part it is: a tensor every producer holds
+    whole is ``Declared(t, tuple(t.shape), Layout.one_dim(producer_ranks, Replicate()))``). The shards are the live
+    tensors: a trainer that updates them in place sends its new weights without calling this again.
 
-    ``ranks`` maps a DTensor mesh's ranks (the trainer's) to refit ranks; by default they are the same."""
+    ``ranks`` maps a DTensor mesh's ranks (the trainer's) to refit ranks; by default they are the same. Its checks
+    are this rank's own (a shard of the wrong size, a plain tensor): they raise here, before :func:`agree`, and the
+    other ranks then see this one lost."""
     from torch.distributed.tensor import DTensor
 
     specs, shards = [], {}
@@ -176,11 +180,13 @@ def agree(
     needs: Sequence[Need] = (),
     expects: Sequence[Expected] = (),
     chains: Sequence[Sequence[int]] = (),
+    delta: bool = False,
 ) -> list[Transfer]:
     """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
-    (:func:`from_tensors`); a consumer passes ``needs`` and, in ``expects``, the dtype and global shape it expects of
-    each tensor it needs (the engine's model; the layout part is not compared). Every rank passes the same
-    ``chains`` (replica chains, see :func:`refit_app.core.reshard.plan.plan`).
+    (:func:`from_tensors`); a consumer passes ``needs`` (its own rank's) and, in ``expects``, the dtype and global
+    shape it expects of each tensor it needs (the engine's model; the layout part is not compared). Every rank passes
+    the same ``chains`` (replica chains, see :func:`refit_app.core.reshard.plan.plan`) and the same ``delta``
+    (whether its rounds will be delta rounds: ``send(delta=...)``/``receive(bases=...)``).
 
     Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
     mine = {
@@ -189,6 +195,7 @@ def agree(
         "needs": list(needs),
         "expects": [(s.name, s.dtype, tuple(s.shape)) for s in expects],
         "chains": [list(c) for c in chains],
+        "delta": bool(delta),
     }
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
@@ -219,7 +226,28 @@ def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
         if why is not None:
             raise HandshakeError(f"producers {first['rank']} and {g['rank']} disagree on the tensors: {why}")
     known = {s.name: (s.dtype, tuple(s.shape)) for s in first["specs"]}
+    producer_ranks = {g["rank"] for g in producers}
+    for spec in first["specs"]:
+        strangers = sorted(set(spec.layout.ranks) - producer_ranks)
+        if strangers:
+            raise HandshakeError(
+                f"tensor {spec.name!r} lies over ranks {list(spec.layout.ranks)}, but rank {strangers[0]} gave no "
+                f"tensors (the producers are ranks {sorted(producer_ranks)})"
+            )
     for g in gathered:
+        if g["delta"] != first["delta"]:
+            modes = {True: "delta rounds", False: "plain rounds"}
+            raise HandshakeError(
+                f"rank {first['rank']} will send {modes[first['delta']]}, rank {g['rank']} {modes[g['delta']]}: "
+                "pass the same delta= to agree() on every rank"
+            )
+        others = sorted({n.rank for n in g["needs"]} - {g["rank"]})
+        if others:
+            raise HandshakeError(
+                f"rank {g['rank']} gave needs for rank {others[0]}: a consumer gives its own needs only"
+            )
+        if g["needs"] and g["specs"] is not None:
+            raise HandshakeError(f"rank {g['rank']} gave tensors and needs: a rank is a producer or a consumer")
         if g["chains"] != first["chains"]:
             raise HandshakeError(
                 f"ranks {first['rank']} and {g['rank']} disagree on the replica chains: {first['chains']} and "

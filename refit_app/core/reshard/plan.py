@@ -98,6 +98,8 @@ class Transfer:
     dst: int
     box: Box
     relayed: bool = False
+    dtype: str = ""
+    """The tensor's dtype (``"bfloat16"``), so that each end checks the tensor it packs from or unpacks into."""
 
 
 class LayoutError(ValueError):
@@ -224,7 +226,7 @@ def plan(
         for dst in sorted(wanted[spec.name]):
             for need in wanted[spec.name][dst]:
                 if dst in relay_from:
-                    out += _relayed(spec.name, relay_from[dst], dst, need, holders)
+                    out += _relayed(spec, relay_from[dst], dst, need, holders)
                     continue
                 for held, ranks in holders.items():
                     region = intersect(held, need)
@@ -232,7 +234,7 @@ def plan(
                         continue
                     src = min(ranks, key=lambda r: (sent.get(r, 0), r))
                     sent[src] = sent.get(src, 0) + volume(region) * spec.itemsize
-                    out.append(Transfer(spec.name, src, dst, region))
+                    out.append(Transfer(spec.name, src, dst, region, dtype=spec.dtype))
     return out
 
 
@@ -255,14 +257,14 @@ def _relays(chains: Sequence[Sequence[int]], wanted: dict[str, dict[int, list[Bo
     return relay_from
 
 
-def _relayed(name: str, src: int, dst: int, need: Box, holders: dict[Box, list[int]]) -> list[Transfer]:
+def _relayed(spec: TensorSpec, src: int, dst: int, need: Box, holders: dict[Box, list[int]]) -> list[Transfer]:
     """The regions a chain's rank gets from the one before it: the same pieces that one got, so each is forwarded
     whole as it lands."""
     out = []
     for held in holders:
         region = intersect(held, need)
         if region is not None:
-            out.append(Transfer(name, src, dst, region, relayed=True))
+            out.append(Transfer(spec.name, src, dst, region, relayed=True, dtype=spec.dtype))
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from refit_app.common.errors import PeerError, one_line
 from refit_app.core.chunks import Chunk, plan_chunks
 from refit_app.core.group import Work
-from refit_app.core.reshard.plan import Box, Transfer, volume
+from refit_app.core.reshard.plan import Box, LayoutError, Transfer, volume
 from refit_app.core.wire import pack_into, unpack_from
 
 
@@ -51,6 +51,13 @@ class Held:
 
     tensor: torch.Tensor
     box: Box
+
+    def __post_init__(self) -> None:
+        extents = [stop - start for start, stop in self.box]
+        if list(self.tensor.shape) != extents:
+            raise LayoutError(
+                f"a tensor of shape {list(self.tensor.shape)} cannot hold the box {list(self.box)}, which is {extents}"
+            )
 
     def region(self, box: Box) -> torch.Tensor:
         """The part of :attr:`tensor` that is ``box`` of the global tensor (a view)."""
@@ -126,9 +133,30 @@ def pieces(box: Box, itemsize: int, limit: int) -> list[Box]:
     return [box]
 
 
+def _check_held(t: Transfer, held: Mapping[str, Held], rank: int) -> None:
+    """The tensor a transfer packs from or unpacks into is there, of its dtype, and holds its box: checked for every
+    transfer before any byte moves (a wrong one would be clipped or overrun silently by the copy, or fail inside the
+    backend)."""
+    h = held.get(t.name)
+    if h is None:
+        raise LayoutError(f"rank {rank}: the plan moves tensor {t.name!r} here, and no tensor was given for it")
+    dtype = str(h.tensor.dtype).removeprefix("torch.")
+    if t.dtype and dtype != t.dtype.removeprefix("torch."):
+        raise LayoutError(f"rank {rank}: tensor {t.name!r} is {dtype} here, the plan moves it as {t.dtype}")
+    if any(b0 < h0 or b1 > h1 for (b0, b1), (h0, h1) in zip(t.box, h.box)) or len(t.box) != len(h.box):
+        raise LayoutError(
+            f"rank {rank}: the plan moves {list(t.box)} of tensor {t.name!r}, outside the {list(h.box)} given here"
+        )
+
+
 def pair_streams(
     transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int
 ) -> list[Pair]:
+    """The pairs of this rank in ``transfers`` (``key``: ``"dst"`` for its sends, ``"src"`` for its receives), each
+    with its regions cut into pieces and chunked; every tensor checked against its transfers first."""
+    rank = next((getattr(t, "src" if key == "dst" else "dst") for t in transfers), -1)
+    for t in transfers:
+        _check_held(t, held, rank)
     by_peer: dict[int, list[Transfer]] = {}
     for t in transfers:
         size = held[t.name].tensor.element_size()
