@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.sharded import (
     COLUMN,
     ROW,
@@ -58,19 +57,18 @@ def rank_main(rank: int, port: int, out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh("cpu", list(range(TRAINERS)))  # the trainer's mesh (every rank takes part in making it)
-    checksum = checksum_function(default_algorithm())  # every region checked where it lands
     torch.manual_seed(0)
     model = MLP()
     if rank < TRAINERS:
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         specs, shards = from_tensors(model.named_parameters(), rank=rank)  # this rank's shards, as they are
-        transfers = agree(dist.group.WORLD, rank, specs=specs)  # the plan, the same on every rank
+        plan = agree(dist.group.WORLD, rank, specs=specs)  # the same plan on every rank; verified rounds by default
         for step in range(STEPS):
             model(torch.randn(32, 64)).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-            sent = send(dist.group.WORLD, rank, transfers, shards, checksum=checksum)
+            sent = send(dist.group.WORLD, rank, plan, shards)
             print(f"trainer rank {rank}: step {step}, sent {sent} bytes")
         full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
         if rank == 0:
@@ -79,10 +77,10 @@ def rank_main(rank: int, port: int, out: Path) -> None:
         tp_rank = rank - TRAINERS
         expects = expected_of(model.named_parameters())  # the engine's own model says dtypes and shapes
         needs = tp_needs(expects, rank, tp_rank, ENGINE_TP, engine_rule)
-        transfers = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
+        plan = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
         slices = allocate(expects, needs)
         for step in range(STEPS):
-            received = receive(dist.group.WORLD, rank, transfers, slices, checksum=checksum)
+            received = receive(dist.group.WORLD, rank, plan, slices)  # every region checked where it lands
             print(f"engine rank {tp_rank}: step {step}, received {received} bytes")
         torch.save({name: (h.tensor, h.box) for name, h in slices.items()}, out / f"engine{tp_rank}.pt")
     dist.destroy_process_group()

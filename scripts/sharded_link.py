@@ -77,8 +77,16 @@ def _worker(args: argparse.Namespace) -> None:
     from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
     from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, whole
     from refit_app.core.reshard.transfer import Held
-    from refit_app.protocol.checksum import checksum_function, default_algorithm
-    from refit_app.protocol.sharded import Declared, allocate, from_tensors, receive, send, tp_needs
+    from refit_app.protocol.sharded import (
+        DEFAULT_CHECKSUM,
+        Declared,
+        ShardedPlan,
+        allocate,
+        from_tensors,
+        receive,
+        send,
+        tp_needs,
+    )
 
     rank, k, m, d = args.rank, args.k, args.m, args.d
     world = k + m * d
@@ -89,9 +97,13 @@ def _worker(args: argparse.Namespace) -> None:
         world_size=world,
         timeout=timedelta(seconds=RUN_TIMEOUT_S),
     )
-    checksum = checksum_function(default_algorithm())
     shapes = _model(args.preset, args.size)
-    options = {"buffer_size_bytes": args.buffer, "num_buffers": 2, "checksum": checksum}
+    options = {"num_buffers": 2}
+
+    def agreed(transfers: list, delta: bool = False) -> ShardedPlan:
+        """What agree() gives every rank (each computes the same plan here), verified with xxh3 per region."""
+        return ShardedPlan(transfers, args.buffer, DEFAULT_CHECKSUM, delta, "")
+
     consumers = list(range(k, world))
     chains = [[k + r * m + c for r in range(d)] for c in range(m)] if d > 1 else []
 
@@ -118,7 +130,7 @@ def _worker(args: argparse.Namespace) -> None:
         """Producer 0 holds the model whole and sends it whole to every consumer, along a chain."""
         one = sharded_specs([0])
         wanted = [Need(c, s.name, whole(s.shape)) for c in consumers for s in one]
-        transfers = plan(one, wanted, chains=[consumers])
+        transfers = agreed(plan(one, wanted, chains=[consumers]))
         if rank == 0:
             assert whole_model is not None
             send(dist.group.WORLD, rank, transfers, whole_model, **options)
@@ -152,14 +164,15 @@ def _worker(args: argparse.Namespace) -> None:
                 idx = torch.randint(0, flat.numel(), (n,), generator=g)
                 flat[idx] = torch.randn(n, generator=g).to(flat.dtype)
 
-    transfers = None
+    transfers = delta_plan = None
     whole_model = None
     results = {}
     deltas, bases = ProducerDeltas(), ConsumerBases()
     delta_slices = None
     for mode in args.modes:
         if mode in ("sharded", "sharded-delta"):
-            transfers = plan(specs, needs, chains=chains)
+            transfers = agreed(plan(specs, needs, chains=chains))
+            delta_plan = agreed(transfers.transfers, delta=True)
         if mode == "one-producer" and whole_model is None:
             whole_model = gather_to_0()  # made once, outside the timed rounds
         times, wire = [], []
@@ -170,18 +183,11 @@ def _worker(args: argparse.Namespace) -> None:
             tx0, t0 = _tx_bytes(), time.perf_counter()
             if mode == "sharded-delta":
                 if rank < k:
-                    send(dist.group.WORLD, rank, transfers, shards, delta=deltas, **options)
+                    send(dist.group.WORLD, rank, delta_plan, shards, delta=deltas, **options)
                 else:
                     if delta_slices is None:
                         delta_slices = allocate(specs, [n for n in needs if n.rank == rank])
-                    receive(
-                        dist.group.WORLD,
-                        rank,
-                        transfers,
-                        delta_slices,
-                        bases=bases,
-                        **options,
-                    )
+                    receive(dist.group.WORLD, rank, delta_plan, delta_slices, bases=bases, **options)
             elif mode == "sharded":
                 if rank < k:
                     send(dist.group.WORLD, rank, transfers, shards, **options)

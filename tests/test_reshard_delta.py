@@ -14,7 +14,7 @@ from mp_utils import run_ranks
 from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
 from refit_app.core.reshard.transfer import Held
-from refit_app.protocol.sharded import receive, send
+from refit_app.protocol.sharded import ShardedPlan, receive, send
 
 ROUNDS = 5
 SHAPES = [(33, 17), (5, 40), (7,), (), (130, 3), (64, 64)]
@@ -58,8 +58,8 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
             for c in range(m)
             for i, s in enumerate(specs)
         ]
-        transfers = plan(specs, needs)
-        options = {"buffer_size_bytes": 1024, "num_buffers": 2}
+        agreed = ShardedPlan(plan(specs, needs), 1024, None, True, "")  # what agree() gives every rank
+        options = {"num_buffers": 2}
         out = []
         if rank < k:
             state = ProducerDeltas()
@@ -72,7 +72,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
                         local[s.name].tensor.copy_(fresh)
                     else:
                         local[s.name] = Held(fresh.clone(), box)
-                out.append(send(dist.group.WORLD, rank, transfers, local, delta=state, **options))
+                out.append(send(dist.group.WORLD, rank, agreed, local, delta=state, **options))
             return out
         bases = ConsumerBases()
         mine = [n for n in needs if n.rank == rank]
@@ -82,7 +82,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
         for round_ in range(1, ROUNDS + 1):
             if round_ == scribble_round:  # an engine's load wrote its weights behind torch's back
                 slices["t5"].tensor.data.copy_(torch.full_like(slices["t5"].tensor, 7.0))
-            got = receive(dist.group.WORLD, rank, transfers, slices, bases=bases, **options)
+            got = receive(dist.group.WORLD, rank, agreed, slices, bases=bases, **options)
             exact = all(
                 torch.equal(h.tensor, Held(_full(int(name[1:]), round_), whole(SHAPES[int(name[1:])])).region(h.box))
                 for name, h in slices.items()

@@ -197,3 +197,33 @@ def test_a_region_larger_than_a_buffer_is_cut_into_pieces_that_tile_it(shape, it
         count[_slice(piece)] += 1
     assert (count == 1).all()
     assert pieces(box, itemsize, limit) == cut  # both ends cut alike
+
+
+def test_a_replica_chain_that_loops_or_holds_a_stranger_is_refused():
+    spec = TensorSpec("w", "float32", (4, 2), 4, Layout.one_dim([0], Shard(0)))
+    needs = [Need(r, "w", whole((4, 2))) for r in (1, 2, 3)]
+    with pytest.raises(LayoutError, match=re.escape("the replica chain [1, 2, 1] holds a rank twice")):
+        plan([spec], needs, chains=[[1, 2, 1]])
+    with pytest.raises(LayoutError, match="holds rank 7, which needs nothing"):
+        plan([spec], needs, chains=[[1, 7]])
+
+
+def test_the_tensor_parallel_rule_and_the_settings_are_checked_before_anything_moves():
+    import torch.distributed.tensor as dtensor
+
+    from refit_app.protocol.sharded import COLUMN, Expected, ShardedPlan, allocate, receive, send, tp_needs
+
+    expected = [Expected("w", "float32", (4, 2))]
+    with pytest.raises(LayoutError, match="give 0 <= tp_rank < tp_size"):
+        tp_needs(expected, 1, 2, 2, lambda name: COLUMN)
+    with pytest.raises(LayoutError, match="not torch's"):
+        tp_needs(expected, 1, 0, 2, lambda name: dtensor.Shard(0))
+    with pytest.raises(LayoutError, match="'v', which the expected tensors do not"):
+        allocate(expected, [Need(1, "v", ((0, 1),))])
+    with pytest.raises(LayoutError, match=r"needs \[\(0, 9\), \(0, 2\)\] of tensor 'w'"):
+        allocate(expected, [Need(1, "w", ((0, 9), (0, 2)))])
+    agreed = ShardedPlan([], 1024, None, True, "")
+    with pytest.raises(ValueError, match=re.escape("agreed with delta=True: call send(delta=ProducerDeltas())")):
+        send(None, 0, agreed, {})
+    with pytest.raises(ValueError, match="num_buffers=0"):
+        receive(None, 1, agreed, {}, num_buffers=0)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from mp_utils import run_ranks
 
 from refit_app.common.errors import HandshakeError
-from refit_app.protocol.checksum import checksum_function, default_algorithm
 from refit_app.protocol.sharded import (
     COLUMN,
     ROW,
@@ -63,7 +62,6 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh("cpu", list(range(k)))  # every rank takes part in making the trainer's group
-        checksum = checksum_function(default_algorithm())
         torch.manual_seed(0)
         model = Block(inner=34 if rank == wrong else 33)  # the wrong rank's engine (or trainer) is another shape
         m = world_size - k
@@ -73,12 +71,12 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
             specs, shards = from_tensors(model.named_parameters(), rank=rank)
             start = time.monotonic()
             try:
-                transfers = agree(dist.group.WORLD, rank, specs=specs)
+                plan = agree(dist.group.WORLD, rank, specs=specs, buffer_size_bytes=256)
             except HandshakeError as e:
                 return ("refused", str(e), time.monotonic() - start)
             fulls = []
             for _ in range(ROUNDS):
-                send(dist.group.WORLD, rank, transfers, shards, buffer_size_bytes=256, checksum=checksum)
+                send(dist.group.WORLD, rank, plan, shards)
                 fulls.append(
                     {n: p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
                 )  # pickles
@@ -91,13 +89,13 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
         needs = tp_needs(expects, rank, rank - k, m, rule)
         start = time.monotonic()
         try:
-            transfers = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
+            plan = agree(dist.group.WORLD, rank, needs=needs, expects=expects, buffer_size_bytes=256)
         except HandshakeError as e:
             return ("refused", str(e), time.monotonic() - start)
         rounds = []
         for _ in range(ROUNDS):
             slices = allocate(expects, needs)
-            receive(dist.group.WORLD, rank, transfers, slices, buffer_size_bytes=256, checksum=checksum)
+            receive(dist.group.WORLD, rank, plan, slices)
             rounds.append({n: (h.tensor.numpy().copy(), h.box) for n, h in slices.items()})
         return ("received", rounds)
     finally:
@@ -170,15 +168,15 @@ def _mistake_rank(rank: int, world_size: int, port: int, mistake: str):
                 specs, shards = from_tensors(
                     [("w", Declared(full[rows[0] : rows[1]].clone(), (11, 6), layout))], rank=rank
                 )
-                transfers = agree(dist.group.WORLD, rank, specs=specs, delta=mistake == "modes" and rank == 0)
-                return ("sent", send(dist.group.WORLD, rank, transfers, shards))
+                plan = agree(dist.group.WORLD, rank, specs=specs, delta=mistake == "modes" and rank == 0)
+                return ("sent", send(dist.group.WORLD, rank, plan, shards))
             expects = [Expected("w", "float32", (11, 6))]
             needs = tp_needs(expects, 5 - rank if mistake == "rank" and rank == 2 else rank, rank - 2, 2, rule)
-            transfers = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
+            plan = agree(dist.group.WORLD, rank, needs=needs, expects=expects)
             slices = allocate(expects, needs)
             if mistake == "dtype" and rank == 2:
                 slices["w"] = type(slices["w"])(slices["w"].tensor.to(torch.bfloat16), slices["w"].box)
-            return ("received", receive(dist.group.WORLD, rank, transfers, slices))
+            return ("received", receive(dist.group.WORLD, rank, plan, slices))
         except (HandshakeError, LayoutError, PeerError) as e:
             return (type(e).__name__, str(e), time.monotonic() - start)
     finally:
@@ -186,7 +184,10 @@ def _mistake_rank(rank: int, world_size: int, port: int, mistake: str):
 
 
 def test_a_consumer_giving_another_ranks_needs_or_ranks_in_other_modes_stop_every_rank_in_one_line():
-    for mistake, words in [("rank", "rank 2 gave needs for rank 3"), ("modes", "pass the same delta=")]:
+    for mistake, words in [
+        ("rank", "rank 2 gave needs for rank 3"),
+        ("modes", "ranks 0 and 1 disagree on delta: True and False"),
+    ]:
         results = run_ranks(_mistake_rank, 4, mistake, timeout=60)
         assert [r[0] for r in results] == ["HandshakeError"] * 4, results
         assert all(words in r[1] and "\n" not in r[1] for r in results), results
@@ -206,3 +207,29 @@ def test_a_slice_that_cannot_hold_its_box_is_refused():
 
     with pytest.raises(LayoutError, match=r"a tensor of shape \[3, 6\] cannot hold the box \[\(0, 6\), \(0, 6\)\]"):
         Held(torch.zeros(3, 6), ((0, 6), (0, 6)))
+
+
+def _swapped_ranks(rank: int, world_size: int, port: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from refit_app.core.reshard.plan import LayoutError
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20)
+    )
+    try:
+        model = torch.nn.Linear(8, 8)  # even shards: a swap would not show in their shapes
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        try:
+            from_tensors(model.named_parameters(), rank=rank, ranks=lambda r: 1 - r)
+        except LayoutError as e:
+            return str(e)
+        return "accepted"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_read_as_another_ranks_shard_is_refused():
+    results = run_ranks(_swapped_ranks, 2, timeout=60)
+    assert all("which the layout gives to rank" in r and "check rank= and ranks=" in r for r in results), results

@@ -3,14 +3,15 @@ shards; the other ranks are engine ranks, each needing only its slices. The libr
 :mod:`refit_app.core.reshard`::
 
     producer rank p (of K)                         consumer rank c
-    specs, shards = from_tensors(model, rank=p)     needs = tp_needs(specs, c, tp_rank, tp_size, rule)
-    transfers = agree(pg, p, specs=specs)    <--->  transfers = agree(pg, c, needs=needs)
-    send(pg, p, transfers, shards)          -----> slices = allocate(specs, needs); receive(pg, c, transfers, slices)
+    specs, shards = from_tensors(model, rank=p)     needs = tp_needs(expects, c, tp_rank, tp_size, rule)
+    plan = agree(pg, p, specs=specs)         <--->  plan = agree(pg, c, needs=needs, expects=expects)
+    send(pg, p, plan, shards)               -----> slices = allocate(expects, needs); receive(pg, c, plan, slices)
 
 :func:`agree` is the one collective before any data byte: every rank gives what it knows (a producer its layout of
 every tensor, a consumer the boxes it needs and the dtype and global shape it expects of each), every rank gets all
-of it and makes the same plan. A producer whose layout differs from producer 0's, or a consumer that expects
-another dtype or shape, or needs a tensor nobody has, makes every rank raise the same one-line
+of it and makes the same plan, with the settings both ends of a pair must share (buffer size, checksum, delta
+rounds). A producer whose layout differs from producer 0's, or a consumer that expects another dtype or shape, or
+needs a tensor nobody has, or a rank with other settings, makes every rank raise the same one-line
 :class:`~refit_app.common.errors.HandshakeError` naming the first difference, within the group's timeout.
 """
 
@@ -34,6 +35,7 @@ from refit_app.core.reshard.plan import (
     Shard,
     TensorSpec,
     Transfer,
+    check_need,
     check_spec,
     describe,
     digest,
@@ -44,10 +46,13 @@ from refit_app.core.reshard.plan import (
     whole,
 )
 from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
+from refit_app.protocol.checksum import PIECED, checksum_function
 from refit_app.transport.pairs import TorchPairs
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
+DEFAULT_CHECKSUM = PIECED
+"""Plain rounds are verified by default: every region hashed by its source and checked where it lands."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ def from_tensors(
     for name, t in tensors:
         if isinstance(t, DTensor):
             local, shape, layout = t.to_local(), tuple(t.shape), _layout_of(name, t, ranks)
+            _check_coordinate(name, t, layout, rank)
         elif isinstance(t, Declared):
             local, shape, layout = t.local, t.shape, t.layout
         else:
@@ -132,6 +138,22 @@ def expected_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Expected]:
     return [Expected(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
 
 
+def _check_coordinate(name: str, t: Any, layout: Layout, rank: int) -> None:
+    """This process's place in the DTensor's mesh is where ``layout`` puts ``rank``: a wrong ``rank=`` or
+    ``ranks=`` would otherwise send its shard as another rank's, silently, where the shards have one size."""
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise LayoutError(f"tensor {name!r}: this process is not in its mesh {t.device_mesh.mesh.tolist()}")
+    flat = 0
+    for index, size in zip(coordinate, layout.mesh):
+        flat = flat * size + index
+    if layout.ranks[flat] != rank:
+        raise LayoutError(
+            f"tensor {name!r}: this process holds the shard at mesh coordinate {list(coordinate)}, which the layout "
+            f"gives to rank {layout.ranks[flat]}, not rank {rank}: check rank= and ranks="
+        )
+
+
 COLUMN = Shard(0)
 """A column-parallel weight: each tensor-parallel rank needs its rows (vLLM's ``ColumnParallelLinear``)."""
 ROW = Shard(1)
@@ -149,9 +171,16 @@ def tp_needs(
 ) -> list[Need]:
     """The boxes tensor-parallel rank ``tp_rank`` of ``tp_size`` (refit rank ``rank``) needs: ``rule(name)`` is
     :data:`COLUMN`, :data:`ROW` or :data:`WHOLE`; a sharded dim the tensor lacks (a row-parallel bias) means whole."""
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise LayoutError(f"tensor-parallel rank {tp_rank!r} of {tp_size!r}: give 0 <= tp_rank < tp_size")
     needs = []
     for spec in specs:
         placement = rule(spec.name)
+        if not isinstance(placement, (Shard, Replicate)):
+            raise LayoutError(
+                f"the rule gives tensor {spec.name!r} {placement!r}: give COLUMN, ROW or WHOLE (refit_app's Shard or "
+                "Replicate, not torch's)"
+            )
         if isinstance(placement, Shard) and placement.dim < len(spec.shape):
             box = shard_box(spec.shape, placement.dim, tp_size, tp_rank)
         else:
@@ -163,13 +192,38 @@ def tp_needs(
 def allocate(specs: Sequence[Expected] | Sequence[TensorSpec], needs: Iterable[Need]) -> dict[str, Held]:
     """A consumer's empty slices for ``needs`` (one box a tensor), in each tensor's dtype."""
     by_name = {s.name: s for s in specs}
-    return {
-        n.name: Held(
-            torch.empty([b - a for a, b in n.box], dtype=getattr(torch, by_name[n.name].dtype)),
-            n.box,
-        )
-        for n in needs
-    }
+    out = {}
+    for n in needs:
+        spec = by_name.get(n.name)
+        if spec is None:
+            raise LayoutError(f"a need names tensor {n.name!r}, which the expected tensors do not")
+        check_need(n, spec)  # type: ignore[arg-type]
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise LayoutError(f"tensor {n.name!r}: {spec.dtype!r} is not a torch dtype")
+        out[n.name] = Held(torch.empty([b - a for a, b in n.box], dtype=dtype), n.box)
+    return out
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    """What every rank agreed on: the transfers, and the settings both ends of every pair must share (the buffer
+    size cuts the pieces and chunks, the checksum adds a trailer, delta rounds change the messages): :func:`send` and
+    :func:`receive` take them from here, so the two ends cannot differ."""
+
+    transfers: list[Transfer]
+    buffer_size_bytes: int
+    checksum: str | None
+    """The checksum algorithm of plain rounds (:mod:`refit_app.protocol.checksum`), or None: not verified."""
+    delta: bool
+    digest: str
+
+
+def _check_settings(buffer_size_bytes: Any, checksum: Any) -> None:
+    if not (isinstance(buffer_size_bytes, int) and 1 <= buffer_size_bytes <= 1 << 40):
+        raise ValueError(f"buffer_size_bytes={buffer_size_bytes!r}: give a number of bytes from 1 to 1 TiB")
+    if checksum is not None:
+        checksum_function(checksum)  # a HandshakeError naming it where this host cannot compute it
 
 
 def agree(
@@ -180,22 +234,36 @@ def agree(
     needs: Sequence[Need] = (),
     expects: Sequence[Expected] = (),
     chains: Sequence[Sequence[int]] = (),
+    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
+    checksum: str | None = DEFAULT_CHECKSUM,
     delta: bool = False,
-) -> list[Transfer]:
+) -> ShardedPlan:
     """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
     (:func:`from_tensors`); a consumer passes ``needs`` (its own rank's) and, in ``expects``, the dtype and global
     shape it expects of each tensor it needs (the engine's model; the layout part is not compared). Every rank passes
     the same ``chains`` (replica chains, see :func:`refit_app.core.reshard.plan.plan`) and the same ``delta``
     (whether its rounds will be delta rounds: ``send(delta=...)``/``receive(bases=...)``).
 
+    ``buffer_size_bytes``, ``checksum`` (an algorithm of :mod:`refit_app.protocol.checksum`, or None) and ``delta``
+    must be the same on every rank; the plan carries them to :func:`send` and :func:`receive`.
+
     Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
+    _check_settings(buffer_size_bytes, checksum)
+    for what, items, kind in (
+        ("specs", specs or (), TensorSpec),
+        ("needs", needs, Need),
+        ("expects", expects, Expected),
+    ):
+        wrong = [x for x in items if not isinstance(x, kind)]
+        if wrong:
+            raise TypeError(f"agree({what}=...) takes {kind.__name__} objects, not {type(wrong[0]).__name__}")
     mine = {
         "rank": rank,
         "specs": list(specs) if specs is not None else None,
         "needs": list(needs),
         "expects": [(s.name, s.dtype, tuple(s.shape)) for s in expects],
         "chains": [list(c) for c in chains],
-        "delta": bool(delta),
+        "settings": {"buffer_size_bytes": buffer_size_bytes, "checksum": checksum, "delta": bool(delta)},
     }
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
@@ -211,7 +279,7 @@ def agree(
                 f"rank {other} made another plan from the same layouts (plan digest {theirs[:12]}, here "
                 f"{mine_digest[:12]}): run the same refit_app version on every rank"
             )
-    return transfers
+    return ShardedPlan(transfers, buffer_size_bytes, checksum, bool(delta), mine_digest)
 
 
 def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
@@ -235,12 +303,12 @@ def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
                 f"tensors (the producers are ranks {sorted(producer_ranks)})"
             )
     for g in gathered:
-        if g["delta"] != first["delta"]:
-            modes = {True: "delta rounds", False: "plain rounds"}
-            raise HandshakeError(
-                f"rank {first['rank']} will send {modes[first['delta']]}, rank {g['rank']} {modes[g['delta']]}: "
-                "pass the same delta= to agree() on every rank"
-            )
+        for key, value in g["settings"].items():
+            if value != first["settings"][key]:
+                raise HandshakeError(
+                    f"ranks {first['rank']} and {g['rank']} disagree on {key}: {first['settings'][key]!r} and "
+                    f"{value!r}; pass the same {key}= to agree() on every rank"
+                )
         others = sorted({n.rank for n in g["needs"]} - {g["rank"]})
         if others:
             raise HandshakeError(
@@ -273,53 +341,71 @@ def plan_digest(specs: Sequence[TensorSpec], needs: Sequence[Need], transfers: S
     return digest(describe(specs, needs), transfers)
 
 
+def _check_buffers(num_buffers: Any) -> None:
+    if not (isinstance(num_buffers, int) and 1 <= num_buffers <= 64):
+        raise ValueError(f"num_buffers={num_buffers!r}: give 1 to 64 buffers in flight a pair")
+
+
 def send(
     pg: Any,
     rank: int,
-    transfers: Sequence[Transfer],
+    plan: ShardedPlan,
     shards: dict[str, Held],
     *,
-    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
-    checksum: Callable[[Any], int] | None = None,
     delta: ProducerDeltas | None = None,
 ) -> int:
-    """Send this producer's regions of the plan; the bytes sent. With ``delta`` (the producer's state across
-    rounds, :class:`~refit_app.core.reshard.delta.ProducerDeltas`), a delta round: only the changed elements of
-    each piece, every piece verified and any that differs sent again whole (``checksum`` is then not needed); the
-    consumers pass their :class:`~refit_app.core.reshard.delta.ConsumerBases` to :func:`receive`."""
+    """Send this producer's regions of ``plan``; the bytes sent. A plan agreed with ``delta=True`` takes the
+    producer's state across rounds here (:class:`~refit_app.core.reshard.delta.ProducerDeltas`): only the changed
+    elements of each piece go, every piece is verified and any that differs is sent again whole."""
+    _check_buffers(num_buffers)
+    _check_mode(plan, delta, "send(delta=ProducerDeltas())")
     group = TorchPairs(rank, pg)
     if delta is not None:
-        return send_delta(group, transfers, shards, delta, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
+        return send_delta(
+            group, plan.transfers, shards, delta, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
+        )
     return send_regions(
-        group, transfers, shards, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
+        group,
+        plan.transfers,
+        shards,
+        buffer_size_bytes=plan.buffer_size_bytes,
+        num_buffers=num_buffers,
+        checksum=checksum_function(plan.checksum) if plan.checksum else None,
     )
 
 
 def receive(
     pg: Any,
     rank: int,
-    transfers: Sequence[Transfer],
+    plan: ShardedPlan,
     slices: dict[str, Held],
     *,
-    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
-    checksum: Callable[[Any], int] | None = None,
     bases: ConsumerBases | None = None,
 ) -> int:
-    """Receive this consumer's regions into ``slices`` (and relay its replica's); the bytes received. With
-    ``bases`` (this consumer's state across rounds), a delta round, whose producers passed ``delta``: every piece is
-    verified, and one that holds other bytes than the producer's (written since) is sent again whole."""
+    """Receive this consumer's regions of ``plan`` into ``slices`` (and relay its replica's); the bytes received. A
+    plan agreed with ``delta=True`` takes this consumer's state across rounds here
+    (:class:`~refit_app.core.reshard.delta.ConsumerBases`)."""
+    _check_buffers(num_buffers)
+    _check_mode(plan, bases, "receive(bases=ConsumerBases())")
     group = TorchPairs(rank, pg)
     if bases is not None:
         return receive_delta(
-            group,
-            transfers,
-            slices,
-            bases,
-            buffer_size_bytes=buffer_size_bytes,
-            num_buffers=num_buffers,
+            group, plan.transfers, slices, bases, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
         )
     return receive_regions(
-        group, transfers, slices, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, checksum=checksum
+        group,
+        plan.transfers,
+        slices,
+        buffer_size_bytes=plan.buffer_size_bytes,
+        num_buffers=num_buffers,
+        checksum=checksum_function(plan.checksum) if plan.checksum else None,
     )
+
+
+def _check_mode(plan: ShardedPlan, state: Any, how: str) -> None:
+    if plan.delta and state is None:
+        raise ValueError(f"the plan was agreed with delta=True: call {how}")
+    if not plan.delta and state is not None:
+        raise ValueError("the plan was agreed without delta rounds: agree(..., delta=True) on every rank first")

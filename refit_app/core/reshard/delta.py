@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from refit_app.core.delta.codec import DENSE, END, RECORD, Changes, Encoded, apply_record, diff, encode, padded
-from refit_app.core.reshard.plan import Box, LayoutError, Transfer
+from refit_app.core.reshard.plan import Box, LayoutError, Transfer, volume
 from refit_app.core.reshard.transfer import (
     Held,
     Pair,
@@ -239,7 +239,7 @@ def receive_delta(
     again whole; returns the bytes received. Raises RegionMismatch where a piece sent whole still differs."""
     _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
-    blobs = _receive_blobs(group, pairs, buffer_size_bytes, num_buffers)
+    blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
     for pair in pairs:
         _apply(pair, blobs[pair.peer], slices)
@@ -253,7 +253,7 @@ def receive_delta(
     again = [p for p in pairs if bad[p.peer][1]]
     bases.repaired = sum(len(bad[p.peer][1]) for p in pairs)
     bases.repaired_total += bases.repaired
-    repairs = _receive_blobs(group, again, buffer_size_bytes, num_buffers)
+    repairs = _receive_blobs(group, again, slices, buffer_size_bytes, num_buffers)
     for pair in again:
         _apply(pair, repairs[pair.peer], slices)
         received += repairs[pair.peer].numel()
@@ -270,12 +270,22 @@ def receive_delta(
 
 
 def _receive_blobs(
-    group: PairGroup, pairs: Sequence[Pair], buffer_size_bytes: int, num_buffers: int
+    group: PairGroup, pairs: Sequence[Pair], slices: Mapping[str, Held], buffer_size_bytes: int, num_buffers: int
 ) -> dict[int, torch.Tensor]:
     """Each pair's length, then its blob in buffer-sized slices, ``num_buffers`` in flight a pair."""
     lengths = {p.peer: torch.zeros(1, dtype=torch.int64) for p in pairs}
     for pair in pairs:
         wait_for(group.irecv(lengths[pair.peer], pair.peer), group, pair.peer, "receiving from")
+    for pair in pairs:  # a stream is never larger than its pieces sent whole: refuse before allocating
+        most = (
+            sum(RECORD.size + padded(volume(t.box) * slices[t.name].tensor.element_size()) for t in pair.regions)
+            + RECORD.size
+        )
+        if not 0 <= int(lengths[pair.peer]) <= most:
+            raise ValueError(
+                f"rank {group.rank}: rank {pair.peer} announces {int(lengths[pair.peer])} bytes of delta records, more "
+                f"than its {len(pair.regions)} pieces whole ({most})"
+            )
     blobs = {p.peer: torch.empty(int(lengths[p.peer]), dtype=torch.uint8) for p in pairs}
     queues = {p.peer: _slices(blobs[p.peer].numel(), buffer_size_bytes) for p in pairs}
     position = dict.fromkeys(blobs, 0)

@@ -243,6 +243,11 @@ def _relays(chains: Sequence[Sequence[int]], wanted: dict[str, dict[int, list[Bo
     relay_from: dict[int, int] = {}
     seen: set[int] = set()
     for chain in chains:
+        if len(set(chain)) != len(chain):
+            raise LayoutError(f"the replica chain {list(chain)} holds a rank twice")
+        strangers = [rank for rank in chain if not any(rank in by_rank for by_rank in wanted.values())]
+        if strangers:
+            raise LayoutError(f"the replica chain {list(chain)} holds rank {strangers[0]}, which needs nothing")
         for before, rank in itertools.pairwise(chain):
             if rank in seen or rank == before:
                 raise LayoutError(f"consumer rank {rank} is in more than one place of the replica chains")
