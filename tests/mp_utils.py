@@ -31,6 +31,7 @@ __all__ = [
     "deadline_budget",
     "free_port",
     "gloo_spec",
+    "init_gloo",
     "play_scenarios",
     "run_ranks",
 ]
@@ -63,6 +64,22 @@ def gloo_spec(rank: int, world_size: int, port: int, *, timeout_s: float, **fiel
     ``timeout_s``; ``fields``: any other GroupSpec field (``backend``, ``token``, ``topology``, ...)."""
     fields.setdefault("backend", "gloo")
     return GroupSpec(port=port, world_size=world_size, rank=rank, timeout_s=timeout_s, **fields)
+
+
+def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: float) -> None:
+    """Join torch's default process group on ``port`` of this host over gloo, every wait bounded by ``timeout_s``: the
+    plain process group the sharded refits' tests run over (the rest connect through :func:`gloo_spec`)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 @dataclass

@@ -4,12 +4,10 @@ between rounds and send each consumer only those, bit for bit; a consumer whose 
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import run_ranks
+from mp_utils import init_gloo, run_ranks
 
 from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
@@ -47,9 +45,7 @@ def _full(i: int, round_: int) -> torch.Tensor:
 
 
 def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
-    )
+    init_gloo(rank, world_size, port, timeout_s=30)
     try:
         m = world_size - k
         specs = _specs(k)

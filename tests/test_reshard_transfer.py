@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import deadline_budget, run_ranks
+from mp_utils import deadline_budget, init_gloo, run_ranks
 
 from refit_app.common.errors import PeerError
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
@@ -75,13 +74,7 @@ def needs_of(specs, k: int, m: int, d: int) -> tuple[list[Need], list[list[int]]
 def _rank(
     rank: int, world_size: int, port: int, k: int, m: int, d: int, two_d: bool, buffer: int, nb: int, verify: bool
 ):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    init_gloo(rank, world_size, port, timeout_s=TIMEOUT_S)
     try:
         typed = model(k, two_d)
         specs = [s for s, _ in typed]
@@ -170,9 +163,7 @@ class _FlipsOneByte:
 
 
 def _corrupted_rank(rank: int, world_size: int, port: int):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
-    )
+    init_gloo(rank, world_size, port, timeout_s=30)
     try:
         specs = [TensorSpec(f"w{i}", "float32", (8, 8), 4, Layout.one_dim([0], Shard(0))) for i in range(8)]
         transfers = plan(specs, [Need(1, s.name, whole(s.shape)) for s in specs])
@@ -197,13 +188,7 @@ def _killed_rank(rank: int, world_size: int, port: int, victim: int, timeout_s: 
     import os
     import signal
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    init_gloo(rank, world_size, port, timeout_s=timeout_s)
     specs = [TensorSpec(f"w{i}", "float32", (64, 64), 4, Layout.one_dim([0, 1], Shard(0))) for i in range(16)]
     needs = [Need(2 + c, s.name, shard_box(s.shape, 1, 2, c)) for c in range(2) for s in specs]
     transfers = plan(specs, needs)

@@ -6,13 +6,12 @@ tensors sliced. And a wrong layout on any one rank: every rank fails in one line
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import run_ranks
+from mp_utils import init_gloo, run_ranks
 
 from refit_app.common.errors import HandshakeError
 from refit_app.protocol.sharded import (
@@ -50,13 +49,7 @@ def rule(name: str):
 
 
 def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    init_gloo(rank, world_size, port, timeout_s=TIMEOUT_S)
     try:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -155,9 +148,7 @@ def _mistake_rank(rank: int, world_size: int, port: int, mistake: str):
     from refit_app.core.reshard.plan import Layout, LayoutError, Shard
     from refit_app.protocol.sharded import Declared, Expected
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20)
-    )
+    init_gloo(rank, world_size, port, timeout_s=20)
     try:
         full = torch.arange(11 * 6, dtype=torch.float32).reshape(11, 6)
         layout = Layout.one_dim([0, 1], Shard(0))
@@ -215,9 +206,7 @@ def _swapped_ranks(rank: int, world_size: int, port: int):
 
     from refit_app.core.reshard.plan import LayoutError
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20)
-    )
+    init_gloo(rank, world_size, port, timeout_s=20)
     try:
         model = torch.nn.Linear(8, 8)  # even shards: a swap would not show in their shapes
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))

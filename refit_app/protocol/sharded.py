@@ -218,6 +218,10 @@ class ShardedPlan:
     delta: bool
     digest: str
 
+    def checksum_function(self) -> Callable[[Any], int] | None:
+        """The function of :attr:`checksum`, or None where plain rounds are not verified."""
+        return checksum_function(self.checksum) if self.checksum else None
+
 
 def _check_settings(buffer_size_bytes: Any, checksum: Any) -> None:
     if not (isinstance(buffer_size_bytes, int) and 1 <= buffer_size_bytes <= 1 << 40):
@@ -371,7 +375,7 @@ def send(
         shards,
         buffer_size_bytes=plan.buffer_size_bytes,
         num_buffers=num_buffers,
-        checksum=checksum_function(plan.checksum) if plan.checksum else None,
+        checksum=plan.checksum_function(),
     )
 
 
@@ -400,7 +404,7 @@ def receive(
         slices,
         buffer_size_bytes=plan.buffer_size_bytes,
         num_buffers=num_buffers,
-        checksum=checksum_function(plan.checksum) if plan.checksum else None,
+        checksum=plan.checksum_function(),
     )
 
 

@@ -149,7 +149,7 @@ def send_delta(
     """One round of this producer's pairs as delta records (dense for a pair whose consumer cannot vouch for its
     base, and in the first round); returns the bytes sent."""
     _no_chains(transfers)
-    pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes, group.rank)
     pieces: dict[tuple[str, Box], _Piece] = {}
     for pair in pairs:
         for t in pair.regions:
@@ -238,7 +238,7 @@ def receive_delta(
     """One round of this consumer's pairs: apply what arrives, verify every piece, have the ones that differ sent
     again whole; returns the bytes received. Raises RegionMismatch where a piece sent whole still differs."""
     _no_chains(transfers)
-    pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes, group.rank)
     blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
     for pair in pairs:
@@ -307,7 +307,7 @@ def _differing(pair: Pair, theirs: torch.Tensor, slices: Mapping[str, Held]) -> 
     return [
         i
         for i, (t, sent) in enumerate(zip(pair.regions, theirs.tolist()))
-        if as_words([_hash(_bytes_of(slices[t.name].region(t.box))[0])]).item() != sent
+        if _hash(_bytes_of(slices[t.name].region(t.box))[0]) != sent % (1 << 64)  # sent as a signed word
     ]
 
 

@@ -150,11 +150,10 @@ def _check_held(t: Transfer, held: Mapping[str, Held], rank: int) -> None:
 
 
 def pair_streams(
-    transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int
+    transfers: Sequence[Transfer], held: Mapping[str, Held], key: str, buffer_size_bytes: int, rank: int
 ) -> list[Pair]:
-    """The pairs of this rank in ``transfers`` (``key``: ``"dst"`` for its sends, ``"src"`` for its receives), each
-    with its regions cut into pieces and chunked; every tensor checked against its transfers first."""
-    rank = next((getattr(t, "src" if key == "dst" else "dst") for t in transfers), -1)
+    """The pairs of rank ``rank`` in ``transfers`` (``key``: ``"dst"`` for its sends, ``"src"`` for its receives),
+    each with its regions cut into pieces and chunked; every tensor checked against its transfers first."""
     for t in transfers:
         _check_held(t, held, rank)
     by_peer: dict[int, list[Transfer]] = {}
@@ -216,7 +215,7 @@ def send_regions(
 ) -> int:
     """Send every region this rank is the source of (its local shards, ``shards``: tensor name -> :class:`Held`);
     returns the bytes sent. Returns once every send has completed."""
-    pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes, group.rank)
     sent = 0
     while not all(p.done() for p in pairs):
         for pair in pairs:
@@ -273,8 +272,10 @@ def receive_regions(
     """Receive every region this rank is the destination of into ``slices`` (tensor name -> :class:`Held`: the
     tensor of the box this rank needs), and pass on each region it relays to a replica as soon as its chunk is
     complete; returns the bytes received. Returns once every receive and relay has completed."""
-    pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes)
-    relays = pair_streams([t for t in transfers if t.src == group.rank and t.relayed], slices, "dst", buffer_size_bytes)
+    pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes, group.rank)
+    relays = pair_streams(
+        [t for t in transfers if t.src == group.rank and t.relayed], slices, "dst", buffer_size_bytes, group.rank
+    )
     for pair in pairs:
         while pair.next_chunk < len(pair.chunks) and len(pair.slots) < num_buffers:
             _post_receive(group, pair, buffer_size_bytes)
