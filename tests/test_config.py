@@ -206,6 +206,7 @@ def test_producer_packing_default_is_bounded_and_may_be_null() -> None:
         (["role=producer"], "_producer"),
         (["role=consumer"], "_consumer1"),
         (["role=consumer", "group.world_size=3", "group.rank=2"], "_consumer2"),
+        (["role=producer", "group.producers=2", "group.world_size=3", "group.rank=1"], "_producer1"),
     ],
 )
 def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> None:
@@ -269,10 +270,50 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["sink.kind=save"], "sink.kind='save' is invalid: choose the sink with sink=save"),
         (["~role"], "no role chosen: add role=<option>, choose one of local, producer, consumer"),
         (["+refit.buffer_sz=1"], "unknown key 'refit.buffer_sz'; keys under refit: buffer_size_bytes, num_buffers"),
+        (["group.producers=0"], "group.producers=0 is invalid: must be an integer in 1..1023"),
+        (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
+        (["group.tp_size=2", "role=ray"], "role='ray' is invalid: a sharded refit runs under role=local, producer"),
+        (["group.producers=2", "sink=save", "sink.path=x"], "a sharded refit feeds sink=verify or sink=discard only"),
+        (["group.producers=2", "source=safetensors", "source.path=."], "a sharded refit reads source=synthetic only"),
+        (["group.producers=2", "refit.delta=on"], "refit.delta='on' is invalid: a sharded refit does not run delta"),
+        (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
+        (["group.tp_size=2", "group.backend=shm"], "group.backend='shm' is invalid: a sharded refit runs over gloo"),
+        (["group.producers=2", "role.num_consumers=2"], "role.num_consumers=2 is invalid: a sharded refit has"),
+        (["group.producers=2", "group.world_size=4"], "group.world_size=4 is invalid: role=local runs group.producers"),
+        (
+            ["role=producer", "group.producers=2", "group.tp_size=2"],
+            "group.world_size=2 is invalid: group.producers=2 + group.tp_size=2 x group.replicas=1 consumers are 4 "
+            "ranks; give group.world_size=4 on every rank",
+        ),
+        (
+            ["role=producer", "group.producers=2", "group.world_size=3", "group.rank=2"],
+            "group.rank=2 is invalid: a producer of group.producers=2 + group.tp_size=1 x group.replicas=1 consumers "
+            "is one of ranks 0..1",
+        ),
+        (
+            ["role=consumer", "group.producers=2", "group.world_size=3", "group.rank=1"],
+            "group.rank=1 is invalid: a consumer of group.producers=2",
+        ),
     ],
 )
 def test_bad_values_are_refused(overrides: list[str], message: str) -> None:
     assert message in refused(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "layout", "world_size", "rank"),
+    [
+        ([], None, 2, 0),
+        (["group.producers=2", "group.tp_size=2"], (2, 2, 1), 4, 0),
+        (["group.tp_size=2", "group.replicas=3"], (1, 2, 3), 7, 0),
+        (["role=producer", "group.producers=3", "group.world_size=4", "group.rank=2"], (3, 1, 1), 4, 2),
+        (["role=consumer", "group.tp_size=2", "group.world_size=3", "group.rank=1"], (1, 2, 1), 3, 1),
+    ],
+)
+def test_a_sharded_layout_sets_the_world(overrides: list[str], layout: tuple | None, world_size: int, rank: int):
+    s = settings(*overrides)
+    got = None if s.sharded is None else (s.sharded.producers, s.sharded.tp_size, s.sharded.replicas)
+    assert (got, s.group.world_size, s.group.rank) == (layout, world_size, rank)
 
 
 def test_only_the_role_that_reads_a_path_requires_it() -> None:

@@ -108,6 +108,33 @@ class RaySpec:
 
 
 @dataclass(frozen=True)
+class ShardedSpec:
+    """A sharded refit's layout (``group.producers``, ``group.tp_size``, ``group.replicas``): ranks ``0..producers-1``
+    each hold a part of the model, ranks ``producers..`` are ``replicas`` engines of ``tp_size`` consumers each."""
+
+    producers: int
+    tp_size: int
+    replicas: int
+
+    @property
+    def world_size(self) -> int:
+        return self.producers + self.tp_size * self.replicas
+
+    def describe(self) -> str:
+        """The layout as its keys, for messages."""
+        return (
+            f"group.producers={self.producers} + group.tp_size={self.tp_size} x group.replicas={self.replicas} "
+            f"consumers"
+        )
+
+
+SHARDED_SOURCES = ("synthetic",)
+"""The sources a sharded refit reads so far: each producer takes its rows of every tensor."""
+SHARDED_SINKS = ("verify", "discard")
+"""The sinks a sharded refit feeds so far."""
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Every setting of a run, checked; what the application runs with."""
 
@@ -123,6 +150,8 @@ class RunSettings:
     """The built-in sink's name (verify, save, discard), or the user's class path; for metrics."""
     ray: RaySpec | None = None
     """role=ray's cluster and bundles; None for every other role."""
+    sharded: ShardedSpec | None = None
+    """A sharded refit's layout; None for a refit from one producer that holds the model whole."""
 
     @property
     def rank(self) -> int:
@@ -263,7 +292,8 @@ def validate(cfg: DictConfig) -> RunSettings:
         c.fail("role.num_consumers", num_consumers, f"must be an integer in 1..{MAX_WORLD_SIZE - 1}")
 
     refit = _check_refit(c)
-    group = _check_group(c, role, num_consumers)
+    sharded = _check_sharded(c, role, num_consumers)
+    group = _check_group(c, role, num_consumers, sharded)
     if role == "auto" and group is not None:
         # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
         role = "producer" if group.is_producer else "consumer"
@@ -281,7 +311,53 @@ def validate(cfg: DictConfig) -> RunSettings:
 
     if c.errors:
         c.raise_any()
-    return RunSettings(role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name, ray=ray)
+    return RunSettings(
+        role=role, group=group, refit=refit, source=source, sink=sink, sink_name=sink_name, ray=ray, sharded=sharded
+    )
+
+
+def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | None:
+    """``group.producers``, ``group.tp_size`` and ``group.replicas``; where any is above 1 (a sharded refit), what
+    the application runs of one so far, every other setting refused in one line naming it."""
+    sizes = {key: c.get(f"group.{key}") for key in ("producers", "tp_size", "replicas")}
+    bad = False
+    for key, value in sizes.items():
+        if value is not _ABSENT and not (is_int(value) and 1 <= value < MAX_WORLD_SIZE):
+            c.fail(f"group.{key}", value, f"must be an integer in 1..{MAX_WORLD_SIZE - 1}")
+            bad = True
+    if bad or _ABSENT in sizes.values() or all(v == 1 for v in sizes.values()):
+        return None
+    spec = ShardedSpec(**sizes)
+    if spec.world_size > MAX_WORLD_SIZE:
+        c.fail(
+            "group.producers",
+            spec.producers,
+            f"{spec.describe()} are {spec.world_size} ranks, more than {MAX_WORLD_SIZE}",
+        )
+    what = "a sharded refit"
+    if role not in ("local", "producer", "consumer", _ABSENT):
+        c.fail("role", role, f"{what} runs under role=local, producer or consumer, not role={role} yet")
+    if role == "local" and num_consumers not in (1, _ABSENT):
+        c.fail("role.num_consumers", num_consumers, f"{what} has group.tp_size x group.replicas consumers; leave it 1")
+    kind = OmegaConf.select(c.cfg, "source.kind", default=None)
+    if role in ("local", "producer", "consumer") and kind not in SHARDED_SOURCES:
+        c.errors.append(f"{what} reads source=synthetic only so far, not source={kind or 'custom'}")
+    kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
+    if role in ("local", "consumer") and kind not in SHARDED_SINKS:
+        c.errors.append(f"{what} feeds sink=verify or sink=discard only so far, not sink={kind or 'custom'}")
+    for key, allowed, why in (
+        ("refit.delta", (DEFAULT_DELTA,), "does not run delta rounds yet"),
+        ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),
+        ("refit.use_legacy_packing", (False, None), "does not send vLLM's legacy chunks"),
+        ("refit.debug.corrupt_chunk", (None,), "has no corrupt_chunk hook yet"),
+        ("refit.debug.die_in_round", (None,), "has no die_in_round hook yet"),
+        ("group.topology", ("tree",), "takes no topology (its replicas chain by themselves): leave it tree"),
+        ("group.backend", ("auto", "gloo"), "runs over gloo: leave it auto or give gloo"),
+    ):
+        value = c.get(key)
+        if value is not _ABSENT and value not in allowed:
+            c.fail(key, value, f"{what} {why}")
+    return spec
 
 
 def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec) -> None:
@@ -377,7 +453,7 @@ def _size(c: _Checker, key: str) -> int | None:
         return None
 
 
-def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None:
+def _check_group(c: _Checker, role: Any, num_consumers: Any, sharded: ShardedSpec | None) -> GroupSpec | None:
     """The group settings, with the rules that depend on the role checked here and the rest by GroupSpec."""
     # Every field of GroupSpec but the derived ones comes from the key of the same name: a new group knob is a
     # schema field and a GroupSpec field (with its rule), nothing here.
@@ -390,12 +466,11 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
     if role == "local":
         # A local run starts every rank itself, so the group's shape follows from role.num_consumers.
         expected = 1 + num_consumers if is_int(num_consumers) and 1 <= num_consumers < MAX_WORLD_SIZE else None
+        ranks = f"1 producer + role.num_consumers={show(num_consumers)} consumers"
+        if sharded is not None:
+            expected, ranks = sharded.world_size, sharded.describe()
         if world_size not in (None, expected):
-            c.fail(
-                "group.world_size",
-                world_size,
-                f"role=local runs 1 producer + role.num_consumers={show(num_consumers)} consumers; leave it null",
-            )
+            c.fail("group.world_size", world_size, f"role=local runs {ranks}; leave it null")
         if rank is not None:
             c.fail("group.rank", rank, "role=local assigns ranks itself; leave it null")
         if values.get("local_rank") is not None:
@@ -420,6 +495,8 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
     else:
         if values["port"] is None:
             values["port"] = DEFAULT_PORT
+        if sharded is not None:
+            return _sharded_rank_group(c, role, values, sharded)
         known_size = world_size if is_int(world_size) and world_size >= 2 else None
         if role == "producer" and rank not in (0, None):
             c.fail("group.rank", rank, "the producer is rank 0")
@@ -435,6 +512,28 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any) -> GroupSpec | None
                 )
         if role == "producer" or (role == "consumer" and not (is_int(rank) and known_size and 1 <= rank < known_size)):
             values["rank"] = 0  # refused above where it matters; GroupSpec checks the rest
+    try:
+        return GroupSpec(**values)
+    except ConfigError as e:
+        c.errors.append(str(e))
+        return None
+
+
+def _sharded_rank_group(c: _Checker, role: str, values: dict[str, Any], sharded: ShardedSpec) -> GroupSpec | None:
+    """role=producer or consumer in a sharded refit: the world size stated (every rank must agree on the layout)
+    and a rank of this role's part of it."""
+    world, k, rank = sharded.world_size, sharded.producers, values["rank"]
+    if values["world_size"] != world:
+        c.fail(
+            "group.world_size",
+            values["world_size"],
+            f"{sharded.describe()} are {world} ranks; give group.world_size={world} on every rank",
+        )
+    span = range(k) if role == "producer" else range(k, world)
+    if not (is_int(rank) and rank in span):
+        c.fail("group.rank", rank, f"a {role} of {sharded.describe()} is one of ranks {span[0]}..{span[-1]}")
+    if c.errors:
+        return None
     try:
         return GroupSpec(**values)
     except ConfigError as e:

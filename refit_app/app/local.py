@@ -14,8 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from refit_app.app.config import RunSettings
+from refit_app.app.metrics import round_times
 from refit_app.app.rank_harness import ActivityHandler, RankOutcome, prestart, root_cause, run_ranks
 from refit_app.common.errors import PeerError, RefitError
+from refit_app.common.sizes import gb_per_s
 from refit_app.transport.auth import new_run_id, new_secret
 
 logger = logging.getLogger(__name__)
@@ -46,35 +48,51 @@ class LocalRunError(RefitError):
 
 
 def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any]:
-    """One spawned rank: the producer (rank 0) or a consumer, with this run's settings."""
+    """One spawned rank: the producer (rank 0) or a consumer, with this run's settings; in a sharded refit, one of
+    its producers or consumers."""
     from refit_app.app.roles import run_consumer, run_producer
 
-    rank_logging(rank, log_files, ActivityHandler())  # its last line says what it was doing, should it be stopped
+    # Its last line says what it was doing, should it be stopped.
+    rank_logging(rank, log_files, ActivityHandler(), producers=_producers(s))
     # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
     ranked = rank_settings(s, rank, local_rank=rank)
+    if s.sharded is not None:
+        from refit_app.app.sharded import run_sharded
+
+        return run_sharded(ranked)
     # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.
     return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
 
 
-def rank_label(rank: int) -> str:
-    return "producer" if rank == 0 else f"consumer {rank}"
+def _producers(s: RunSettings) -> int:
+    return 1 if s.sharded is None else s.sharded.producers
 
 
-def rank_logging(rank: int, log_files: list[str], *extra: logging.Handler) -> None:
+def rank_label(rank: int, producers: int = 1) -> str:
+    """``producer`` (of one), ``producer 1`` (of a sharded refit's several), ``consumer 3``."""
+    if rank < producers:
+        return "producer" if producers == 1 else f"producer {rank}"
+    return f"consumer {rank}"
+
+
+def rank_logging(rank: int, log_files: list[str], *extra: logging.Handler, producers: int = 1) -> None:
     """A rank's log: its lines on stdout and in the launching job's log files, each labelled with the rank."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     # The parent's log files (Hydra's job log) get the ranks' lines too; appends of whole lines interleave cleanly.
     handlers += [logging.FileHandler(path, mode="a") for path in log_files]
     handlers += extra
     logging.basicConfig(
-        level=logging.INFO, handlers=handlers, format=f"[%(asctime)s][{rank_label(rank)}] %(message)s", force=True
+        level=logging.INFO,
+        handlers=handlers,
+        format=f"[%(asctime)s][{rank_label(rank, producers)}] %(message)s",
+        force=True,
     )
 
 
 def rank_settings(s: RunSettings, rank: int, *, local_rank: int | None) -> RunSettings:
     """The settings of one rank of a run that starts every rank itself (role=local, role=ray)."""
     group = replace(s.group, rank=rank, local_rank=local_rank)
-    return replace(s, role="producer" if rank == 0 else "consumer", group=group)
+    return replace(s, role="producer" if rank < _producers(s) else "consumer", group=group)
 
 
 def with_run_secret(s: RunSettings) -> RunSettings:
@@ -129,7 +147,9 @@ def combine_outcomes(
 ) -> dict[str, Any]:
     """One run's metrics from its ranks' outcomes: the producer's figures at the top level, each consumer's under
     ``consumers`` (with ``per_rank``'s entries added); raises :class:`LocalRunError` with them, naming the root
-    cause, if any rank failed."""
+    cause, if any rank failed. A sharded refit's: :func:`combine_sharded`."""
+    if s.sharded is not None:
+        return combine_sharded(outcomes, s, role)
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     if s.refit.elastic and outcomes[0].ok:
         outcomes = [_no_round_is_lost(o) for o in outcomes]
@@ -147,17 +167,76 @@ def combine_outcomes(
         for o in failures:
             logger.warning("%s lost during the run: %s", rank_label(o.rank), o.error)
         failures = []
-    if failures:
-        # The root cause is the failure that is not just "a peer failed", if there is one, with what a rank
-        # stopped meanwhile was doing (a producer still reading its source when a consumer gave up waiting).
-        error = root_cause(
-            outcomes,
-            [rank_label(r) for r in range(len(outcomes))],
-            secondary=(PeerError.__name__,),
-            stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
-        )
-        combined.update(status="failed", error=error)
-        raise LocalRunError(error, combined)
+    _raise_if_failed(failures, outcomes, s, combined)
     verified = [c.get("verified") for c in combined["consumers"] if c.get("status") == "ok"]
     combined["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
+    return combined
+
+
+def _raise_if_failed(
+    failures: list[RankOutcome], outcomes: list[RankOutcome], s: RunSettings, combined: dict[str, Any]
+) -> None:
+    """Where a rank failed: :class:`LocalRunError` with ``combined``, naming the root cause, the failure that is not
+    just "a peer failed", if there is one, with what a rank stopped meanwhile was doing (a producer still reading
+    its source when a consumer gave up waiting)."""
+    if not failures:
+        return
+    error = root_cause(
+        outcomes,
+        [rank_label(r, _producers(s)) for r in range(len(outcomes))],
+        secondary=(PeerError.__name__,),
+        stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
+    )
+    combined.update(status="failed", error=error)
+    raise LocalRunError(error, combined)
+
+
+def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
+    """A sharded refit's metrics from its ranks': each producer's under ``producers``, each consumer's under
+    ``consumers``, and the run's at the top level. A round's ``seconds`` is its slowest rank's (every rank starts
+    it together), its ``bytes`` what the producers sent, its ``wire_bytes`` what every consumer received (with
+    replicas, the relayed bytes too)."""
+    k = _producers(s)
+    metrics = [
+        o.value
+        if o.ok
+        else {"role": "producer" if o.rank < k else "consumer", "rank": o.rank, "status": "failed", "error": o.error}
+        for o in outcomes
+    ]
+    producers, consumers = metrics[:k], metrics[k:]
+    combined: dict[str, Any] = {"role": role, "rank": 0, "producers": producers, "consumers": consumers}
+    failures = [o for o in outcomes if not o.ok]
+    _raise_if_failed(failures, outcomes, s, combined)
+    rounds = []
+    for entries in zip(*(m["rounds"] for m in metrics)):
+        seconds = max(e["seconds"] for e in entries)
+        sent = sum(e["bytes"] for e in entries[:k])
+        received = sum(e["bytes"] for e in entries[k:])
+        peak = [e["peak_rss_bytes"] for e in entries if e["peak_rss_bytes"] is not None]
+        rounds.append(
+            {
+                **entries[0],
+                "seconds": seconds,
+                "bytes": sent,
+                "gb_per_s": gb_per_s(sent, seconds),
+                "wire_bytes": received,
+                "verified": all(e["verified"] for e in entries[k:]) if s.sink_name == "verify" else None,
+                "peak_rss_bytes": max(peak, default=None),
+            }
+        )
+    total, times = sum(r["bytes"] for r in rounds), round_times([r["seconds"] for r in rounds])
+    combined.update(
+        {key: value for key, value in producers[0].items() if key not in ("producers", "consumers")},
+        **times,
+        role=role,
+        bytes=total,
+        wire_bytes=sum(r["wire_bytes"] for r in rounds),
+        gb_per_s=gb_per_s(total, times["seconds"]),
+        peak_rss_bytes=max((m["peak_rss_bytes"] or 0 for m in metrics), default=None),
+        peak_extra_bytes=max((m["peak_extra_bytes"] or 0 for m in metrics), default=None),
+        verified=all(c["verified"] for c in consumers) if s.sink_name == "verify" else None,
+        verified_tensors=None,
+        sink=s.sink_name,
+        rounds=rounds,
+    )
     return combined

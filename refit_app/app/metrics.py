@@ -180,12 +180,31 @@ class RunMetrics:
             "`rounds` are those since it last rejoined)"
         ),
     )
+    producers: list[dict[str, Any]] | None = field(
+        default=None,
+        metadata=_doc(
+            "a sharded refit under role=local: each producer's metrics, with the keys above (the top level is the "
+            "run's: `bytes` what the producers sent, `wire_bytes` what the consumers received, a round's `seconds` "
+            "its slowest rank's)"
+        ),
+    )
     consumers: list[dict[str, Any]] | None = field(
         default=None, metadata=_doc("role=local and role=ray: each consumer's metrics, with the keys above")
     )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def round_times(seconds: list[float]) -> dict[str, Any]:
+    """A run's timing keys of :class:`RunMetrics` from its rounds' seconds: ``seconds`` (their sum),
+    ``rounds_done``, ``first_round_seconds`` and ``steady_round_seconds`` (the median of rounds 2..N)."""
+    return {
+        "seconds": sum(seconds),
+        "rounds_done": len(seconds),
+        "first_round_seconds": seconds[0] if seconds else None,
+        "steady_round_seconds": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
+    }
 
 
 METRICS_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(RunMetrics)}
@@ -423,7 +442,7 @@ def write_metrics(path_dir: str | os.PathLike[str], metrics: Mapping[str, Any]) 
 def summary_line(metrics: Mapping[str, Any]) -> str:
     """The run in one log line: what moved, how fast, with which settings, how much memory, and the verdict."""
     who = str(metrics.get("role", "refit"))
-    if metrics.get("role") == "consumer" and metrics.get("rank") is not None:
+    if metrics.get("rank") and who in ("consumer", "producer"):  # a sharded refit's producers 1.. too
         who += f" {metrics['rank']}"
     if metrics.get("status") == "failed":
         return f"{who}: failed: {metrics.get('error') or 'unknown error'}"
@@ -432,7 +451,8 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
     wire = metrics.get("wire_bytes")
     if wire is not None and metrics.get("bytes") and wire != metrics.get("bytes"):
         parts.append(f" ({format_decimal(wire)} on the wire)")
-    parts.append(f" in {metrics.get('num_tensors', '?')} tensors / {metrics.get('num_chunks', '?')} chunks")
+    chunks = metrics.get("num_chunks", "?")
+    parts.append(f" in {metrics.get('num_tensors', '?')} tensors" + ("" if chunks is None else f" / {chunks} chunks"))
     rounds = metrics.get("rounds_done") or 0
     if rounds > 1:
         parts.append(f" x {rounds} rounds")
@@ -455,6 +475,9 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
     if settings:
         parts.append(f" ({', '.join(settings)})")
 
+    producers = metrics.get("producers") or []
+    if producers:  # a sharded refit
+        parts.append(f", {len(producers)} producer{'s' if len(producers) != 1 else ''}")
     consumers = metrics.get("consumers") or []
     if consumers:
         parts.append(f", {len(consumers)} consumer{'s' if len(consumers) != 1 else ''}")

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from refit_app.app.config import RunSettings
 from refit_app.app.devices import use_local_gpu
-from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics
+from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
 from refit_app.app.progress import Progress
 from refit_app.common.errors import ConfigError, RefitError
 from refit_app.common.sizes import gb_per_s
@@ -118,11 +117,7 @@ def _run_metrics(
         num_tensors=None if manifest is None else len(manifest.tensors),
         num_chunks=rounds[-1].num_chunks if rounds else None,
         num_broadcasts=rounds[-1].num_broadcasts if rounds else None,
-        seconds=seconds,
         gb_per_s=gb_per_s(total_bytes, seconds),
-        rounds_done=len(rounds),
-        first_round_seconds=rounds[0].seconds if rounds else None,
-        steady_round_seconds=statistics.median(r.seconds for r in rounds[1:]) if len(rounds) > 1 else None,
         handshake_seconds=handshake_s,
         buffer_size_bytes=None if manifest is None else manifest.buffer_size_bytes,
         num_buffers=s.refit.num_buffers,
@@ -134,6 +129,7 @@ def _run_metrics(
         cuda_peak_bytes=max(cuda) if cuda else None,
         cuda_peak_extra_bytes=max(cuda_extra) if cuda_extra else None,
         source=None if manifest is None else manifest.source,
+        **round_times([r.seconds for r in rounds]),
         rounds=[_round_metrics(r, m, producer) for r, m in zip(rounds, memories)],
         wire_bytes=sum(r.wire_bytes for r in rounds),
     )
@@ -355,5 +351,10 @@ def _round_end(sink: Sink, probe_tokens: int) -> Callable[[Round], dict[str, Any
 
 
 def run_role(s: RunSettings) -> dict[str, Any]:
-    """Run this process's role (the producer or a consumer) and return its metrics."""
+    """Run this process's role (the producer or a consumer; of a sharded refit, one of its ranks) and return its
+    metrics."""
+    if s.sharded is not None:
+        from refit_app.app.sharded import run_sharded
+
+        return run_sharded(s)
     return (run_producer if s.role == "producer" else run_consumer)(s)

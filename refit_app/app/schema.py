@@ -71,6 +71,9 @@ CHOICES = "choices"
 RANK_LABEL_RESOLVER = "refit_app.rank_label"
 """``${refit_app.rank_label:}``: group.rank for role=auto's run directory, or nothing where it cannot be read yet,
 so that Hydra makes the directory and the one-line error about the launcher comes from the config check."""
+PRODUCER_LABEL_RESOLVER = "refit_app.producer_label"
+"""``${refit_app.producer_label:}``: nothing for producer rank 0, else its group.rank (a sharded refit's producer 1
+started on the same host as producer 0 in the same second gets a run directory of its own)."""
 LAUNCHER_RESOLVER = "refit_app.launcher"
 """``${refit_app.launcher:rank}`` (conf/role/auto.yaml): a group setting read from the launcher's environment
 (:func:`refit_app.app.launcher_env.launcher_setting`); an explicit ``group.rank=...`` replaces it."""
@@ -103,10 +106,11 @@ class LocalRole(Role):
 
 @dataclass
 class ProducerRole(Role):
-    """Rank 0, the trainer's side, that consumers on other hosts join at this host's group.host/group.port."""
+    """Rank 0, the trainer's side, that consumers on other hosts join at this host's group.host/group.port (in a
+    sharded refit, any of ranks 0..group.producers-1: rank 0 is where the others join)."""
 
     name: str = "producer"
-    output_name: str = "producer"
+    output_name: str = f"producer${{{PRODUCER_LABEL_RESOLVER}:}}"
 
 
 @dataclass
@@ -188,9 +192,11 @@ class Group:
     port: Optional[int] = None
     """Rendezvous port. null: a free port for role=local, {DEFAULT_PORT} for a producer and its consumers."""
     world_size: Optional[int] = None
-    """Number of ranks: the producer plus the consumers. null: 1 + role.num_consumers (role=local), 2 (role=ray)."""
+    """Number of ranks: the producers plus the consumers. null: 1 + role.num_consumers (role=local; a sharded refit:
+    group.producers + group.tp_size x group.replicas), 2 (role=ray)."""
     rank: Optional[int] = None
-    """This process's rank: 0 for the producer, 1..world_size-1 for a consumer; null for role=local and role=ray."""
+    """This process's rank: 0 for the producer, 1..world_size-1 for a consumer (a sharded refit: 0..producers-1 for
+    a producer, the rest for consumers); null for role=local and role=ray."""
     local_rank: Optional[int] = None
     """This rank's index among the ranks on its host: it uses GPU local_rank (modulo the GPUs it sees). null: the
     current CUDA device; role=auto reads LOCAL_RANK or SLURM_LOCALID, role=local uses each rank's number."""
@@ -207,6 +213,17 @@ class Group:
     """This run's id; a consumer refuses another run's producer. null: the producer makes one up and logs it."""
     allow_unauthenticated: bool = False
     """Allow a non-loopback group.host without group.token (on a network where every host is trusted)."""
+    producers: int = 1
+    """How many producer ranks (0..producers-1) each hold a part of the model (its rows). Above 1, or with
+    group.tp_size or group.replicas above 1: a sharded refit (docs/sharded.md), whose consumers are the ranks after
+    the producers; so far with source=synthetic and sink=verify or discard. 1 (and the other two 1): one producer
+    holds the model whole."""
+    tp_size: int = 1
+    """A sharded refit's tensor-parallel consumers per replica: each needs only its slice of every tensor (rows of
+    most 2-D weights, columns of o_proj, down_proj and out_proj, the rest whole)."""
+    replicas: int = 1
+    """A sharded refit's engine replicas of group.tp_size consumers each; a replica gets its slices from the one
+    before it. World size: group.producers + group.tp_size x group.replicas."""
     topology: str = field(default=DEFAULT_TOPOLOGY, metadata={CHOICES: TOPOLOGIES})
     """How each buffer travels: tree, the backend's own broadcast; chain, each consumer relays every chunk to the
     next rank while receiving the next one, so every link carries each byte once (faster with 2+ consumers). chain
@@ -420,6 +437,7 @@ def register_schemas() -> None:
     if not OmegaConf.has_resolver(LAUNCHER_RESOLVER):
         OmegaConf.register_new_resolver(LAUNCHER_RESOLVER, launcher_setting)
         OmegaConf.register_new_resolver(RANK_LABEL_RESOLVER, _rank_label)
+        OmegaConf.register_new_resolver(PRODUCER_LABEL_RESOLVER, _producer_label)
 
 
 def _rank_label(*, _root_: Any) -> str:
@@ -427,6 +445,11 @@ def _rank_label(*, _root_: Any) -> str:
         return str(_root_.group.rank)
     except OmegaConfBaseException:
         return ""
+
+
+def _producer_label(*, _root_: Any) -> str:
+    label = _rank_label(_root_=_root_)
+    return "" if label in ("0", "None") else label
 
 
 register_schemas()

@@ -93,6 +93,26 @@ class TorchBroadcastGroup:
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.broadcast_async(tensor, src).wait()
 
+    def process_group(self) -> Any:
+        """This group's gloo backend as a ``torch.distributed`` process group of its own ranks, unregistered (the
+        default group stays the caller's): for point-to-point transfers and object gathers over the connected,
+        authenticated group (a sharded refit, :mod:`refit_app.app.sharded`). Built as torch's own
+        ``init_process_group`` builds one (a ProcessGroup with the backend registered for the CPU), which takes
+        private methods: a torch without them gets a one-line error."""
+        if self._backend is None or self.device.type != "cpu":
+            raise ConfigError("a sharded refit runs over a connected gloo group (group.backend=gloo)")
+        pg_type = dist.ProcessGroup
+        try:
+            pg = pg_type(dist.HashStore(), self._backend.rank(), self._backend.size())
+            pg._set_default_backend(pg_type.BackendType.GLOO)
+            pg._register_backend(torch.device("cpu"), pg_type.BackendType.GLOO, self._backend)
+        except (AttributeError, TypeError) as e:
+            raise ConfigError(
+                f"this torch ({torch.__version__}) cannot wrap a gloo backend as a process group ({one_line(e)}); "
+                "a sharded refit is tested with torch 2.13"
+            ) from e
+        return pg
+
     def shutdown(self, *, abort: bool) -> None:
         # abort() drops in-flight NCCL work so peers blocked on us fail now; shutdown() finishes it.
         # Neither closes gloo's sockets: only destroying the backend does, and every work object keeps it

@@ -11,14 +11,17 @@ import torch.distributed as dist
 
 
 class TorchPairs:
-    """Rank ``rank`` of process group ``pg`` (the default group when None), as a :class:`PairGroup`."""
+    """Rank ``rank`` of process group ``pg`` (the default group when None), as a :class:`PairGroup`. Peers are ranks
+    of ``pg`` (a subgroup's own numbering, as :func:`~refit_app.protocol.sharded.agree` numbers them), and ``pg``
+    need not be registered with torch.distributed (the application's group,
+    :meth:`refit_app.transport.backends.TorchBroadcastGroup.process_group`)."""
 
     def __init__(self, rank: int, pg: Any = None) -> None:
         self.rank = rank
-        self._pg = pg
+        self._pg = dist.group.WORLD if pg is None else pg
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Any:
-        return dist.isend(tensor, dst, group=self._pg)
+        return self._pg.send([tensor], dst, 0)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Any:
-        return dist.irecv(tensor, src, group=self._pg)
+        return self._pg.recv([tensor], src, 0)
