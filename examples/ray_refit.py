@@ -81,6 +81,8 @@ def main() -> bool:
 if __name__ == "__main__":
     # A local cluster of our own unless RAY_ADDRESS names one: ray.init() alone would join whichever cluster this
     # machine started last.
+    # Ray runs its workers at niceness 15 by default: on busy cores a niced actor gets a few percent of a core.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False)
     try:
         ok = main()

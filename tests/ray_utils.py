@@ -23,6 +23,8 @@ from typing import Any
 
 from netns_utils import stop_namespace_processes
 
+from refit_app.app.ray_role import RAY_WORKER_NICENESS_ENV
+
 HEAD_PORT = 6390
 """The head's GCS port inside its namespace host (a network stack of its own: nothing else holds it there)."""
 OBJECT_STORE_BYTES = 100 * 10**6
@@ -34,6 +36,9 @@ def local_cluster(cpus: int, pythonpath: str | None = None) -> Iterator[Any]:
     """A local cluster of ``cpus`` logical CPUs, as the ``ray`` module; ``pythonpath``: a folder the workers import
     from too (actor classes defined in a test module)."""
     ray = importlib.import_module("ray")
+    # Workers at the tests' own priority, not Ray's default niceness 15: under two busy loops a niced actor gets a
+    # few percent of a core and every Ray test took minutes (the application does the same for its own clusters).
+    os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     runtime_env = None
     if pythonpath is not None:
@@ -114,7 +119,7 @@ def netns_cluster(
     (:func:`netns_utils.stop_namespace_processes`), and the temp dirs go."""
     address = f"{head_ip}:{HEAD_PORT}"
     env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), **{RAY_WORKER_NICENESS_ENV: "0"})
     node = [f"--num-cpus={cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
     temps = [tempfile.mkdtemp(prefix="rn", dir="/tmp") for _ in range(2)]
     left: list[str] = []

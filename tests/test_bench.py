@@ -330,7 +330,7 @@ def test_delta_shares_time_dense_on_and_auto_rounds_and_report_each_share(tmp_pa
         "0.01",
         "0.5",
         "--delta-rounds",
-        "3",
+        "5",
         "--out",
         str(out),
     ]
@@ -372,7 +372,8 @@ def test_delta_shares_time_dense_on_and_auto_rounds_and_report_each_share(tmp_pa
             assert modes["auto"]["wire_bytes_per_round"] == total
     assert shares[0]["modes"]["on"]["wire_bytes_per_round"] < 0.1 * total  # 1%: positions and values only
     for m in case["delta"]["memory"]:
-        assert m["delta_rounds"] == 3 and len(m["rounds"]) == 4 and m["flat"] is not None
+        # Two shares: rounds 2..5 are the reference (two at each share), round 6 the one judged against them.
+        assert m["delta_rounds"] == 5 and len(m["rounds"]) == 6 and m["flat"] is not None
 
     png = (out / "delta.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000

@@ -11,6 +11,7 @@ A local Ray cluster for the module, as tests/test_ray.py does; every wait has a 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -262,6 +263,9 @@ class Pinger:
 
         return ray.get_runtime_context().was_current_actor_reconstructed
 
+    def die(self) -> None:
+        os._exit(1)
+
 
 def test_actor_restarts_asks_back_the_moment_ray_restarts_an_actor_and_gives_up_after_max_restarts(ray_cluster):
     """The restart path RayRefitGroup and role=ray share: a call sent the moment Ray begins a restart answers once
@@ -271,12 +275,15 @@ def test_actor_restarts_asks_back_the_moment_ray_restarts_an_actor_and_gives_up_
     from refit_app.integrations.ray.calls import DIED
     from refit_app.integrations.ray.restarts import ActorRestarts
 
-    actors = [ray.remote(num_cpus=0.5, max_restarts=1)(Pinger).remote() for _ in range(2)]
+    # Actor 1 comes back once; actor 2 never. Each dies inside a call, so the call's error says its process is gone:
+    # ray.kill returns before the actor dies, and a call sent after it could still reach the old process.
+    actors = [ray.remote(num_cpus=0.5, max_restarts=n)(Pinger).remote() for n in (1, 0)]
     try:
         assert ray.get([a.ping.remote() for a in actors], timeout=WAIT_S) == [False, False]
         restarts = ActorRestarts(["consumer 1", "consumer 2"], max_restarts=1)
-        ray.kill(actors[0], no_restart=False)
-        ray.kill(actors[1], no_restart=True)
+        for actor in actors:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.die.remote(), timeout=WAIT_S)
         assert restarts.ask_back(0, actors[0].ping) and restarts.ask_back(1, actors[1].ping)
         assert not restarts.ask_back(0, actors[0].ping), "a rank asked back past max_restarts"
         assert restarts.ranks == [0, 1] and restarts.counts == [1, 1]

@@ -44,6 +44,11 @@ from refit_app.common.errors import ConfigError, RefitError, one_line
 from refit_app.integrations.ray.defaults import RAY_EXTRA
 
 RAY_DEDUP_LOGS_ENV = "RAY_DEDUP_LOGS"
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray starts its worker processes, the ranks' actors among them, at niceness 15 by default: on a host whose cores
+are busy with anything else they then get a few percent of a core, and a refit crawls. A local cluster this run
+starts keeps them at the run's own priority (0); a user's own setting wins. A joined cluster has its own setting
+(``RAY_worker_niceness=0 ray start ...``, docs/ray.md)."""
 """Set to ``0`` unless the user set it: Ray would fold the ranks' lines that look alike."""
 
 logger = logging.getLogger(__name__)
@@ -119,6 +124,7 @@ class _Cluster:
             # on the network); address="local" never joins a cluster this machine happens to run already.
             cpus = max(os.cpu_count() or 1, math.ceil(self.world_size * spec.cpus_per_rank))
             options: dict[str, Any] = {"address": "local", "num_cpus": cpus}
+            os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")  # read by the raylet that ray.init starts
             logger.info("starting a local Ray cluster (%d CPUs)", cpus)
         else:
             _probe(spec.address)
