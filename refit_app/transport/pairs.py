@@ -1,6 +1,8 @@
 """Point-to-point sends and receives over a ``torch.distributed`` process group, as a sharded refit's plan moves its
 regions (:class:`refit_app.core.reshard.transfer.PairGroup`). Gloo runs them on CPU; every wait is bounded by the
-process group's timeout (``group.timeout_s``)."""
+process group's timeout (``group.timeout_s``). A send or receive that gloo refuses as it is posted (the peer's
+connection already closed) fails when it is waited for, as one that fails later does: the caller names the lost
+peer in one place (:func:`refit_app.core.reshard.transfer.wait_for`)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,23 @@ class TorchPairs:
         self._pg = dist.group.WORLD if pg is None else pg
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Any:
-        return self._pg.send([tensor], dst, 0)
+        try:
+            return self._pg.send([tensor], dst, 0)
+        except RuntimeError as e:
+            return FailedWork(e)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Any:
-        return self._pg.recv([tensor], src, 0)
+        try:
+            return self._pg.recv([tensor], src, 0)
+        except RuntimeError as e:
+            return FailedWork(e)
+
+
+class FailedWork:
+    """A send or receive that failed as it was posted; :meth:`wait` raises its error."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def wait(self) -> None:
+        raise self.error
