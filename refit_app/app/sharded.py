@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
@@ -112,8 +113,6 @@ def check_slices(slices: dict[str, Held], tensors: Iterable[tuple[str, torch.Ten
 def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, producer: bool) -> tuple[int, int]:
     """The rounds and buffer size every rank runs with: a consumer's null adopts producer 0's; a rank whose layout
     or rounds differ from rank 0's stops every rank with the same line."""
-    import torch.distributed as dist
-
     buffer = s.refit.buffer_size_bytes
     if buffer is None and producer:
         buffer = get_target_packed_tensor_size()
@@ -134,7 +133,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, producer: bool
     return first["rounds"], buffer if buffer is not None else first["buffer"]
 
 
-def run_sharded(s: RunSettings, *, show_progress: bool = False) -> dict[str, Any]:
+def run_sharded(s: RunSettings) -> dict[str, Any]:
     """This rank's part of a sharded refit, ``refit.rounds`` rounds; its metrics."""
     layout = s.sharded
     assert layout is not None, "run_sharded needs a sharded layout (group.producers, tp_size, replicas)"
@@ -157,8 +156,6 @@ def run_sharded(s: RunSettings, *, show_progress: bool = False) -> dict[str, Any
 def _rounds(
     s: RunSettings, layout: ShardedSpec, pg: Any, source: Any, producer: bool, verify: bool, started: float
 ) -> dict[str, Any]:
-    import torch.distributed as dist
-
     rank, k, m = s.rank, layout.producers, layout.tp_size
     rounds, buffer = _agree_settings(pg, s, layout, producer)
     expects = expected_tensors(source)
@@ -220,14 +217,14 @@ def _metrics(
     num_tensors: int,
 ) -> dict[str, Any]:
     total = sum(r.bytes for r in rounds)
-    seconds = sum(r.seconds for r in rounds)
+    times = round_times([r.seconds for r in rounds])
     metrics = RunMetrics(
         role="producer" if producer else "consumer",
         rank=s.rank,
         bytes=total,
         wire_bytes=total,
         num_tensors=num_tensors,
-        gb_per_s=gb_per_s(total, seconds),
+        gb_per_s=gb_per_s(total, times["seconds"]),
         handshake_seconds=handshake_s,
         buffer_size_bytes=plan.buffer_size_bytes,
         num_buffers=s.refit.num_buffers,
@@ -241,6 +238,6 @@ def _metrics(
         source=source.describe(),
         sink=None if producer else s.sink_name,
         rounds=rounds,
-        **round_times([r.seconds for r in rounds]),
+        **times,
     )
     return metrics.to_json()
