@@ -274,7 +274,18 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
         (["group.tp_size=2", "role=ray"], "role='ray' is invalid: a sharded refit runs under role=local, producer"),
         (["group.producers=2", "sink=save", "sink.path=x"], "a sharded refit feeds sink=verify or sink=discard only"),
-        (["group.producers=2", "source=safetensors", "source.path=."], "a sharded refit reads source=synthetic only"),
+        (
+            ["group.producers=2", "source=safetensors", "source.path=."],
+            "a sharded refit reads source=synthetic or source=model only so far, not source=safetensors",
+        ),
+        (
+            ["group.producers=2", "source=model", "source.path=.", "source.device=cuda:0"],
+            "source.device='cuda:0' is invalid: a sharded refit trains source=model on the CPU (FSDP2, gloo) so far",
+        ),
+        (
+            ["group.producers=2", "source=model", "source.path=.", "refit.delta=on"],
+            "refit.delta='on' is invalid: a sharded refit does not run delta rounds yet",
+        ),
         (["group.producers=2", "refit.delta=on"], "refit.delta='on' is invalid: a sharded refit does not run delta"),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
         (["group.tp_size=2", "group.backend=shm"], "group.backend='shm' is invalid: a sharded refit runs over gloo"),

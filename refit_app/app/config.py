@@ -128,8 +128,9 @@ class ShardedSpec:
         )
 
 
-SHARDED_SOURCES = ("synthetic",)
-"""The sources a sharded refit reads so far: each producer takes its rows of every tensor."""
+SHARDED_SOURCES = ("synthetic", "model")
+"""The sources a sharded refit reads so far: synthetic (each producer takes its rows of every tensor) and model (the
+producers train it under FSDP2 and send their shards)."""
 SHARDED_SINKS = ("verify", "discard")
 """The sinks a sharded refit feeds so far."""
 
@@ -341,7 +342,10 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         c.fail("role.num_consumers", num_consumers, f"{what} has group.tp_size x group.replicas consumers; leave it 1")
     kind = OmegaConf.select(c.cfg, "source.kind", default=None)
     if role in ("local", "producer", "consumer") and kind not in SHARDED_SOURCES:
-        c.errors.append(f"{what} reads source=synthetic only so far, not source={kind or 'custom'}")
+        c.errors.append(f"{what} reads source=synthetic or source=model only so far, not source={kind or 'custom'}")
+    device = c.get("source.device") if kind == "model" and role in ("local", "producer") else _ABSENT
+    if device not in (_ABSENT, None, "cpu"):
+        c.fail("source.device", device, f"{what} trains source=model on the CPU (FSDP2, gloo) so far: leave it null")
     kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
     if role in ("local", "consumer") and kind not in SHARDED_SINKS:
         c.errors.append(f"{what} feeds sink=verify or sink=discard only so far, not sink={kind or 'custom'}")

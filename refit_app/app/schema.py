@@ -216,8 +216,8 @@ class Group:
     producers: int = 1
     """How many producer ranks (0..producers-1) each hold a part of the model (its rows). Above 1, or with
     group.tp_size or group.replicas above 1: a sharded refit (docs/sharded.md), whose consumers are the ranks after
-    the producers; so far with source=synthetic and sink=verify or discard. 1 (and the other two 1): one producer
-    holds the model whole."""
+    the producers; so far with source=synthetic or source=model (the producers train it under FSDP2) and sink=verify
+    or discard. 1 (and the other two 1): one producer holds the model whole."""
     tp_size: int = 1
     """A sharded refit's tensor-parallel consumers per replica: each needs only its slice of every tensor (rows of
     most 2-D weights, columns of o_proj, down_proj and out_proj, the rest whole)."""
@@ -309,7 +309,7 @@ class ModelSource(Source):
     """Cast the weights to this dtype as they are sent (bfloat16 from float32 training, as RL does); null: as
     trained."""
     device: Optional[str] = None
-    """Where the model lives (cpu, cuda:0); null: the CPU."""
+    """Where the model lives (cpu, cuda:0); null: the CPU (a sharded refit trains on the CPU only so far)."""
     train_steps: int = DEFAULT_TRAIN_STEPS
     """Optimizer steps (AdamW) before every round after the first."""
     batch_tokens: int = DEFAULT_BATCH_TOKENS
@@ -361,7 +361,7 @@ class ModelSink(Sink):
     verify: bool = True
     """Also check every received tensor bit for bit against the producer's checksums, every round."""
     device: Optional[str] = None
-    """Where the model lives (cpu, cuda:0); null: the CPU."""
+    """Where the model lives (cpu, cuda:0); null: the CPU (a sharded refit trains on the CPU only so far)."""
 
 
 @dataclass

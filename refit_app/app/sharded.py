@@ -14,14 +14,25 @@ The layouts, chosen here: producer ``p`` holds ``Shard(0)`` of every tensor over
 rows, uneven where they do not divide; a 0-dim tensor whole on every producer); a consumer needs, by
 :func:`tp_rule`, the rows of a 2-D weight (column-parallel), the columns of ``o_proj``, ``down_proj`` and
 ``out_proj`` (row-parallel) and every other tensor (1-D: norms, biases) whole.
+
+Two kinds of source. ``source=synthetic``: each producer takes its rows of the whole synthetic model, and a consumer
+that verifies builds the same model and compares its slices with the whole tensors sliced. ``source=model`` (a
+trainer, any source with ``fully_shard``): the K producers are an FSDP2 trainer, torch's default process group over
+the K producers alone (on the run's signed store), ``fully_shard`` over a mesh of all of them, an AdamW step between
+rounds; each sends its DTensors' local shards as their placements say. A consumer cannot recompute a trainer's
+weights: it takes the tensor list from producer 0, and with ``sink=verify`` compares, every round, the keyed sum of
+each slice it holds (:mod:`refit_app.core.reshard.keyed_sum`) with the sum of the producers' sums over their parts
+of the same box, a check that depends on neither the plan nor the transfer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +42,8 @@ from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
 from refit_app.common.errors import HandshakeError, PeerError, VerificationError
 from refit_app.common.sizes import gb_per_s
-from refit_app.core.reshard.plan import Layout, Placement, Replicate, Shard, TensorSpec, shard_box
+from refit_app.core.reshard.keyed_sum import keyed_sum
+from refit_app.core.reshard.plan import Layout, Placement, Replicate, Shard, TensorSpec, held_boxes, shard_box
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
@@ -49,7 +61,7 @@ from refit_app.protocol.sharded import (
     send,
     tp_needs,
 )
-from refit_app.transport.groups import connect
+from refit_app.transport.groups import RefitGroup, connect
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +122,92 @@ def check_slices(slices: dict[str, Held], tensors: Iterable[tuple[str, torch.Ten
     return checked
 
 
-def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, producer: bool) -> tuple[int, int]:
-    """The rounds and buffer size every rank runs with: a consumer's null adopts producer 0's; a rank whose layout
-    or rounds differ from rank 0's stops every rank with the same line."""
+def is_trainer(source: Any) -> bool:
+    """A source that shards itself over the producers (``fully_shard(mesh)``: ``source=model``), rather than one
+    whose rows each producer takes and which a consumer can recompute (``source=synthetic``)."""
+    return callable(getattr(source, "fully_shard", None))
+
+
+def trainer_sums(
+    specs: Iterable[TensorSpec], shards: dict[str, Held], expects: list[Expected], rank: int, tp_size: int
+) -> dict[int, dict[str, int]]:
+    """Producer ``rank``'s keyed sum of its part of every box each tensor-parallel rank needs (tp rank -> tensor ->
+    sum). Where ranks hold the same box (``Replicate``) only the lowest counts it, so the producers' sums add up to
+    the sum over the box."""
+    rule = tp_rule(expects)
+    counted = {}
+    for spec in specs:
+        boxes = held_boxes(spec)
+        if not any(q < rank and box == boxes[rank] for q, box in boxes.items()):
+            counted[spec.name] = spec.shape
+    return {
+        tp: {
+            n.name: keyed_sum(shards[n.name], n.box, counted[n.name])
+            for n in tp_needs(expects, rank, tp, tp_size, rule)
+            if n.name in counted
+        }
+        for tp in range(tp_size)
+    }
+
+
+def check_sums(
+    slices: dict[str, Held], parts: list[dict[int, dict[str, int]]], expects: list[Expected], tp: int, rank: int, k: int
+) -> int:
+    """Compare the keyed sum of every slice a consumer holds with the sum of the producers' ``parts`` of its box
+    (``trainer_sums``, one per producer); the tensors checked. Raises VerificationError naming the first slice
+    whose bytes are not the trainer's, where they lie."""
+    shapes = {e.name: e.shape for e in expects}
+    for name, held in slices.items():
+        theirs = sum(p[tp].get(name, 0) for p in parts) % (1 << 64)
+        mine = keyed_sum(held, held.box, shapes[name])
+        if mine != theirs:
+            raise VerificationError(
+                f"consumer rank {rank}: round {k}: tensor {name!r} {list(held.box)} differs from the trainer's "
+                f"(keyed sum {mine:#018x} here, {theirs:#018x} over the producers' shards)"
+            )
+    return len(slices)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank runs with, from the settings exchange before the plan."""
+
+    rounds: int
+    buffer_size_bytes: int
+    expects: list[Expected]
+    """Producer 0's tensors: what a trainer's consumers expect (a synthetic source's consumers build their own)."""
+    trainer: bool
+    """The producers are a trainer (:func:`is_trainer`): consumers verify by keyed sums."""
+    sums: bool
+    """Some consumer verifies a trainer's rounds: every rank takes part in the keyed sums' gather each round."""
+    source: str
+    """Producer 0's source, described."""
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """One rank's state after a round's transfer, before a consumer's check (``run_sharded``'s ``after_round``, for
+    tests and tools): a producer's source (a trainer's DTensors) or a consumer's slices."""
+
+    round: int
+    rank: int
+    source: Any = None
+    slices: dict[str, Held] | None = None
+
+
+def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -> Agreed:
+    """The rounds and buffer size every rank runs with (a consumer's null adopts producer 0's) and what the
+    producers' source is; a rank whose layout or rounds differ from rank 0's, or producers of two kinds of source,
+    stop every rank with the same line."""
+    producer = source is not None
     buffer = s.refit.buffer_size_bytes
     if buffer is None and producer:
         buffer = get_target_packed_tensor_size()
     mine = {"rank": s.rank, "layout": layout, "rounds": s.refit.rounds, "buffer": buffer}
+    if producer:
+        mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
+    else:
+        mine.update(verify=s.sink_name == "verify")
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -130,21 +221,61 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, producer: bool
             raise HandshakeError(
                 f"ranks 0 and {other['rank']} disagree on refit.rounds: {first['rounds']} and {other['rounds']}"
             )
-    return first["rounds"], buffer if buffer is not None else first["buffer"]
+        if other.get("trainer", first["trainer"]) != first["trainer"]:
+            kinds = {True: "a trainer (source=model)", False: "a source each takes its rows of"}
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
+                f"{kinds[other['trainer']]}"
+            )
+    return Agreed(
+        rounds=first["rounds"],
+        buffer_size_bytes=buffer if buffer is not None else first["buffer"],
+        expects=first["expects"],
+        trainer=first["trainer"],
+        sums=first["trainer"] and any(e.get("verify") for e in every),
+        source=first["source"],
+    )
 
 
-def run_sharded(s: RunSettings) -> dict[str, Any]:
-    """This rank's part of a sharded refit, ``refit.rounds`` rounds; its metrics."""
+@contextmanager
+def trainer_mesh(rg: RefitGroup, s: RunSettings, producers: int) -> Iterator[Any]:
+    """The trainer's device mesh over the K producers: torch's default process group made of them alone (the
+    consumers are engines, not part of the trainer's world), set up over the run's signed store, every wait bounded
+    by ``group.timeout_s``; destroyed on the way out."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise HandshakeError(
+            f"rank {s.rank}: torch's default process group is already set up here; a sharded refit's trainer makes "
+            "its own over the producers"
+        )
+    dist.init_process_group(
+        "gloo",
+        store=rg.store("trainer"),
+        rank=s.rank,
+        world_size=producers,
+        timeout=timedelta(seconds=s.group.timeout_s),
+    )
+    try:
+        yield init_device_mesh("cpu", (producers,))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | None = None) -> dict[str, Any]:
+    """This rank's part of a sharded refit, ``refit.rounds`` rounds; its metrics. ``after_round``: called on every
+    rank after each round's transfer, before a consumer checks it (a test reads the trainer's and the slices'
+    values there)."""
     layout = s.sharded
     assert layout is not None, "run_sharded needs a sharded layout (group.producers, tp_size, replicas)"
     producer = s.rank < layout.producers
-    source = make_source(s.source.target, s.source.params)
-    verify = not producer and s.sink_name == "verify"
+    source = make_source(s.source.target, s.source.params) if producer else None
     started = time.perf_counter()
     with connect(replace(s.group, backend="gloo")) as rg:
         pg = rg.group.process_group()
         try:
-            return _rounds(s, layout, pg, source, producer, verify, started)
+            with ExitStack() as stack:
+                return _rounds(s, layout, rg, pg, source, started, stack, after_round)
         except RegionMismatch as e:  # bytes that arrived other than their source hashed them
             raise VerificationError(f"rank {s.rank}: {e}") from e
         except RuntimeError as e:  # gloo's own error: a peer lost; say whose and why, where it said
@@ -153,44 +284,92 @@ def run_sharded(s: RunSettings) -> dict[str, Any]:
             del pg
 
 
+def _consumer_source(s: RunSettings, agreed: Agreed) -> Any:
+    """What a consumer of a source it can recompute (synthetic) builds, from its own settings, to verify against."""
+    if s.source is None:
+        raise HandshakeError(
+            f"consumer rank {s.rank}: the producers read {agreed.source}, which a consumer builds too to verify "
+            "against: give it the producers' source settings"
+        )
+    return make_source(s.source.target, s.source.params)
+
+
 def _rounds(
-    s: RunSettings, layout: ShardedSpec, pg: Any, source: Any, producer: bool, verify: bool, started: float
+    s: RunSettings,
+    layout: ShardedSpec,
+    rg: RefitGroup,
+    pg: Any,
+    source: Any,
+    started: float,
+    stack: ExitStack,
+    after_round: Callable[[RoundView], None] | None,
 ) -> dict[str, Any]:
     rank, k, m = s.rank, layout.producers, layout.tp_size
-    rounds, buffer = _agree_settings(pg, s, layout, producer)
-    expects = expected_tensors(source)
+    producer = source is not None
+    agreed = _agree_settings(pg, s, layout, source)
     chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
+    buffer = agreed.buffer_size_bytes
+    verify = not producer and s.sink_name == "verify"
+    oracle = None  # a consumer's own copy of a source it can recompute
     if producer:
-        specs, _ = producer_shards(source.tensors(), rank, k)
+        if agreed.trainer:
+            source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
+        specs, _ = _shards(source, rank, k, agreed.trainer)
         plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer)
+        expects = agreed.expects
     else:
+        if not agreed.trainer:
+            oracle = _consumer_source(s, agreed)
+        expects = expected_tensors(oracle) if oracle is not None else agreed.expects
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         plan = agree(pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer)
         slices = allocate(expects, needs)
     handshake_s = time.perf_counter() - started
     done: list[RoundMetrics] = []
     checked = None
-    for n in range(1, rounds + 1):
-        if n > 1 and hasattr(source, "advance"):
-            source.advance(n)
+    for n in range(1, agreed.rounds + 1):
+        facts: dict[str, Any] = {}
+        changing = source if producer else oracle  # a trainer's step, or the consumer's copy following it
+        if n > 1 and changing is not None and hasattr(changing, "advance"):
+            facts = changing.advance(n) or {}
         dist.barrier(group=pg)  # every rank starts the round together: its seconds are the transfer's
         with PeakMemory() as memory:
             t0 = time.perf_counter()
             if producer:
-                _, shards = producer_shards(source.tensors(), rank, k)  # views of this round's values
+                specs, shards = _shards(source, rank, k, agreed.trainer)  # this round's values, live
                 moved = send(pg, rank, plan, shards, num_buffers=s.refit.num_buffers)
             else:
                 moved = receive(pg, rank, plan, slices, num_buffers=s.refit.num_buffers)
             seconds = time.perf_counter() - t0
-        if verify:
-            checked = check_slices(slices, source.tensors(), rank, n)
-        done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0))
-        if rank == 0 and rounds > 1:
-            logger.info("round %d/%d: %.3f s", n, rounds, seconds)
-    return _metrics(s, source, plan, done, handshake_s, producer, verify, checked, len(expects))
+        if after_round is not None:
+            after_round(RoundView(n, rank, source=source) if producer else RoundView(n, rank, slices=slices))
+        if agreed.sums:
+            parts: list[Any] = [None] * layout.world_size
+            mine = trainer_sums(specs, shards, expects, rank, m) if producer else None
+            dist.all_gather_object(parts, mine, group=pg)
+            if verify:
+                checked = check_sums(slices, parts[:k], expects, (rank - k) % m, rank, n)
+        elif verify:
+            checked = check_slices(slices, oracle.tensors(), rank, n)
+        done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss")))
+        if rank == 0 and agreed.rounds > 1:
+            loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
+            logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
+    described = source.describe() if producer else agreed.source  # a trainer's as it is now, sharded
+    return _metrics(s, described, plan, done, handshake_s, producer, verify, checked, len(expects))
 
 
-def _round(n: int, seconds: float, moved: int, memory: PeakMemory, verify: bool, handshake_s: float) -> RoundMetrics:
+def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorSpec], dict[str, Held]]:
+    """This producer's specs and shards of the source's current values: a trainer's DTensors as they lie, else its
+    rows of every tensor."""
+    if trainer:
+        return from_tensors(source.tensors(), rank=rank)
+    return producer_shards(source.tensors(), rank, k)
+
+
+def _round(
+    n: int, seconds: float, moved: int, memory: PeakMemory, verify: bool, handshake_s: float, loss: float | None
+) -> RoundMetrics:
     return RoundMetrics(
         round=n,
         seconds=seconds,
@@ -202,12 +381,13 @@ def _round(n: int, seconds: float, moved: int, memory: PeakMemory, verify: bool,
         peak_extra_bytes=memory.peak_extra_bytes,
         peak_rss_bytes=memory.peak_rss,
         wire_bytes=moved,
+        loss=loss,
     )
 
 
 def _metrics(
     s: RunSettings,
-    source: Any,
+    source: str,
     plan: ShardedPlan,
     rounds: list[RoundMetrics],
     handshake_s: float,
@@ -235,7 +415,7 @@ def _metrics(
         peak_extra_bytes=max((r.peak_extra_bytes for r in rounds if r.peak_extra_bytes is not None), default=None),
         verified=(all(r.verified for r in rounds) if rounds else None) if verify else None,
         verified_tensors=checked,
-        source=source.describe(),
+        source=source,
         sink=None if producer else s.sink_name,
         rounds=rounds,
         **times,

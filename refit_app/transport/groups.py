@@ -52,7 +52,14 @@ class RefitGroup:
     """A connected rank: ``group`` moves tensors, ``control`` moves phase reports and errors."""
 
     def __init__(
-        self, spec: GroupSpec, backend: str, group: BackendGroup, control: Control, *, owns_group: bool = True
+        self,
+        spec: GroupSpec,
+        backend: str,
+        group: BackendGroup,
+        control: Control,
+        *,
+        owns_group: bool = True,
+        store: dist.Store | None = None,
     ) -> None:
         self.spec = spec
         self.owns_group = owns_group
@@ -64,11 +71,20 @@ class RefitGroup:
         self.backend = backend
         self.group = group
         self.control = control
+        self._store = store
         self._closed = False
 
     @property
     def is_producer(self) -> bool:
         return self.rank == PRODUCER_RANK
+
+    def store(self, prefix: str) -> dist.Store:
+        """The run's store under ``prefix``, every value signed with the run's key as the group's own set-up records
+        are: for a process group of the caller's among this run's ranks, set up as safely as this one (a sharded
+        refit's trainer: ``init_process_group`` over its producers). Only a group :func:`connect` made has one."""
+        if self._store is None:
+            raise ValueError("this refit group was not made by connect(): it has no run store to lend")
+        return dist.PrefixStore(f"refit/{prefix}", self._store)
 
     def close(self) -> None:
         """Tear down the group and the store connection; safe to call twice.
@@ -194,4 +210,4 @@ def connect(spec: GroupSpec) -> RefitGroup:
         spec.world_size,
         backend,
     )
-    return RefitGroup(spec, backend, group, control)
+    return RefitGroup(spec, backend, group, control, store=backend_store(rstore, auth, "gloo"))

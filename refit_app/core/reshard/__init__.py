@@ -6,4 +6,6 @@ ranks exactly the regions it needs, no tensor assembled on the way. Read in this
   between two ranks' layouts.
 - :mod:`~refit_app.core.reshard.transfer`: the plan's bytes, packed per (source, destination) pair into rotating
   buffers over a point-to-point group, relayed along replica chains.
+- :mod:`~refit_app.core.reshard.keyed_sum`: a check of the result that trusts neither: sums over each rank's part
+  of a box that add up to the sum over the box, so producers and a consumer compare without a whole tensor.
 """

@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,6 +118,7 @@ class ModelSource:
             t = self._sent.tensor(name)
             self._metas.append(TensorMeta(name, tuple(t.shape), t.dtype, shards.get(name)))
         self._optimizer: torch.optim.Optimizer | None = None
+        self._mesh_size: int | None = None
         # Training data: random start tokens, each followed by a fixed seeded permutation of the vocabulary.
         # Uniform noise would keep the loss at ln(vocab) whatever the optimizer does; on a learnable chain the
         # loss falls over the rounds (noisily: each round draws new start tokens), showing real training.
@@ -128,9 +130,10 @@ class ModelSource:
         total = sum(m.nbytes for m in self._metas)
         arch = type(self.model).__name__
         trained = f", trained in {dtype_to_str(self.dtype)}" if self._sent_model is not self.model else ""
+        fsdp = f" under FSDP2 over {self._mesh_size} rank(s)" if self._mesh_size is not None else ""
         return (
             f"model {self.path} ({arch}, {len(self._metas)} tensors, {format_size(total)} "
-            f"{dtype_to_str(self.send_dtype)}{trained} on {self.device}, {self.train_steps} AdamW step(s) of "
+            f"{dtype_to_str(self.send_dtype)}{trained} on {self.device}{fsdp}, {self.train_steps} AdamW step(s) of "
             f"{self.batch_tokens} tokens per round)"
         )
 
@@ -153,6 +156,28 @@ class ModelSource:
         """The live weights as sent (detached views): read them before the next ``advance``, never write them."""
         for name in self._sent.names:
             yield name, self._sent.tensor(name).detach()
+
+    def fully_shard(self, mesh: Any) -> None:
+        """Shard the trainer under FSDP2 over ``mesh`` (a 1-D ``DeviceMesh`` of the trainer's ranks), as a
+        data-parallel trainer does: each decoder layer and then the whole model ``fully_shard``-ed, every parameter
+        a DTensor holding ``Shard(0)``, this rank's rows (uneven where they do not divide). From then on
+        :meth:`tensors` yields the DTensors, each rank's shard live under ``to_local()``; :meth:`advance` trains as
+        before, the ranks' gradients reduced over the mesh. With ``send_dtype`` the cast copy is sharded alike, so
+        each rank casts only its own rows. Call it before the first :meth:`advance`: an optimizer made before holds
+        the unsharded parameters."""
+        if self._optimizer is not None:
+            raise SourceError("fully_shard must come before the first training step: the optimizer holds the weights")
+        from torch.distributed.fsdp import fully_shard
+
+        for model in dict.fromkeys((self.model, self._sent_model)):
+            for layer in getattr(getattr(model, "model", None), "layers", ()):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        # fully_shard puts new (DTensor) parameters in place of the old: look them up again.
+        self._weights = NamedWeights(self.model, preferred=self._weights.names)
+        self._sent = NamedWeights(self._sent_model, preferred=self._weights.names)
+        self._mesh_size = mesh.size()
+        logger.info("%s", self.describe())
 
     def _cast_for_sending(self) -> None:
         """Refresh the send_dtype copy from the trained weights: without it a round would send the last round's."""
