@@ -7,7 +7,8 @@ The oracle the application cannot have: ranks run in processes of this test with
 producers gather the trainer's full tensors (``full_tensor()``), the consumers hand over their slices, and the test
 compares every slice of every round bit for bit; one consumer swaps two rows of one slice in the last round (a
 misrouted region), which the test's comparison and the consumer's own check must both catch. Then the command line:
-role=local with replicas and bf16 sending, and ranks started one by one as role=producer/consumer."""
+role=local with replicas and bf16 sending, ranks started one by one as role=producer/consumer, and a consumer told
+that a trainer sends where the producers read source=synthetic (every rank stops in one line)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from cli_utils import COVER_STARTUP, assert_ok, local_metrics
+from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, local_metrics
 from conditions import needs_transformers
 from mp_utils import free_port, run_ranks
 
@@ -231,3 +232,15 @@ def test_ranks_started_apart_train_and_verify_with_a_consumer_that_has_no_model(
         assert_ok(result)
     assert "consumer 2: " in results[2].stdout + results[2].stderr
     assert "x 2 rounds" in results[2].stdout + results[2].stderr and "verified" in results[2].stdout + results[2].stderr
+
+
+def test_a_consumer_without_the_synthetic_source_its_producers_read_stops_every_rank_in_one_line(cli):
+    port = free_port()
+    common = ("group.producers=2", "group.world_size=3", f"group.port={port}", COVER_STARTUP)
+    runs = [
+        cli.start("role=producer", "group.rank=0", *common, env=TOKEN),
+        cli.start("role=producer", "group.rank=1", *common, env=TOKEN),
+        cli.start("role=consumer", "group.rank=2", "source=model", *common, env=TOKEN),  # told a trainer sends
+    ]
+    for run in runs:
+        assert_one_line_error(run.wait(), "consumer rank 2 has no source=synthetic to build, but the producers read")

@@ -207,7 +207,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
     if producer:
         mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
     else:
-        mine.update(verify=s.sink_name == "verify")
+        mine.update(verify=s.sink_name == "verify", recomputes=s.source is not None)
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -227,6 +227,13 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
                 f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
                 f"{kinds[other['trainer']]}"
             )
+    if not first["trainer"]:
+        for other in every[layout.producers :]:
+            if not other["recomputes"]:
+                raise HandshakeError(
+                    f"consumer rank {other['rank']} has no source=synthetic to build, but the producers read "
+                    f"{first['source']}, which each consumer builds too: give it the producers' source settings"
+                )
     return Agreed(
         rounds=first["rounds"],
         buffer_size_bytes=buffer if buffer is not None else first["buffer"],
@@ -284,13 +291,10 @@ def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | No
             del pg
 
 
-def _consumer_source(s: RunSettings, agreed: Agreed) -> Any:
-    """What a consumer of a source it can recompute (synthetic) builds, from its own settings, to verify against."""
-    if s.source is None:
-        raise HandshakeError(
-            f"consumer rank {s.rank}: the producers read {agreed.source}, which a consumer builds too to verify "
-            "against: give it the producers' source settings"
-        )
+def _consumer_source(s: RunSettings) -> Any:
+    """What a consumer of a source it can recompute (synthetic) builds, from its own settings, to verify against
+    (every consumer has one: :func:`_agree_settings` checked)."""
+    assert s.source is not None
     return make_source(s.source.target, s.source.params)
 
 
@@ -319,7 +323,7 @@ def _rounds(
         expects = agreed.expects
     else:
         if not agreed.trainer:
-            oracle = _consumer_source(s, agreed)
+            oracle = _consumer_source(s)
         expects = expected_tensors(oracle) if oracle is not None else agreed.expects
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         plan = agree(pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer)
