@@ -377,7 +377,7 @@ def producer_checkin(public: RunStore, run: RunStore, spec: GroupSpec, deadline:
             records[rank] = doc
             infos[rank] = {**doc["caps"], "producer_address": doc["producer_address"]}
             pending.remove(rank)
-            logger.info("rank 0: consumer rank %d checked in", rank)
+            logger.info("rank 0: rank %d checked in", rank)  # a consumer, or a sharded refit's producer
             try:
                 resolve_backend(infos, ring_problem)
             except ConfigError as e:
