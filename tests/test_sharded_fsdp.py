@@ -66,7 +66,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
             try:
                 plan = agree(dist.group.WORLD, rank, specs=specs, buffer_size_bytes=256)
             except HandshakeError as e:
-                return ("refused", str(e), time.monotonic() - start)
+                return ("refused", str(e), start, time.monotonic())
             fulls = []
             for _ in range(ROUNDS):
                 send(dist.group.WORLD, rank, plan, shards)
@@ -84,7 +84,7 @@ def _rank(rank: int, world_size: int, port: int, k: int, wrong: int | None):
         try:
             plan = agree(dist.group.WORLD, rank, needs=needs, expects=expects, buffer_size_bytes=256)
         except HandshakeError as e:
-            return ("refused", str(e), time.monotonic() - start)
+            return ("refused", str(e), start, time.monotonic())
         rounds = []
         for _ in range(ROUNDS):
             slices = allocate(expects, needs)
@@ -127,7 +127,10 @@ def test_a_wrong_layout_on_one_rank_stops_every_rank_in_one_line_before_any_data
     assert len(lines) == 1, lines  # the same words everywhere
     (line,) = lines
     assert "\n" not in line and "34" in line and "33" in line, line
-    assert max(r[2] for r in results) < 5.0, [r[2] for r in results]
+    # From the moment the last rank offered its layout (one clock: CLOCK_MONOTONIC is the machine's) to the last
+    # refusal; before it, the ranks wait for each other (a trainer's start-up on a loaded machine is seconds).
+    last_offer = max(r[2] for r in results)
+    assert max(r[3] for r in results) - last_offer < 5.0, [r[3] - last_offer for r in results]
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sharded_fsdp.py"
