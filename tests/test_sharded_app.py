@@ -213,3 +213,9 @@ def test_assembling_slices_refuses_a_mix_of_runs_and_slices_that_leave_a_gap(tmp
     save(0, "b", ((0, 2), (0, 3)))
     with pytest.raises(SourceError, match=r"the slices do not cover tensor\(s\) 'w'"):
         assemble_slices(tmp_path / "b" / f"tp{t}" for t in range(2))
+    # A box outside its tensor (metadata written by hand, or hostile) is named, not clipped.
+    (tmp_path / "c" / "tp0").mkdir(parents=True)
+    meta = slices_metadata([("w", (4, 3), ((2, 6), (0, 3)))], run="c", round_=1, tp_rank=0, tp_size=1)
+    save_tensors(tmp_path / "c" / "tp0" / "model.safetensors", {"w": torch.zeros(4, 3)}, meta)
+    with pytest.raises(SourceError, match=r"'w': box \[\(2, 6\), \(0, 3\)\] does not lie inside its shape \[4, 3\]"):
+        assemble_slices([tmp_path / "c" / "tp0"])

@@ -60,8 +60,8 @@ def slices_metadata(
 
 
 def read_slices(directory: str | os.PathLike) -> SavedSlices:
-    """The slices saved in ``directory``. Raises SourceError where it holds no slice metadata, or where a tensor's
-    shape is not its box's."""
+    """The slices saved in ``directory``. Raises SourceError where it holds no slice metadata, where a box does not
+    lie inside its tensor's shape, or where a tensor's shape is not its box's."""
     ckpt = Checkpoint(directory)
     raw = ckpt.metadata().get(SLICES_KEY)
     if raw is None:
@@ -70,13 +70,16 @@ def read_slices(directory: str | os.PathLike) -> SavedSlices:
         doc = json.loads(raw)
         parts = {name: (tuple(e["shape"]), tuple((a, b) for a, b in e["box"])) for name, e in doc["tensors"].items()}
         head = (str(doc["run"]), int(doc["round"]), int(doc["tp_rank"]), int(doc["tp_size"]))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SourceError(f"{directory}: malformed {SLICES_KEY!r} metadata: {e}") from e
     tensors: dict[str, tuple[torch.Tensor, Box, tuple[int, ...]]] = {}
     problems, in_file = [], set()
     for name, t in ckpt.iter_tensors():
         in_file.add(name)
         shape, box = parts.get(name, (None, None))
+        if box is not None and not _inside(box, shape):
+            problems.append(f"{name!r}: box {list(box)} does not lie inside its shape {list(shape)}")
+            continue
         if box is None or tuple(t.shape) != tuple(b - a for a, b in box):
             problems.append(f"{name!r} {list(t.shape)} is not its box {box}")
             continue
@@ -111,6 +114,11 @@ def assemble_slices(directories: Iterable[str | os.PathLike]) -> dict[str, torch
             if name not in whole:
                 whole[name] = torch.empty(shape, dtype=t.dtype)
                 covered[name] = torch.zeros(shape, dtype=torch.bool)
+            elif (tuple(whole[name].shape), whole[name].dtype) != (shape, t.dtype):
+                raise SourceError(
+                    f"{s.path}: tensor {name!r} is {t.dtype} of {list(shape)} here, {whole[name].dtype} of "
+                    f"{list(whole[name].shape)} in another rank's directory"
+                )
             region = tuple(slice(a, b) for a, b in box)
             seen = covered[name][region]
             if seen.any() and not _same_bits(whole[name][region][seen], t[seen]):
@@ -121,6 +129,10 @@ def assemble_slices(directories: Iterable[str | os.PathLike]) -> dict[str, torch
     if gaps:
         raise SourceError(f"the slices do not cover tensor(s) {', '.join(map(repr, gaps))}")
     return whole
+
+
+def _inside(box: Box, shape: tuple[int, ...]) -> bool:
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
