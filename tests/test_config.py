@@ -272,8 +272,8 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["+refit.buffer_sz=1"], "unknown key 'refit.buffer_sz'; keys under refit: buffer_size_bytes, num_buffers"),
         (["group.producers=0"], "group.producers=0 is invalid: must be an integer in 1..1023"),
         (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
-        (["group.tp_size=2", "role=ray"], "role='ray' is invalid: a sharded refit runs under role=local, producer"),
-        (["group.producers=2", "sink=save", "sink.path=x"], "a sharded refit feeds sink=verify or sink=discard only"),
+        (["group.tp_size=2", "role=ray"], "role='ray' is invalid: a sharded refit runs under role=local, auto, pro"),
+        (["group.producers=2", "sink=model"], "a sharded refit feeds sink=verify, discard or save only so far"),
         (
             ["group.producers=2", "source=safetensors", "source.path=."],
             "a sharded refit reads source=synthetic or source=model only so far, not source=safetensors",

@@ -178,6 +178,22 @@ def test_role_auto_under_torchrun_is_a_consumer_or_the_producer(launcher_env):
     assert s.role == "producer" and s.rank == 0 and s.source is not None and s.sink is None
 
 
+def test_role_auto_in_a_sharded_layout_produces_below_group_producers(launcher_env):
+    layout = ("role=auto", "group.producers=2", "group.tp_size=2")
+    for rank, role in ((0, "producer"), (1, "producer"), (2, "consumer"), (3, "consumer")):
+        launcher_env({**TORCHRUN, "RANK": str(rank), "WORLD_SIZE": "4"})
+        s = settings(*layout)
+        assert (s.role, s.rank, s.group.world_size, s.group.port) == (role, rank, 4, 29401), rank
+        assert (s.sharded.producers, s.sharded.tp_size) == (2, 2) and (s.sink is None) == (role == "producer")
+    launcher_env({**SLURM, "SLURM_PROCID": "3"})  # every launcher role=auto reads: SLURM's task 3 of 4
+    assert settings(*layout).role == "consumer"
+    launcher_env(TORCHRUN)  # three tasks started for a layout of four ranks
+    assert refused(*layout) == (
+        "group.world_size=3 is invalid: group.producers=2 + group.tp_size=2 x group.replicas=1 consumers are 4 ranks; "
+        "start 4 tasks (torchrun --nproc-per-node=4, srun --ntasks=4)"
+    )
+
+
 def test_role_auto_under_slurm(launcher_env):
     launcher_env(SLURM)
     g = settings("role=auto").group
@@ -293,6 +309,41 @@ def test_torchrun_three_ranks_verified_refit(cli, tmp_path, launcher_env):
         group = OmegaConf.load(directory / "config_resolved.yaml").group
         assert (group.rank, group.local_rank, group.host) == (rank, rank, "localhost")
         assert group.port == master_port + LAUNCHER_PORT_OFFSET, (group.port, master_port)
+
+
+@pytest.mark.slow
+def test_torchrun_sharded_layout_two_producers_two_consumers_verified(cli, tmp_path, launcher_env):
+    """``torchrun --nproc-per-node 4 -m refit_app role=auto group.producers=2 group.tp_size=2``: ranks 0 and 1 send
+    their rows, ranks 2 and 3 check their slices bit for bit every round; every rank exits 0 with its metrics."""
+    result = cli.start_command(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
+            "--max-restarts",
+            "0",
+            "-m",
+            "refit_app",
+            "role=auto",
+            "group.producers=2",
+            "group.tp_size=2",
+            "refit.rounds=2",
+            COVER_STARTUP,
+        ]
+    ).wait()
+    assert_ok(result)
+    for rank in range(4):
+        (directory,) = tmp_path.glob(f"outputs/*/*_auto{rank}")
+        m = load_metrics(directory)
+        assert (m["status"], m["rank"], m["world_size"], m["rounds_done"]) == ("ok", rank, 4, 2), m
+        assert m["role"] == ("producer" if rank < 2 else "consumer")
+        if rank >= 2:
+            assert m["verified"] is True and m["verified_tensors"] == m["num_tensors"] > 0, m
 
 
 # --- hydra-submitit-launcher ----------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ layout rules and the verification that these runs rely on, without processes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, local_metrics
-from mp_utils import free_port
+from mp_utils import RankFailure, free_port, run_ranks
 
 from refit_app.common.errors import VerificationError
 from refit_app.core.reshard.plan import chunk_range
@@ -105,6 +107,115 @@ def test_ranks_started_apart_stop_together_where_one_producer_has_another_layout
 
 def test_a_sharded_refit_refuses_what_it_cannot_run_yet_in_one_line(cli):
     assert_one_line_error(
-        cli("group.producers=2", "sink=save", "sink.path=out"),
-        "a sharded refit feeds sink=verify or sink=discard only so far, not sink=save",
+        cli("group.producers=2", "sink=model"),
+        "a sharded refit feeds sink=verify, discard or save only so far, not sink=model",
     )
+
+
+# --- sink=save: each tensor-parallel consumer of replica 0 saves its slices ---------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_a_sharded_save_writes_each_tp_ranks_slices_once_and_they_reassemble_to_the_source_bit_for_bit(cli, tmp_path):
+    from config_utils import settings
+
+    from refit_app.checkpoint.slices import assemble_slices, read_slices
+    from refit_app.models.sources import make_source
+
+    out, rounds = tmp_path / "slices", 3
+    layout = ("group.producers=2", "group.tp_size=2", "group.replicas=2")
+    result = cli(*layout, "sink=save", f"sink.path={out}", f"refit.rounds={rounds}", COVER_STARTUP)
+    assert_ok(result)
+    # Replica 1's consumers hold replica 0's bytes: only replica 0's write, one directory per tensor-parallel rank.
+    assert sorted(p.name for p in out.iterdir()) == ["tp0", "tp1"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "tp0", "tp0/model.safetensors", "tp1", "tp1/model.safetensors",
+    ]  # fmt: skip
+    consumers = local_metrics(tmp_path)["consumers"]
+    assert [c["saved_to"] for c in consumers] == [str(out / "tp0"), str(out / "tp1"), None, None]
+    saved = [read_slices(out / f"tp{t}") for t in range(2)]
+    assert {(s.run, s.round, s.tp_size) for s in saved} == {(saved[0].run, rounds, 2)}
+    _, box, shape = saved[1].tensors["model.layers.0.mlp.up_proj.weight"]
+    assert box == ((shape[0] - shape[0] // 2, shape[0]), (0, shape[1]))  # tp rank 1's rows
+    # The source after the last round, built as the producers built it: the slices are its tensors, bit for bit.
+    source = make_source(*(lambda s: (s.target, s.params))(settings(*layout).source))
+    for n in range(2, rounds + 1):
+        source.advance(n)
+    whole = assemble_slices(out / f"tp{t}" for t in range(2))
+    full = dict(source.tensors())
+    assert sorted(whole) == sorted(full)
+    assert [name for name, t in full.items() if not torch.equal(_bits(whole[name]), _bits(t))] == []
+
+
+def _failing_rank(rank: int, world_size: int, port: int, s, fail_rank: int, fail_round: int):
+    from refit_app.app.local import rank_settings
+    from refit_app.app.sharded import run_sharded
+
+    s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
+
+    def after_round(view) -> None:
+        if rank == fail_rank and view.round == fail_round:
+            raise VerificationError(f"rank {rank}: injected failure in round {view.round}")
+
+    return run_sharded(s, after_round=after_round)
+
+
+def test_a_failed_sharded_save_keeps_the_previous_slices_and_leaves_no_file_that_looks_complete(tmp_path):
+    from config_utils import settings
+
+    from refit_app.app.local import with_run_secret
+    from refit_app.checkpoint.writer import save_tensors
+
+    out = tmp_path / "slices"
+    (out / "tp0").mkdir(parents=True)
+    previous = save_tensors(out / "tp0" / "model.safetensors", {"earlier": torch.arange(4.0)})
+    before = previous.read_bytes()
+    s = with_run_secret(
+        settings(
+            "group.producers=2", "group.tp_size=2", "sink=save", f"sink.path={out}", "refit.rounds=2",
+            "group.timeout_s=30",
+        )
+    )  # fmt: skip
+    # tp rank 1 (rank 3) fails in the last round, after both consumers wrote round 1 into their staging directories;
+    # tp rank 0 then finds it lost at the end, before publishing.
+    results = run_ranks(_failing_rank, 4, s, 3, 2, timeout=60, return_exceptions=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    assert "injected failure in round 2" in str(results[3]) and "rank 3" in str(results[2])
+    assert previous.read_bytes() == before
+    # No staging directory, no temporary file, no checkpoint in tp1: only what was there before and tp1's empty
+    # directory (created before the transfer, so that an unusable path fails early).
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["tp0", "tp0/model.safetensors", "tp1"]
+    assert sorted(p.name for p in out.iterdir()) == ["tp0", "tp1"]
+
+
+def test_assembling_slices_refuses_a_mix_of_runs_and_slices_that_leave_a_gap(tmp_path):
+    from refit_app.checkpoint.slices import assemble_slices, slices_metadata
+    from refit_app.checkpoint.writer import save_tensors
+    from refit_app.common.errors import SourceError
+
+    full = torch.arange(12.0).reshape(4, 3)
+
+    def save(t: int, run: str, box) -> None:
+        (tmp_path / run / f"tp{t}").mkdir(parents=True)
+        meta = slices_metadata([("w", (4, 3), box)], run=run, round_=1, tp_rank=t, tp_size=2)
+        part = full[tuple(slice(a, b) for a, b in box)]
+        save_tensors(tmp_path / run / f"tp{t}" / "model.safetensors", {"w": part}, meta)
+
+    save(0, "a", ((0, 2), (0, 3)))
+    save(1, "a", ((2, 4), (0, 3)))
+    assert torch.equal(assemble_slices(tmp_path / "a" / f"tp{t}" for t in range(2))["w"], full)
+    save(1, "b", ((3, 4), (0, 3)))
+    with pytest.raises(SourceError, match=r"tp1 is from run b round 1, .*tp0 from run a round 1"):
+        assemble_slices([tmp_path / "a" / "tp0", tmp_path / "b" / "tp1"])
+    save(0, "b", ((0, 2), (0, 3)))
+    with pytest.raises(SourceError, match=r"the slices do not cover tensor\(s\) 'w'"):
+        assemble_slices(tmp_path / "b" / f"tp{t}" for t in range(2))
+    # A box outside its tensor (metadata written by hand, or hostile) is named, not clipped.
+    (tmp_path / "c" / "tp0").mkdir(parents=True)
+    meta = slices_metadata([("w", (4, 3), ((2, 6), (0, 3)))], run="c", round_=1, tp_rank=0, tp_size=1)
+    save_tensors(tmp_path / "c" / "tp0" / "model.safetensors", {"w": torch.zeros(4, 3)}, meta)
+    with pytest.raises(SourceError, match=r"'w': box \[\(2, 6\), \(0, 3\)\] does not lie inside its shape \[4, 3\]"):
+        assemble_slices([tmp_path / "c" / "tp0"])

@@ -198,6 +198,34 @@ def test_fsdp_trainer_ranks_send_their_shards_and_every_slice_of_every_round_is_
     assert "under FSDP2 over 3 rank(s)" in results[0][1]["source"]
 
 
+def test_fsdp_trainer_ranks_sink_save_slices_that_reassemble_to_the_trainers_last_tensors(tiny, tmp_path):
+    from config_utils import settings
+
+    from refit_app.app.local import with_run_secret
+    from refit_app.checkpoint.slices import assemble_slices
+
+    k, m, out = 2, 2, tmp_path / "slices"
+    s = with_run_secret(
+        settings(
+            f"group.producers={k}",
+            f"group.tp_size={m}",
+            "source=model",
+            f"source.path={tiny}",
+            "source.lr=1e-2",  # every round moves every weight: a stale round's slices would show
+            "refit.rounds=2",
+            "sink=save",
+            f"sink.path={out}",
+            f"group.timeout_s={TIMEOUT_S:g}",
+        )
+    )
+    results = run_ranks(_rank, k + m, s, -1, timeout=2 * TIMEOUT_S)
+    fulls = _from_bytes(results[0][0])
+    assert [results[k + t][1]["saved_to"] for t in range(m)] == [str(out / f"tp{t}") for t in range(m)]
+    whole = assemble_slices(out / f"tp{t}" for t in range(m))
+    assert sorted(whole) == sorted(fulls[-1]) and not torch.equal(fulls[0][TAMPERED], fulls[-1][TAMPERED])
+    assert [n for n, t in fulls[-1].items() if not torch.equal(_bits(whole[n]), _bits(t))] == []
+
+
 def test_a_local_sharded_refit_trains_and_verifies_with_replicas_sending_bf16(cli, tmp_path, tiny):
     result = cli(
         "group.producers=3",

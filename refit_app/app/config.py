@@ -131,8 +131,8 @@ class ShardedSpec:
 SHARDED_SOURCES = ("synthetic", "model")
 """The sources a sharded refit reads so far: synthetic (each producer takes its rows of every tensor) and model (the
 producers train it under FSDP2 and send their shards)."""
-SHARDED_SINKS = ("verify", "discard")
-"""The sinks a sharded refit feeds so far."""
+SHARDED_SINKS = ("verify", "discard", "save")
+"""The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices, docs/sharded.md)."""
 
 
 @dataclass(frozen=True)
@@ -296,8 +296,10 @@ def validate(cfg: DictConfig) -> RunSettings:
     sharded = _check_sharded(c, role, num_consumers)
     group = _check_group(c, role, num_consumers, sharded)
     if role == "auto" and group is not None:
-        # Under a launcher every rank runs the same command: rank 0 produces, the others consume.
-        role = "producer" if group.is_producer else "consumer"
+        # Under a launcher every rank runs the same command: rank 0 produces (a sharded layout: ranks below
+        # group.producers), the others consume.
+        producer = group.rank < sharded.producers if sharded is not None else group.is_producer
+        role = "producer" if producer else "consumer"
     if refit is not None and refit.rounds is None and role != "consumer":
         refit = dataclasses.replace(refit, rounds=DEFAULT_ROUNDS)
     source = _check_source(c, needed=role in ("local", "ray", "producer"))
@@ -336,19 +338,19 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
             f"{spec.describe()} are {spec.world_size} ranks, more than {MAX_WORLD_SIZE}",
         )
     what = "a sharded refit"
-    if role not in ("local", "producer", "consumer", _ABSENT):
-        c.fail("role", role, f"{what} runs under role=local, producer or consumer, not role={role} yet")
+    if role not in ("local", "auto", "producer", "consumer", _ABSENT):
+        c.fail("role", role, f"{what} runs under role=local, auto, producer or consumer, not role={role} yet")
     if role == "local" and num_consumers not in (1, _ABSENT):
         c.fail("role.num_consumers", num_consumers, f"{what} has group.tp_size x group.replicas consumers; leave it 1")
     kind = OmegaConf.select(c.cfg, "source.kind", default=None)
-    if role in ("local", "producer", "consumer") and kind not in SHARDED_SOURCES:
+    if role in ("local", "auto", "producer", "consumer") and kind not in SHARDED_SOURCES:
         c.errors.append(f"{what} reads source=synthetic or source=model only so far, not source={kind or 'custom'}")
-    device = c.get("source.device") if kind == "model" and role in ("local", "producer") else _ABSENT
+    device = c.get("source.device") if kind == "model" and role in ("local", "auto", "producer") else _ABSENT
     if device not in (_ABSENT, None, "cpu"):
         c.fail("source.device", device, f"{what} trains source=model on the CPU (FSDP2, gloo) so far: leave it null")
     kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
-    if role in ("local", "consumer") and kind not in SHARDED_SINKS:
-        c.errors.append(f"{what} feeds sink=verify or sink=discard only so far, not sink={kind or 'custom'}")
+    if role in ("local", "auto", "consumer") and kind not in SHARDED_SINKS:
+        c.errors.append(f"{what} feeds sink=verify, discard or save only so far, not sink={kind or 'custom'}")
     for key, allowed, why in (
         ("refit.delta", (DEFAULT_DELTA,), "does not run delta rounds yet"),
         ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),
@@ -524,18 +526,21 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any, sharded: ShardedSpe
 
 
 def _sharded_rank_group(c: _Checker, role: str, values: dict[str, Any], sharded: ShardedSpec) -> GroupSpec | None:
-    """role=producer or consumer in a sharded refit: the world size stated (every rank must agree on the layout)
-    and a rank of this role's part of it."""
+    """role=producer, consumer or auto in a sharded refit: the world size stated (every rank must agree on the
+    layout) and a rank of this role's part of it (role=auto: any rank, its role follows from it)."""
     world, k, rank = sharded.world_size, sharded.producers, values["rank"]
     if values["world_size"] != world:
-        c.fail(
-            "group.world_size",
-            values["world_size"],
-            f"{sharded.describe()} are {world} ranks; give group.world_size={world} on every rank",
+        # role=auto's world size is the launcher's task count, unless group.world_size was given.
+        fix = (
+            f"start {world} tasks (torchrun --nproc-per-node={world}, srun --ntasks={world})"
+            if role == "auto"
+            else f"give group.world_size={world} on every rank"
         )
-    span = range(k) if role == "producer" else range(k, world)
+        c.fail("group.world_size", values["world_size"], f"{sharded.describe()} are {world} ranks; {fix}")
+    span = {"producer": range(k), "consumer": range(k, world)}.get(role, range(world))
     if not (is_int(rank) and rank in span):
-        c.fail("group.rank", rank, f"a {role} of {sharded.describe()} is one of ranks {span[0]}..{span[-1]}")
+        who = f"a {role}" if role != "auto" else "a rank"
+        c.fail("group.rank", rank, f"{who} of {sharded.describe()} is one of ranks {span[0]}..{span[-1]}")
     if c.errors:
         return None
     try:

@@ -123,8 +123,9 @@ class ConsumerRole(Role):
 
 @dataclass
 class AutoRole(Role):
-    """Under a launcher (torchrun, SLURM, submitit): rank 0 is the producer, every other rank a consumer; rank,
-    world size and the producer's address come from the launcher's environment unless group.* gives them."""
+    """Under a launcher (torchrun, SLURM, submitit): rank 0 is the producer, every other rank a consumer (a sharded
+    layout: ranks below group.producers produce); rank, world size and the producer's address come from the
+    launcher's environment unless group.* gives them."""
 
     name: str = "auto"
     output_name: str = f"auto${{{RANK_LABEL_RESOLVER}:}}"
@@ -216,8 +217,9 @@ class Group:
     producers: int = 1
     """How many producer ranks (0..producers-1) each hold a part of the model (its rows). Above 1, or with
     group.tp_size or group.replicas above 1: a sharded refit (docs/sharded.md), whose consumers are the ranks after
-    the producers; so far with source=synthetic or source=model (the producers train it under FSDP2) and sink=verify
-    or discard. 1 (and the other two 1): one producer holds the model whole."""
+    the producers; so far with source=synthetic or source=model (the producers train it under FSDP2) and sink=verify,
+    discard or save (each consumer of the first replica saves its slices). 1 (and the other two 1): one producer
+    holds the model whole."""
     tp_size: int = 1
     """A sharded refit's tensor-parallel consumers per replica: each needs only its slice of every tensor (rows of
     most 2-D weights, columns of o_proj, down_proj and out_proj, the rest whole)."""
@@ -346,7 +348,8 @@ class SaveSink(Sink):
     _target_: str = "refit_app.models.sinks.SaveSink"
     kind: str = "save"
     path: str = MISSING
-    """Directory that receives the checkpoint in Hugging Face layout (created if absent)."""
+    """Directory that receives the checkpoint in Hugging Face layout (created if absent); a sharded refit: one
+    directory of slices per tensor-parallel rank in it, tp0, tp1, ... (docs/sharded.md)."""
 
 
 @dataclass

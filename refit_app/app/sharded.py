@@ -9,6 +9,8 @@ Every rank, as ``role=local`` starts it or as ``role=producer``/``consumer`` on 
     ->  the ranks compare their layout settings and rounds (a consumer adopts producer 0's rounds and buffer size)
     ->  agree: the plan, the same on every rank, or one line naming the first difference on every rank
     ->  round 1..N: the source changes (from round 2), send / receive, a consumer checks its slices (sink=verify)
+        or writes them into its staging directory (sink=save)
+    ->  sink=save: once every rank has finished every round, each saving consumer publishes its directory
 
 The layouts, chosen here: producer ``p`` holds ``Shard(0)`` of every tensor over the K producers (``torch.chunk``'s
 rows, uneven where they do not divide; a 0-dim tensor whole on every producer); a consumer needs, by
@@ -23,16 +25,23 @@ rounds; each sends its DTensors' local shards as their placements say. A consume
 weights: it takes the tensor list from producer 0, and with ``sink=verify`` compares, every round, the keyed sum of
 each slice it holds (:mod:`refit_app.core.reshard.keyed_sum`) with the sum of the producers' sums over their parts
 of the same box, a check that depends on neither the plan nor the transfer.
+
+``sink=save``: each consumer of replica 0 writes its slices into ``sink.path/tp<t>`` through the one-producer
+``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
+whole after the last), with their boxes in the file's metadata (:mod:`refit_app.checkpoint.slices`); the other
+replicas hold the same bytes and write nothing. It publishes only once every rank has finished every round.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,13 +49,17 @@ import torch.distributed as dist
 
 from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
+from refit_app.checkpoint.slices import slices_metadata
 from refit_app.common.errors import HandshakeError, PeerError, VerificationError
 from refit_app.common.sizes import gb_per_s
+from refit_app.core.meta import TensorMeta
 from refit_app.core.reshard.keyed_sum import keyed_sum
 from refit_app.core.reshard.plan import Layout, Placement, Replicate, Shard, TensorSpec, held_boxes, shard_box
 from refit_app.core.reshard.transfer import Held, RegionMismatch
+from refit_app.models.sinks import SaveSink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.sharded import (
     COLUMN,
     ROW,
@@ -182,6 +195,10 @@ class Agreed:
     """Some consumer verifies a trainer's rounds: every rank takes part in the keyed sums' gather each round."""
     source: str
     """Producer 0's source, described."""
+    run: str
+    """This run's id, from rank 0: every saved slice file of the run carries it."""
+    saves: bool
+    """Some consumer saves its slices (sink=save): every rank waits for every other at the end, before it publishes."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +224,9 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
     if producer:
         mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
     else:
-        mine.update(verify=s.sink_name == "verify", recomputes=s.source is not None)
+        mine.update(verify=s.sink_name == "verify", saves=s.sink_name == "save", recomputes=s.source is not None)
+    if s.rank == 0:
+        mine.update(run=secrets.token_hex(8))
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -241,6 +260,8 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
         trainer=first["trainer"],
         sums=first["trainer"] and any(e.get("verify") for e in every),
         source=first["source"],
+        run=first["run"],
+        saves=any(e.get("saves") for e in every),
     )
 
 
@@ -315,6 +336,7 @@ def _rounds(
     buffer = agreed.buffer_size_bytes
     verify = not producer and s.sink_name == "verify"
     oracle = None  # a consumer's own copy of a source it can recompute
+    saver = None  # a consumer's sink=save
     if producer:
         if agreed.trainer:
             source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
@@ -328,6 +350,9 @@ def _rounds(
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         plan = agree(pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer)
         slices = allocate(expects, needs)
+        saver = _slice_saver(s, layout, agreed, expects, slices)
+        if saver is not None:
+            stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
     handshake_s = time.perf_counter() - started
     done: list[RoundMetrics] = []
     checked = None
@@ -355,12 +380,54 @@ def _rounds(
                 checked = check_sums(slices, parts[:k], expects, (rank - k) % m, rank, n)
         elif verify:
             checked = check_slices(slices, oracle.tensors(), rank, n)
+        if saver is not None:  # into the staging files, which the next round overwrites
+            saver.consume([(name, held.tensor) for name, held in slices.items()])
+            saver.finish(None)
         done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss")))
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
+    if agreed.saves:
+        # A consumer publishes the last round's slices only once every rank has finished (and checked) every round:
+        # a rank that failed is a lost peer here, and every saver aborts instead.
+        dist.barrier(group=pg)
+    saved = saver.close() if saver is not None else {}
     described = source.describe() if producer else agreed.source  # a trainer's as it is now, sharded
-    return _metrics(s, described, plan, done, handshake_s, producer, verify, checked, len(expects))
+    return _metrics(s, described, plan, done, handshake_s, producer, verify, checked, len(expects), saved)
+
+
+def _slice_saver(
+    s: RunSettings, layout: ShardedSpec, agreed: Agreed, expects: list[Expected], slices: dict[str, Held]
+) -> SaveSink | None:
+    """sink=save's writer of this consumer's slices, ``sink.path/tp<t>``, opened (an unusable path fails here,
+    before any transfer); None where this consumer saves nothing (another sink, or a replica after the first, whose
+    slices are replica 0's bytes)."""
+    replica, tp = divmod(s.rank - layout.producers, layout.tp_size)
+    if s.sink_name != "save":
+        return None
+    if replica > 0:
+        logger.info("replica %d saves nothing: replica 0's consumers save the same slices", replica)
+        return None
+    assert s.sink is not None
+    shapes = {e.name: e.shape for e in expects}
+    metadata = slices_metadata(
+        ((name, shapes[name], held.box) for name, held in slices.items()),
+        run=agreed.run,
+        round_=agreed.rounds,
+        tp_rank=tp,
+        tp_size=layout.tp_size,
+    )
+    metas = [TensorMeta(name, tuple(held.tensor.shape), held.tensor.dtype) for name, held in slices.items()]
+    manifest = Manifest(
+        metas,
+        buffer_size_bytes=agreed.buffer_size_bytes,
+        use_legacy_packing=False,
+        metadata=metadata,
+        source=agreed.source,
+    )
+    saver = SaveSink(str(Path(s.sink.params["path"]) / f"tp{tp}"))
+    saver.begin(manifest)
+    return saver
 
 
 def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorSpec], dict[str, Held]]:
@@ -399,6 +466,7 @@ def _metrics(
     verify: bool,
     checked: int | None,
     num_tensors: int,
+    saved: dict[str, Any],
 ) -> dict[str, Any]:
     total = sum(r.bytes for r in rounds)
     times = round_times([r.seconds for r in rounds])
@@ -421,6 +489,8 @@ def _metrics(
         verified_tensors=checked,
         source=source,
         sink=None if producer else s.sink_name,
+        saved_to=saved.get("saved_to"),
+        saved_files=saved.get("saved_files"),
         rounds=rounds,
         **times,
     )

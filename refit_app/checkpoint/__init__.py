@@ -7,6 +7,8 @@
 - :mod:`~refit_app.checkpoint.reader`: reading one file or a sharded model directory (:class:`Checkpoint`).
 - :mod:`~refit_app.checkpoint.writer`: the streaming writer (:class:`CheckpointWriter`, :func:`save_tensors`).
 - :mod:`~refit_app.checkpoint.publish`: the atomic publish of a saved directory.
+- :mod:`~refit_app.checkpoint.slices`: a sharded refit's saved slices: their boxes in the file's metadata, read
+  back and assembled into whole tensors.
 
 The public names are importable from this package too. Imports only :mod:`refit_app.common` and
 :mod:`refit_app.core`.
@@ -43,6 +45,10 @@ _EXPORTS = {
     **dict.fromkeys(
         ("SafetensorsWriter", "CheckpointWriter", "save_tensors", "shard_layout", "companion_name_problems"),
         "refit_app.checkpoint.writer",
+    ),
+    **dict.fromkeys(
+        ("SLICES_KEY", "SavedSlices", "slices_metadata", "read_slices", "assemble_slices"),
+        "refit_app.checkpoint.slices",
     ),
     **dict.fromkeys(("exchange_dirs", "switch_dirs", "carry_over", "remove_leftovers"), "refit_app.checkpoint.publish"),
 }
