@@ -25,6 +25,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     conditions.apply(item)
 
 
+RAY_GROUP = "ray"
+"""The modules that start Ray clusters run on one pytest-xdist worker, one after another: two clusters at once on two
+cores starve each other's actors past the tests' deadlines."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadgroup`` (README's test command): a module's tests stay on one worker (its fixtures
+    and start-ups are shared as in a serial run), the Ray modules all on one."""
+    for item in items:
+        module = Path(item.path).stem
+        group = RAY_GROUP if item.get_closest_marker("ray") or module.startswith("test_ray") else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real checkpoints that packages ship
 

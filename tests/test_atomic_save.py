@@ -3,16 +3,18 @@ one, never a mix, and keeps the user's own files in the directory.
 
 The kill comes from a subprocess that wraps the writer's steps (each shard's rename, the index, carrying the old
 directory's files over, the directory switch, the removal of the old directory) to SIGKILL itself just before or
-just after step N; N runs from 0 until a save completes, so every moment between two steps is tried once.
+just after step N; N runs from 0 until a save completes, so every moment between two steps is tried once. One
+subprocess imports torch once and forks a saver per kill point (a fresh interpreter each time cost the suite a
+minute and a half on busy cores); the saver is a separate process all the same, killed as a crash would kill it.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,37 +33,55 @@ SAVE_TIMEOUT_S = STARTUP_LIMIT_S
 MAX_STEPS = 40
 """More kill points than the writer has steps: reaching it means a save never completes."""
 
-_KILLING_SAVE = textwrap.dedent("""
+_KILLING_SAVES = textwrap.dedent("""
     import os, shutil, signal, sys
     from refit_app.checkpoint import writer as io  # commit looks the steps up there
-    sys.path.insert(0, sys.argv[3])
+    sys.path.insert(0, sys.argv[2])
     from test_atomic_save import checkpoint_spec, save_version
 
-    kill_at, events, in_commit = int(sys.argv[2]), [0], [False]
+    def killing_save(kill_at):
+        events, in_commit = [0], [False]
 
-    def step(fn):
-        def wrapped(*args, **kwargs):
-            if not in_commit[0]:
-                return fn(*args, **kwargs)
-            for when in ("before", "after"):
-                if events[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                events[0] += 1
-                if when == "before":
-                    result = fn(*args, **kwargs)
-            return result
-        return wrapped
+        def step(fn):
+            def wrapped(*args, **kwargs):
+                if not in_commit[0]:
+                    return fn(*args, **kwargs)
+                for when in ("before", "after"):
+                    if events[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    events[0] += 1
+                    if when == "before":
+                        result = fn(*args, **kwargs)
+                return result
+            return wrapped
 
-    commit = io.CheckpointWriter.commit
-    def counted_commit(self):
-        in_commit[0] = True
-        return commit(self)
-    io.CheckpointWriter.commit = counted_commit
-    io.SafetensorsWriter.publish = step(io.SafetensorsWriter.publish)
-    for name in ("write_atomic", "carry_over", "switch_dirs"):
-        setattr(io, name, step(getattr(io, name)))
-    shutil.rmtree = step(shutil.rmtree)
-    save_version(sys.argv[1], "new")
+        commit = io.CheckpointWriter.commit
+        def counted_commit(self):
+            in_commit[0] = True
+            return commit(self)
+        io.CheckpointWriter.commit = counted_commit
+        io.SafetensorsWriter.publish = step(io.SafetensorsWriter.publish)
+        for name in ("write_atomic", "carry_over", "switch_dirs"):
+            setattr(io, name, step(getattr(io, name)))
+        shutil.rmtree = step(shutil.rmtree)
+        save_version(sys.argv[1], "new")
+
+    # One kill point per line on stdin; a forked saver per point; its end on stdout: "killed", "saved" or "failed".
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                killing_save(int(line))
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            print("killed", flush=True)
+        else:
+            print("saved" if os.waitstatus_to_exitcode(status) == 0 else "failed", flush=True)
 """)
 
 
@@ -119,6 +139,17 @@ def user_files(directory: Path) -> dict[str, str]:
     }
 
 
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next line ``proc`` prints, or a failure after ``timeout_s`` (a reader thread: a pipe has no deadline)."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not got:
+        pytest.fail(f"no answer from the saving process in {timeout_s} s")
+    return got[0].strip()
+
+
 def test_a_save_killed_at_every_step_leaves_old_or_new(tmp_path):
     target = tmp_path / "ckpt"
     save_version(target, "old")
@@ -128,21 +159,26 @@ def test_a_save_killed_at_every_step_leaves_old_or_new(tmp_path):
     mine = user_files(target)
     tests_dir = str(Path(__file__).parent)
     seen = []
-    for kill_at in range(MAX_STEPS):
-        proc = subprocess.run(
-            [sys.executable, "-c", _KILLING_SAVE, str(target), str(kill_at), tests_dir],
-            capture_output=True,
-            text=True,
-            timeout=SAVE_TIMEOUT_S,
-            check=False,
-        )
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
-        seen.append(loaded_version(target))
-        assert user_files(target) == mine, f"killed at step {kill_at}"
-    else:
-        pytest.fail(f"the save never completed in {MAX_STEPS} steps")
+    saver = subprocess.Popen(
+        [sys.executable, "-c", _KILLING_SAVES, str(target), tests_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for kill_at in range(MAX_STEPS):
+            print(kill_at, file=saver.stdin, flush=True)
+            ended = read_line(saver, SAVE_TIMEOUT_S)
+            if ended == "saved":
+                break
+            assert ended == "killed", f"the save at kill point {kill_at} ended {ended!r} (its traceback is above)"
+            seen.append(loaded_version(target))
+            assert user_files(target) == mine, f"killed at step {kill_at}"
+        else:
+            pytest.fail(f"the save never completed in {MAX_STEPS} steps")
+    finally:
+        saver.kill()
+        saver.wait()
     # Every shard, the index, the carry-over, the switch (before and after) and the removal of the old directory.
     assert kill_at >= 12, kill_at
     # Old until the switch, new from the moment it happened: each kill point was really taken.
