@@ -7,10 +7,17 @@
 # scratch, every run: about 3.5 GB and 5-6 minutes of install here, then about 4 minutes of tests.
 #   bash scripts/ci_vllm.sh                 # fresh venv in a temporary directory, removed at the end
 #   VLLM_VENV=/path bash scripts/ci_vllm.sh # that venv instead (made if missing, kept): for a developer's reruns
+#   bash scripts/ci_vllm.sh --venv-only DIR # only make the venv at DIR (.ci/run does it while the main suite runs)
 # Extra arguments go to pytest (e.g. -x -k server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+venv_only=0
+if [[ "${1:-}" == --venv-only ]]; then
+    [[ -n "${2:-}" ]] || { echo "ci_vllm: --venv-only needs the venv's directory" >&2; exit 2; }
+    venv_only=1
+    VLLM_VENV=$2
+fi
 if [[ -n "${VLLM_VENV:-}" ]]; then
     VENV=$VLLM_VENV
 else
@@ -30,6 +37,7 @@ PY="$VENV/bin/python"
 # fails ("operator torchvision::nms does not exist"). Nothing here needs them.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
 echo "ci_vllm: venv ready in $((SECONDS - started)) s at $VENV"
+[[ $venv_only == 1 ]] && exit 0
 
 # The tests skip themselves where vLLM cannot be imported; here that would hide a broken install, so fail instead.
 "$PY" -c 'import torch, transformers, vllm; print(f"ci_vllm: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")'

@@ -92,12 +92,16 @@ def _pip_lines(text: str) -> list[str]:
     ]
 
 
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadgroup\n"
+"""The whole suite, as CI runs it: two pytest-xdist workers, a module's tests on one (tests/conftest.py)."""
+
+
 def test_the_readme_installs_and_tests_as_ci_does() -> None:
     ci, readme = (ROOT / ".ci" / "run").read_text(), (ROOT / "README.md").read_text()
     ci_installs = [line for line in _pip_lines(ci) if "[docs]" not in line]
     assert len(ci_installs) == 2, ci_installs
     assert ci_installs == _pip_lines(readme)[:2]
-    assert "python -m pytest -q\n" in ci and "python -m pytest -q\n" in readme
+    assert TEST_COMMAND in ci and TEST_COMMAND in readme
     assert "mkdocs build --strict" in ci and "mkdocs build --strict" in readme
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, local_metrics
-from mp_utils import RankFailure, free_port, run_ranks
+from mp_utils import STARTUP_LIMIT_S, RankFailure, free_port, run_ranks
 
 from refit_app.common.errors import VerificationError
 from refit_app.core.reshard.plan import chunk_range
@@ -176,12 +176,12 @@ def test_a_failed_sharded_save_keeps_the_previous_slices_and_leaves_no_file_that
     s = with_run_secret(
         settings(
             "group.producers=2", "group.tp_size=2", "sink=save", f"sink.path={out}", "refit.rounds=2",
-            "group.timeout_s=30",
+            "group.timeout_s=60",
         )
     )  # fmt: skip
     # tp rank 1 (rank 3) fails in the last round, after both consumers wrote round 1 into their staging directories;
     # tp rank 0 then finds it lost at the end, before publishing.
-    results = run_ranks(_failing_rank, 4, s, 3, 2, timeout=60, return_exceptions=True)
+    results = run_ranks(_failing_rank, 4, s, 3, 2, timeout=STARTUP_LIMIT_S, return_exceptions=True)
     assert all(isinstance(r, RankFailure) for r in results), results
     assert "injected failure in round 2" in str(results[3]) and "rank 3" in str(results[2])
     assert previous.read_bytes() == before

@@ -19,7 +19,7 @@ import pytest
 import torch
 from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, local_metrics
 from conditions import needs_transformers
-from mp_utils import free_port, run_ranks
+from mp_utils import STARTUP_LIMIT_S, free_port, run_ranks
 
 from refit_app.common.errors import VerificationError
 from refit_app.core.reshard.keyed_sum import keyed_sum
@@ -30,7 +30,9 @@ pytestmark = needs_transformers
 
 TOKEN = {"REFIT_APP_TOKEN": "sharded-model-test-token"}
 ROUNDS = 3
-TIMEOUT_S = 60.0
+TIMEOUT_S = STARTUP_LIMIT_S
+"""group.timeout_s: the rendezvous waits for every rank to load the model and shard it (60 s was short on busy cores
+with five ranks starting at once); no deadline is under test here."""
 K, M = 3, 2
 TAMPERED = "model.layers.0.mlp.up_proj.weight"
 """A column-parallel weight (128 rows, 64 per consumer) whose rows 0 and 1 one consumer swaps in the last round."""
