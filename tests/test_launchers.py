@@ -268,27 +268,23 @@ def _free_port_pair_below_the_ephemeral_range() -> int:
     pytest.fail(f"no free pair of ports among the 4000 below the ephemeral range ({low})")
 
 
+def _torchrun(nproc: int, *overrides: str) -> list[str]:
+    """``python -m torch.distributed.run`` arguments: ``nproc`` workers of ``python -m refit_app *overrides``, its
+    c10d rendezvous on a free port below the ephemeral range, no restarts."""
+    return [
+        "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
+        "--max-restarts", "0",
+        "-m", "refit_app", *overrides,
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_torchrun_three_ranks_verified_refit(cli, tmp_path, launcher_env):
     """``torchrun --nproc-per-node 3 -m refit_app role=auto``: rank 0 sends, ranks 1 and 2 verify, all exit 0, one
     run directory and metrics.json per rank, and the refit group beside torchrun's store, never on its port."""
     result = cli.start_command(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "3",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
-            "--max-restarts",
-            "0",
-            "-m",
-            "refit_app",
-            "role=auto",
-            COVER_STARTUP,
-        ],
+        _torchrun(3, "role=auto", COVER_STARTUP),
         # torchrun's agent logs the MASTER_PORT it gives its workers
         env={"LOGLEVEL": "INFO"},
     ).wait()
@@ -316,25 +312,7 @@ def test_torchrun_sharded_layout_two_producers_two_consumers_verified(cli, tmp_p
     """``torchrun --nproc-per-node 4 -m refit_app role=auto group.producers=2 group.tp_size=2``: ranks 0 and 1 send
     their rows, ranks 2 and 3 check their slices bit for bit every round; every rank exits 0 with its metrics."""
     result = cli.start_command(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "4",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"localhost:{_free_port_pair_below_the_ephemeral_range()}",
-            "--max-restarts",
-            "0",
-            "-m",
-            "refit_app",
-            "role=auto",
-            "group.producers=2",
-            "group.tp_size=2",
-            "refit.rounds=2",
-            COVER_STARTUP,
-        ]
+        _torchrun(4, "role=auto", "group.producers=2", "group.tp_size=2", "refit.rounds=2", COVER_STARTUP)
     ).wait()
     assert_ok(result)
     for rank in range(4):
