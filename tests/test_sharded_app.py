@@ -191,6 +191,51 @@ def test_a_failed_sharded_save_keeps_the_previous_slices_and_leaves_no_file_that
     assert sorted(p.name for p in out.iterdir()) == ["tp0", "tp1"]
 
 
+def _failing_seal_rank(rank: int, world_size: int, port: int, s, fail_rank: int):
+    from refit_app.app.local import rank_settings
+    from refit_app.app.sharded import run_sharded
+    from refit_app.common.errors import SinkError
+    from refit_app.models.sinks import SaveSink
+
+    s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
+    if rank == fail_rank:  # this consumer's disk fills up as it makes its last round durable
+
+        def prepare(self) -> None:
+            self.abort()
+            raise SinkError(f"rank {rank}: injected: no space left sealing {self.path}")
+
+        SaveSink.prepare = prepare
+    return run_sharded(s, after_round=None)
+
+
+def test_the_consumers_publish_their_slices_together_or_not_at_all(tmp_path):
+    from config_utils import settings
+
+    from refit_app.app.local import with_run_secret
+    from refit_app.checkpoint.slices import read_slices
+
+    out = tmp_path / "slices"
+    s = with_run_secret(
+        settings(
+            "group.producers=2", "group.tp_size=2", "sink=save", f"sink.path={out}", "group.timeout_s=60",
+        )
+    )  # fmt: skip
+    run_ranks(_failing_seal_rank, 4, s, -1, timeout=STARTUP_LIMIT_S)
+    first = {read_slices(out / f"tp{t}").run for t in range(2)}
+    assert len(first) == 1
+    before = {t: (out / f"tp{t}" / "model.safetensors").read_bytes() for t in range(2)}
+    # The next run: tp rank 1 (rank 3) cannot seal its directory, after tp rank 0 sealed its own. Neither publishes:
+    # both directories stay the first run's, whole, and no staging directory is left.
+    results = run_ranks(_failing_seal_rank, 4, s, 3, timeout=STARTUP_LIMIT_S, return_exceptions=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    assert "injected: no space left" in str(results[3]) and "rank 3" in str(results[2])
+    assert {read_slices(out / f"tp{t}").run for t in range(2)} == first
+    assert {t: (out / f"tp{t}" / "model.safetensors").read_bytes() for t in range(2)} == before
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "tp0", "tp0/model.safetensors", "tp1", "tp1/model.safetensors",
+    ]  # fmt: skip
+
+
 def test_assembling_slices_refuses_a_mix_of_runs_and_slices_that_leave_a_gap(tmp_path):
     from refit_app.checkpoint.slices import assemble_slices, slices_metadata
     from refit_app.checkpoint.writer import save_tensors

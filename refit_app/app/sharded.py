@@ -388,8 +388,13 @@ def _rounds(
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
     if agreed.saves:
-        # A consumer publishes the last round's slices only once every rank has finished (and checked) every round:
-        # a rank that failed is a lost peer here, and every saver aborts instead.
+        # The consumers publish the last round's slices together: once every rank has finished (and checked) every
+        # round, each makes its staging directory durable (all that can fail: a full disk, an I/O error), and only
+        # once every saver has, each swaps its directory in. A rank that fails before is a lost peer at one of the
+        # barriers, and every saver aborts instead; what is left between the two is one rename per directory.
+        dist.barrier(group=pg)
+        if saver is not None:
+            saver.prepare()
         dist.barrier(group=pg)
     saved = saver.close() if saver is not None else {}
     described = source.describe() if producer else agreed.source  # a trainer's as it is now, sharded

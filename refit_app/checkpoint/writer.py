@@ -18,7 +18,7 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -246,6 +246,7 @@ class CheckpointWriter:
         self.staging: Path | None = None
         """The hidden directory being written, between :meth:`open` and :meth:`commit` or :meth:`abort`."""
         self._lock: int | None = None
+        self._sealed = False
 
     @property
     def file_names(self) -> list[str]:
@@ -272,6 +273,7 @@ class CheckpointWriter:
             )
         remove_leftovers(target)
         self.staging, self._lock = claim_staging(target)
+        self._sealed = False
         staging = self.staging
         try:
             for name, w in self._writers.items():
@@ -304,12 +306,28 @@ class CheckpointWriter:
         for w in self._writers.values():
             w.end_round()
 
-    def commit(self) -> list[Path]:
-        """Seal every file, complete the staging directory, swap it in for the old one; returns the final paths."""
+    @contextlib.contextmanager
+    def _publishing(self) -> Iterator[None]:
+        """Abort on any failure; an OS error becomes a one-line SinkError naming the directory."""
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise SinkError(f"cannot publish the checkpoint in {self.directory}: {e.strerror or e}") from e
+        except BaseException:
+            self.abort()
+            raise
+
+    def seal(self) -> None:
+        """Seal every file and complete the staging directory, durable on disk, without publishing it: all that can
+        fail (a full disk, an I/O error) fails here, so that :meth:`commit` after it is one swap. Several writers
+        that publish together (a sharded run's consumers) seal, agree, then commit."""
         staging, target = self.staging, self._target
         if staging is None:
-            raise RuntimeError("CheckpointWriter.commit() before open()")
-        try:
+            raise RuntimeError("CheckpointWriter.seal() before open()")
+        if self._sealed:
+            return
+        with self._publishing():
             for w in self._writers.values():
                 w.seal()
             for w in self._writers.values():
@@ -325,13 +343,15 @@ class CheckpointWriter:
                 carry_over(target, staging, stale | set(self.file_names))
                 os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
             fsync_dir(staging)
+        self._sealed = True
+
+    def commit(self) -> list[Path]:
+        """Seal (unless :meth:`seal` did), swap the staging directory in for the old one; returns the final paths."""
+        self.seal()
+        staging, target = self.staging, self._target
+        assert staging is not None
+        with self._publishing():
             switch_dirs(staging, target)
-        except OSError as e:
-            self.abort()
-            raise SinkError(f"cannot publish the checkpoint in {self.directory}: {e.strerror or e}") from e
-        except BaseException:
-            self.abort()
-            raise
         with contextlib.suppress(OSError):
             fsync_dir(target.parent)  # the switch survives a power loss
         # The staging name now holds the previous checkpoint, if there was one.

@@ -143,6 +143,13 @@ class SaveSink:
         self._writer.end_round()
         return {}
 
+    def prepare(self) -> None:
+        """Make the last round durable in the staging directory without publishing it (what can fail, fails here);
+        :meth:`close` is then one swap. For savers that publish together (a sharded run's consumers)."""
+        if self._writer is None:
+            raise RuntimeError("SaveSink.prepare() before begin()")
+        self._writer.seal()
+
     def close(self) -> dict:
         if self._writer is None:
             return {}
