@@ -272,7 +272,7 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["+refit.buffer_sz=1"], "unknown key 'refit.buffer_sz'; keys under refit: buffer_size_bytes, num_buffers"),
         (["group.producers=0"], "group.producers=0 is invalid: must be an integer in 1..1023"),
         (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
-        (["group.tp_size=2", "role=ray"], "role='ray' is invalid: a sharded refit runs under role=local, auto, pro"),
+        (["group.tp_size=2", "role=ray", "group.world_size=2"], "group.world_size=2 is invalid: role=ray runs group"),
         (["group.producers=2", "sink=model"], "a sharded refit feeds sink=verify, discard or save only so far"),
         (
             ["group.producers=2", "source=safetensors", "source.path=."],

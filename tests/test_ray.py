@@ -72,6 +72,27 @@ def test_role_ray_on_a_cluster_verifies_every_round_and_leaves_nothing(cluster, 
 
 @pytest.mark.ray
 @needs_ray
+def test_role_ray_runs_a_sharded_refit_each_consumer_verifying_its_slices(cluster, cli, tmp_path):
+    # Two producers (each holding its rows of every tensor) and two tensor-parallel consumers, four actors.
+    result = cli(
+        f"ray.address={cluster}", "role=ray", "group.producers=2", "group.tp_size=2", "refit.rounds=2",
+        timeout_s=RAY_RUN_S,
+    )  # fmt: skip
+    assert_ok(result)
+    metrics = load_metrics(run_dir(tmp_path, "ray"))
+    assert (metrics["role"], metrics["status"], metrics["verified"], metrics["rounds_done"]) == ("ray", "ok", True, 2)
+    assert [p["rank"] for p in metrics["producers"]] == [0, 1] and [c["rank"] for c in metrics["consumers"]] == [2, 3]
+    consumers = metrics["consumers"]
+    assert all(c["verified"] is True and c["verified_tensors"] == metrics["num_tensors"] for c in consumers)
+    # Each consumer received its half of the model, not the whole: together exactly what the producers sent.
+    sent = sum(r["bytes"] for r in metrics["rounds"])
+    assert sum(c["bytes"] for c in consumers) == sent and all(0 < c["bytes"] < sent for c in consumers)
+    assert "[producer 1] rank 1: joined" in result.stdout + result.stderr, result.describe()
+    _all_cpus_back()
+
+
+@pytest.mark.ray
+@needs_ray
 def test_a_rank_that_fails_fails_the_run_in_one_line_and_leaves_nothing(cluster, cli, tmp_path):
     result = cli(f"ray.address={cluster}", "role=ray", "refit.debug.corrupt_chunk=0", timeout_s=RAY_RUN_S)
     assert_one_line_error(result, "round 1: verification failed")

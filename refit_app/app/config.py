@@ -338,18 +338,18 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
             f"{spec.describe()} are {spec.world_size} ranks, more than {MAX_WORLD_SIZE}",
         )
     what = "a sharded refit"
-    if role not in ("local", "auto", "producer", "consumer", _ABSENT):
-        c.fail("role", role, f"{what} runs under role=local, auto, producer or consumer, not role={role} yet")
+    if role not in ("local", "ray", "auto", "producer", "consumer", _ABSENT):
+        c.fail("role", role, f"{what} runs under role=local, ray, auto, producer or consumer, not role={role} yet")
     if role == "local" and num_consumers not in (1, _ABSENT):
         c.fail("role.num_consumers", num_consumers, f"{what} has group.tp_size x group.replicas consumers; leave it 1")
     kind = OmegaConf.select(c.cfg, "source.kind", default=None)
-    if role in ("local", "auto", "producer", "consumer") and kind not in SHARDED_SOURCES:
+    if role in ("local", "ray", "auto", "producer", "consumer") and kind not in SHARDED_SOURCES:
         c.errors.append(f"{what} reads source=synthetic or source=model only so far, not source={kind or 'custom'}")
-    device = c.get("source.device") if kind == "model" and role in ("local", "auto", "producer") else _ABSENT
+    device = c.get("source.device") if kind == "model" and role in ("local", "ray", "auto", "producer") else _ABSENT
     if device not in (_ABSENT, None, "cpu"):
         c.fail("source.device", device, f"{what} trains source=model on the CPU (FSDP2, gloo) so far: leave it null")
     kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
-    if role in ("local", "auto", "consumer") and kind not in SHARDED_SINKS:
+    if role in ("local", "ray", "auto", "consumer") and kind not in SHARDED_SINKS:
         c.errors.append(f"{what} feeds sink=verify, discard or save only so far, not sink={kind or 'custom'}")
     for key, allowed, why in (
         ("refit.delta", (DEFAULT_DELTA,), "does not run delta rounds yet"),
@@ -495,7 +495,11 @@ def _check_group(c: _Checker, role: Any, num_consumers: Any, sharded: ShardedSpe
                 c.fail(f"group.{key}", values[key], f"{why}; leave it null")
         if values["host"] != DEFAULT_HOST:
             c.fail("group.host", values["host"], "role=ray takes the producer's address from its node; leave it unset")
-        if world_size is None:
+        if sharded is not None:
+            if world_size not in (None, sharded.world_size):
+                c.fail("group.world_size", world_size, f"role=ray runs {sharded.describe()}; leave it null")
+            values["world_size"] = sharded.world_size
+        elif world_size is None:
             values["world_size"] = 2
         values.update(rank=0, local_rank=None)
     else:

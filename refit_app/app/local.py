@@ -53,7 +53,7 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
     from refit_app.app.roles import run_consumer, run_producer
 
     # Its last line says what it was doing, should it be stopped.
-    rank_logging(rank, log_files, ActivityHandler(), producers=_producers(s))
+    rank_logging(rank, log_files, ActivityHandler(), producers=num_producers(s))
     # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
     ranked = rank_settings(s, rank, local_rank=rank)
     if s.sharded is not None:
@@ -64,7 +64,8 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
     return (run_producer if rank == 0 else run_consumer)(ranked, show_progress=rank == 0)
 
 
-def _producers(s: RunSettings) -> int:
+def num_producers(s: RunSettings) -> int:
+    """1, or a sharded refit's ``group.producers``."""
     return 1 if s.sharded is None else s.sharded.producers
 
 
@@ -92,7 +93,7 @@ def rank_logging(rank: int, log_files: list[str], *extra: logging.Handler, produ
 def rank_settings(s: RunSettings, rank: int, *, local_rank: int | None) -> RunSettings:
     """The settings of one rank of a run that starts every rank itself (role=local, role=ray)."""
     group = replace(s.group, rank=rank, local_rank=local_rank)
-    return replace(s, role="producer" if rank < _producers(s) else "consumer", group=group)
+    return replace(s, role="producer" if rank < num_producers(s) else "consumer", group=group)
 
 
 def with_run_secret(s: RunSettings) -> RunSettings:
@@ -183,7 +184,7 @@ def _raise_if_failed(
         return
     error = root_cause(
         outcomes,
-        [rank_label(r, _producers(s)) for r in range(len(outcomes))],
+        [rank_label(r, num_producers(s)) for r in range(len(outcomes))],
         secondary=(PeerError.__name__,),
         stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
     )
@@ -196,7 +197,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
     ``consumers``, and the run's at the top level. A round's ``seconds`` is its slowest rank's (every rank starts
     it together), its ``bytes`` what the producers sent, its ``wire_bytes`` what every consumer received (with
     replicas, the relayed bytes too)."""
-    k = _producers(s)
+    k = num_producers(s)
     metrics = [
         o.value
         if o.ok

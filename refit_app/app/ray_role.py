@@ -34,6 +34,7 @@ from refit_app.app.local import (
     NO_ROUND,
     check_source_early,
     combine_outcomes,
+    num_producers,
     rank_label,
     rank_logging,
     rank_settings,
@@ -68,7 +69,7 @@ def run_ray(s: RunSettings) -> dict[str, Any]:
     check_source_early(s)
     s = with_run_secret(s)
     signals = DeferredSignals()  # Ctrl-C and SIGTERM end the run at the next check, after the clean-up below
-    cluster = _Cluster(ray, s.ray, s.group.world_size)
+    cluster = _Cluster(ray, s.ray, s.group.world_size, num_producers(s))
     try:
         cluster.start(signals)
         outcomes = cluster.run(s, signals)
@@ -94,10 +95,12 @@ class _Cluster:
     """This run's part of a Ray cluster: the connection (and the local cluster, if it started one), the placement
     group and the actors; :meth:`stop` removes all of it and is safe at any point."""
 
-    def __init__(self, ray: Any, spec: RaySpec, world_size: int) -> None:
+    def __init__(self, ray: Any, spec: RaySpec, world_size: int, producers: int = 1) -> None:
         self.ray = ray
         self.spec = spec
         self.world_size = world_size
+        self.labels = [rank_label(r, producers) for r in range(world_size)]
+        """Each rank's name in lines: ``producer``, ``producer 1`` (a sharded refit's), ``consumer 3``."""
         self.local = spec.address is None
         self.placement: Any = None
         self.actors: list[Any] = []
@@ -197,7 +200,7 @@ class _Cluster:
         # Every actor imports the ranks' code (torch) before any rank runs: the rendezvous deadline
         # (group.timeout_s) never includes a peer's start-up.
         calls = [actor.start.remote() for actor in self.actors]
-        labels = [rank_label(r) for r in range(self.world_size)]
+        labels = self.labels
         left = max(deadline - time.monotonic(), 0.0)
         self.producer_address = raise_on_failure(
             wait_calls(calls, labels, left, check=signals.check), "starting the ranks' actors"
@@ -212,7 +215,7 @@ class _Cluster:
         s = replace(s, group=replace(s.group, host=host, port=port))
         logger.info("ray: %d ranks, the producer at %s", self.world_size, s.group.address)
         log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-        labels = [rank_label(r) for r in range(self.world_size)]
+        labels = self.labels
 
         def launch(rank: int, attempt: int) -> Any:
             return self.actors[rank].run.remote(rank, s, log_files, os.getcwd(), attempt)
@@ -331,9 +334,13 @@ class RankActor:
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths (sink.path) as the user typed them, where the node shares the directory
         # The driver's log files, where this node has them (the same host, a shared file system).
-        rank_logging(rank, [f for f in log_files if os.path.isfile(f)])
+        rank_logging(rank, [f for f in log_files if os.path.isfile(f)], producers=num_producers(s))
         # Ray gives each actor its GPUs (CUDA_VISIBLE_DEVICES): the current device is the actor's own.
         ranked = rank_settings(s, rank, local_rank=None)
+        if s.sharded is not None:  # one of a sharded refit's producers or consumers
+            from refit_app.app.sharded import run_sharded
+
+            return outcome_of(lambda r: run_sharded(ranked), rank)
         # No live progress line: Ray relays an actor's output line by line, with a prefix.
         return outcome_of(lambda r: (run_producer if r == 0 else run_consumer)(ranked, show_progress=False), rank)
 
