@@ -193,8 +193,8 @@ class Group:
     port: Optional[int] = None
     """Rendezvous port. null: a free port for role=local, {DEFAULT_PORT} for a producer and its consumers."""
     world_size: Optional[int] = None
-    """Number of ranks: the producers plus the consumers. null: 1 + role.num_consumers (role=local; a sharded refit:
-    group.producers + group.tp_size x group.replicas), 2 (role=ray)."""
+    """Number of ranks: the producers plus the consumers. null: 1 + role.num_consumers (role=local), 2 (role=ray); a
+    sharded refit's (role=local or ray): group.producers + group.tp_size x group.replicas."""
     rank: Optional[int] = None
     """This process's rank: 0 for the producer, 1..world_size-1 for a consumer (a sharded refit: 0..producers-1 for
     a producer, the rest for consumers); null for role=local and role=ray."""
