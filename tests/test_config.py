@@ -273,7 +273,9 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.producers=0"], "group.producers=0 is invalid: must be an integer in 1..1023"),
         (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
         (["group.tp_size=2", "role=ray", "group.world_size=2"], "group.world_size=2 is invalid: role=ray runs group"),
-        (["group.producers=2", "sink=model"], "a sharded refit feeds sink=verify, discard or save only so far"),
+        (["group.producers=2", "sink=vllm"], "a sharded refit feeds sink=verify, discard, save or model only so far"),
+        (["group.tp_size=2", "sink=model"], "group.tp_size=2 is invalid: a sharded refit into sink=model builds the"),
+        (["group.producers=2", "sink=model"], "a sharded refit into sink=model needs a trainer to build the model"),
         (
             ["group.producers=2", "source=safetensors", "source.path=."],
             "a sharded refit reads source=synthetic or source=model only so far, not source=safetensors",

@@ -264,13 +264,38 @@ def test_ranks_started_apart_train_and_verify_with_a_consumer_that_has_no_model(
     assert "x 2 rounds" in results[2].stdout + results[2].stderr and "verified" in results[2].stdout + results[2].stderr
 
 
-def test_a_consumer_without_the_synthetic_source_its_producers_read_stops_every_rank_in_one_line(cli):
-    port = free_port()
-    common = ("group.producers=2", "group.world_size=3", f"group.port={port}", COVER_STARTUP)
-    runs = [
+def _synthetic_producers_and(cli, *consumer: str) -> list:
+    """Two producers of source=synthetic and a consumer with ``consumer``'s settings, started apart; their runs."""
+    common = ("group.producers=2", "group.world_size=3", f"group.port={free_port()}", COVER_STARTUP)
+    return [
         cli.start("role=producer", "group.rank=0", *common, env=TOKEN),
         cli.start("role=producer", "group.rank=1", *common, env=TOKEN),
-        cli.start("role=consumer", "group.rank=2", "source=model", *common, env=TOKEN),  # told a trainer sends
+        cli.start("role=consumer", "group.rank=2", *consumer, *common, env=TOKEN),
     ]
-    for run in runs:
+
+
+def test_a_consumer_without_the_synthetic_source_its_producers_read_stops_every_rank_in_one_line(cli):
+    for run in _synthetic_producers_and(cli, "source=model"):  # told a trainer sends
         assert_one_line_error(run.wait(), "consumer rank 2 has no source=synthetic to build, but the producers read")
+
+
+def test_sink_model_builds_the_trainers_model_on_each_replica_and_matches_its_probe_every_round(cli, tmp_path, tiny):
+    result = cli(
+        "group.producers=2", "group.replicas=2", "source=model", f"source.path={tiny}", "sink=model",
+        "sink.probe_tokens=8", "refit.rounds=2", COVER_STARTUP,
+    )  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True and metrics["world_size"] == 4
+    consumers = metrics["consumers"]
+    assert [c["verified_tensors"] for c in consumers] == [metrics["num_tensors"]] * 2
+    # Each consumer's model, built from producer 0's config.json and loaded with every tensor whole, gives the
+    # trainer's logits (the producers' FSDP2 forward) exactly, after the first round and after a training step.
+    checks = [r["model_check"] for c in consumers for r in c["rounds"]]
+    assert checks == [{"max_abs_logit_diff": 0.0, "tokens_match": True}] * 4
+    assert metrics["rounds"][1]["loss"] is not None
+
+
+def test_a_consumer_building_a_model_from_producers_without_one_stops_every_rank_in_one_line(cli):
+    for run in _synthetic_producers_and(cli, "sink=model", "sink.probe_tokens=0"):
+        assert_one_line_error(run.wait(), "consumer rank 2 builds a model (sink=model) but the producers read")

@@ -131,8 +131,9 @@ class ShardedSpec:
 SHARDED_SOURCES = ("synthetic", "model")
 """The sources a sharded refit reads so far: synthetic (each producer takes its rows of every tensor) and model (the
 producers train it under FSDP2 and send their shards)."""
-SHARDED_SINKS = ("verify", "discard", "save")
-"""The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices, docs/sharded.md)."""
+SHARDED_SINKS = ("verify", "discard", "save", "model")
+"""The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
+a whole model, group.tp_size=1; docs/sharded.md)."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +351,17 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         c.fail("source.device", device, f"{what} trains source=model on the CPU (FSDP2, gloo) so far: leave it null")
     kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
     if role in ("local", "ray", "auto", "consumer") and kind not in SHARDED_SINKS:
-        c.errors.append(f"{what} feeds sink=verify, discard or save only so far, not sink={kind or 'custom'}")
+        c.errors.append(f"{what} feeds sink=verify, discard, save or model only so far, not sink={kind or 'custom'}")
+    if kind == "model" and spec.tp_size != 1:
+        c.fail(
+            "group.tp_size",
+            spec.tp_size,
+            f"{what} into sink=model builds the whole model on each consumer: give group.tp_size=1 (group.replicas "
+            "for several models)",
+        )
+    source_kind = OmegaConf.select(c.cfg, "source.kind", default=None)
+    if kind == "model" and role in ("local", "ray", "auto") and source_kind != "model":
+        c.errors.append(f"{what} into sink=model needs a trainer to build the model from: source=model")
     for key, allowed, why in (
         ("refit.delta", (DEFAULT_DELTA,), "does not run delta rounds yet"),
         ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),

@@ -208,6 +208,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
     combined: dict[str, Any] = {"role": role, "rank": 0, "producers": producers, "consumers": consumers}
     failures = [o for o in outcomes if not o.ok]
     _raise_if_failed(failures, outcomes, s, combined)
+    verifies = any(c["verified"] is not None for c in consumers)  # sink=verify, or sink=model's sink.verify
     rounds = []
     for entries in zip(*(m["rounds"] for m in metrics)):
         seconds = max(e["seconds"] for e in entries)
@@ -221,7 +222,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
                 "bytes": sent,
                 "gb_per_s": gb_per_s(sent, seconds),
                 "wire_bytes": received,
-                "verified": all(e["verified"] for e in entries[k:]) if s.sink_name == "verify" else None,
+                "verified": all(e["verified"] for e in entries[k:]) if verifies else None,
                 "peak_rss_bytes": max(peak, default=None),
             }
         )
@@ -235,7 +236,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
         gb_per_s=gb_per_s(total, times["seconds"]),
         peak_rss_bytes=max((m["peak_rss_bytes"] or 0 for m in metrics), default=None),
         peak_extra_bytes=max((m["peak_extra_bytes"] or 0 for m in metrics), default=None),
-        verified=all(c["verified"] for c in consumers) if s.sink_name == "verify" else None,
+        verified=all(c["verified"] for c in consumers) if verifies else None,
         verified_tensors=None,
         sink=s.sink_name,
         rounds=rounds,

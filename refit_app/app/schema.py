@@ -218,8 +218,8 @@ class Group:
     """How many producer ranks (0..producers-1) each hold a part of the model (its rows). Above 1, or with
     group.tp_size or group.replicas above 1: a sharded refit (docs/sharded.md), whose consumers are the ranks after
     the producers; so far with source=synthetic or source=model (the producers train it under FSDP2) and sink=verify,
-    discard or save (each consumer of the first replica saves its slices). 1 (and the other two 1): one producer
-    holds the model whole."""
+    discard, save (each consumer of the first replica saves its slices) or model (group.tp_size=1: each consumer a
+    whole model). 1 (and the other two 1): one producer holds the model whole."""
     tp_size: int = 1
     """A sharded refit's tensor-parallel consumers per replica: each needs only its slice of every tensor (rows of
     most 2-D weights, columns of o_proj, down_proj and out_proj, the rest whole)."""

@@ -9,7 +9,7 @@ Every rank, as ``role=local`` starts it or as ``role=producer``/``consumer`` on 
     ->  the ranks compare their layout settings and rounds (a consumer adopts producer 0's rounds and buffer size)
     ->  agree: the plan, the same on every rank, or one line naming the first difference on every rank
     ->  round 1..N: the source changes (from round 2), send / receive, a consumer checks its slices (sink=verify)
-        or writes them into its staging directory (sink=save)
+        or writes them into its staging directory (sink=save) or its model (sink=model: then the producers' probe)
     ->  sink=save: once every rank has finished every round, each saving consumer publishes its directory
 
 The layouts, chosen here: producer ``p`` holds ``Shard(0)`` of every tensor over the K producers (``torch.chunk``'s
@@ -30,6 +30,11 @@ of the same box, a check that depends on neither the plan nor the transfer.
 ``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
 whole after the last), with their boxes in the file's metadata (:mod:`refit_app.checkpoint.slices`); the other
 replicas hold the same bytes and write nothing. It publishes only once every rank has finished every round.
+
+``sink=model`` (``group.tp_size=1``, a trainer's producers): each consumer builds the model from producer 0's
+config.json and copies every round's tensors, received whole, into it; its ``sink.verify`` checks the keyed sums as
+sink=verify does, and with ``sink.probe_tokens`` the producers run the fixed probe through the trainer's model
+(together: FSDP2 gathers each layer) and every consumer compares its model's logits and greedy tokens with it.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from refit_app.core.meta import TensorMeta
 from refit_app.core.reshard.keyed_sum import keyed_sum
 from refit_app.core.reshard.plan import Layout, Placement, Replicate, Shard, TensorSpec, held_boxes, shard_box
 from refit_app.core.reshard.transfer import Held, RegionMismatch
-from refit_app.models.sinks import SaveSink
+from refit_app.models.sinks import SaveSink, make_sink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.manifest import Manifest
@@ -199,6 +204,10 @@ class Agreed:
     """This run's id, from rank 0: every saved slice file of the run carries it."""
     saves: bool
     """Some consumer saves its slices (sink=save): every rank waits for every other at the end, before it publishes."""
+    model_config: str | None
+    """Producer 0's config.json text, where the producers are a trainer: what a consumer's sink=model builds."""
+    probe_tokens: int
+    """The most probe positions a consumer's sink=model asks for (0: none): the producers probe every round."""
 
 
 @dataclass(frozen=True)
@@ -224,9 +233,15 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
     if producer:
         mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
     else:
-        mine.update(verify=s.sink_name == "verify", saves=s.sink_name == "save", recomputes=s.source is not None)
+        mine.update(
+            verify=_consumer_verifies(s),
+            saves=s.sink_name == "save",
+            recomputes=s.source is not None,
+            builds=s.sink_name == "model",
+            probe=int(s.sink.params.get("probe_tokens") or 0) if s.sink_name == "model" and s.sink else 0,
+        )
     if s.rank == 0:
-        mine.update(run=secrets.token_hex(8))
+        mine.update(run=secrets.token_hex(8), config=source.model_config() if is_trainer(source) else None)
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -246,6 +261,12 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
                 f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
                 f"{kinds[other['trainer']]}"
             )
+    for other in every[layout.producers :]:
+        if other["builds"] and not first["trainer"]:
+            raise HandshakeError(
+                f"consumer rank {other['rank']} builds a model (sink=model) but the producers read "
+                f"{first['source']}: sink=model needs the producers to train one (source=model)"
+            )
     if not first["trainer"]:
         for other in every[layout.producers :]:
             if not other["recomputes"]:
@@ -262,7 +283,16 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
         source=first["source"],
         run=first["run"],
         saves=any(e.get("saves") for e in every),
+        model_config=first["config"],
+        probe_tokens=max((e.get("probe", 0) for e in every), default=0),
     )
+
+
+def _consumer_verifies(s: RunSettings) -> bool:
+    """sink=verify, or sink=model with its ``sink.verify`` (the default): the consumer checks every slice."""
+    if s.sink_name == "model":
+        return s.sink is not None and s.sink.params.get("verify") is not False
+    return s.sink_name == "verify"
 
 
 @contextmanager
@@ -334,9 +364,10 @@ def _rounds(
     agreed = _agree_settings(pg, s, layout, source)
     chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
     buffer = agreed.buffer_size_bytes
-    verify = not producer and s.sink_name == "verify"
+    verify = not producer and _consumer_verifies(s)
     oracle = None  # a consumer's own copy of a source it can recompute
     saver = None  # a consumer's sink=save
+    model = None  # a consumer's sink=model
     if producer:
         if agreed.trainer:
             source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
@@ -351,6 +382,7 @@ def _rounds(
         plan = agree(pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer)
         slices = allocate(expects, needs)
         saver = _slice_saver(s, layout, agreed, expects, slices)
+        model = _model_sink(s, agreed, slices)
         if saver is not None:
             stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
     handshake_s = time.perf_counter() - started
@@ -383,7 +415,15 @@ def _rounds(
         if saver is not None:  # into the staging files, which the next round overwrites
             saver.consume([(name, held.tensor) for name, held in slices.items()])
             saver.finish(None)
-        done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss")))
+        check = None
+        if model is not None:  # every tensor whole (group.tp_size=1), copied into the model
+            model.consume([(name, held.tensor) for name, held in slices.items()])
+            model.finish(None)
+        if agreed.probe_tokens:
+            probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
+            if model is not None and model.probe_tokens:
+                check = model.check(probe, model.probe_tokens)
+        done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check))
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
@@ -435,6 +475,28 @@ def _slice_saver(
     return saver
 
 
+def _model_sink(s: RunSettings, agreed: Agreed, slices: dict[str, Held]) -> Any:
+    """sink=model's model, built from producer 0's config.json for the tensors it sends (every one whole:
+    group.tp_size=1); None for another sink."""
+    if s.sink_name != "model":
+        return None
+    assert s.sink is not None and agreed.model_config is not None  # config and the agreement checked both
+    sink = make_sink(s.sink.target, s.sink.params)
+    metas = [TensorMeta(name, tuple(held.tensor.shape), held.tensor.dtype) for name, held in slices.items()]
+    manifest = Manifest(metas, buffer_size_bytes=agreed.buffer_size_bytes, use_legacy_packing=False)
+    sink.begin(manifest, agreed.model_config)
+    return sink
+
+
+def _probe(pg: Any, layout: ShardedSpec, rank: int, source: Any, probe_tokens: int) -> dict[str, Any]:
+    """The trainer's probe of ``probe_tokens`` positions, on every rank: the producers run it together (FSDP2
+    gathers each layer's weights for the forward), producer 0's goes to everyone."""
+    mine = source.probe(probe_tokens) if source is not None else None
+    every: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(every, mine if rank == 0 else None, group=pg)
+    return every[0]
+
+
 def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorSpec], dict[str, Held]]:
     """This producer's specs and shards of the source's current values: a trainer's DTensors as they lie, else its
     rows of every tensor."""
@@ -444,7 +506,14 @@ def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorS
 
 
 def _round(
-    n: int, seconds: float, moved: int, memory: PeakMemory, verify: bool, handshake_s: float, loss: float | None
+    n: int,
+    seconds: float,
+    moved: int,
+    memory: PeakMemory,
+    verify: bool,
+    handshake_s: float,
+    loss: float | None,
+    model_check: dict[str, Any] | None = None,
 ) -> RoundMetrics:
     return RoundMetrics(
         round=n,
@@ -458,6 +527,7 @@ def _round(
         peak_rss_bytes=memory.peak_rss,
         wire_bytes=moved,
         loss=loss,
+        model_check=model_check,
     )
 
 

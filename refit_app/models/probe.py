@@ -51,13 +51,15 @@ _PROBE_HEADER = struct.Struct("<Q")
 
 
 def forward_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """``[len(token_ids), vocab]`` float32 logits on CPU, in eval mode without autograd."""
+    """``[len(token_ids), vocab]`` float32 logits on CPU, in eval mode without autograd (``no_grad``, not
+    ``inference_mode``: a model sharded under FSDP2 gathers its weights into buffers that its training steps write
+    in place later, which an inference-mode forward would leave as inference tensors)."""
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits[0]
     finally:
         model.train(was_training)
