@@ -388,7 +388,7 @@ def test_the_staging_bound_is_refused_in_one_line(played):
 
 
 def _killed_mid_stage(rank: int, world_size: int, port: int, killed_at: str) -> dict:
-    """The producer SIGKILLs itself once the second chunk of round 2 is handed to the group (after noting the
+    """The producer SIGKILLs itself once the third chunk of round 2 is handed to the group (after noting the
     time); the consumer, staging round 2, notes when ``stage`` raised."""
     with connect(gloo_spec(rank, world_size, port, timeout_s=KILL_TIMEOUT_S)) as rg:
         if rank == 0:
@@ -397,7 +397,7 @@ def _killed_mid_stage(rank: int, world_size: int, port: int, killed_at: str) -> 
             def on_chunk(nbytes: int, count: int) -> None:
                 if session.rounds == 1:
                     chunks.append(nbytes)
-                    if len(chunks) == 2:
+                    if len(chunks) == 3:
                         Path(killed_at).write_text(repr(time.time()))
                         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -406,7 +406,8 @@ def _killed_mid_stage(rank: int, world_size: int, port: int, killed_at: str) -> 
                     session.send(list(_model(k).items()))
             return {}
         targets = {n: torch.zeros_like(t) for n, t in _model(1).items()}
-        session = ConsumerSession(rg, verify=True)
+        landed = []
+        session = ConsumerSession(rg, verify=True, on_chunk=lambda nbytes, count: landed.append(session.rounds))
         session.stage(targets).apply()
         try:
             session.stage(targets)
@@ -416,6 +417,7 @@ def _killed_mid_stage(rank: int, world_size: int, port: int, killed_at: str) -> 
                 "error": str(e),
                 "after_kill_s": raised_at - float(Path(killed_at).read_text()),
                 "untouched": _bytes(targets) == _bytes(_model(1)),
+                "chunks_staged_in_round_2": landed.count(1),
             }
         return {"error": None}
 
@@ -430,6 +432,7 @@ def test_a_producer_killed_mid_stage_leaves_the_targets_untouched_and_the_consum
     )
     assert isinstance(producer, RankFailure) and producer.exc_type == "Died", producer
     assert consumer["error"] is not None and consumer["untouched"], consumer
+    assert consumer["chunks_staged_in_round_2"] >= 1, consumer  # it died mid-stage, not before it
     assert consumer["error"].startswith("round 2: ") and "\n" not in consumer["error"], consumer
     assert consumer["error"].endswith("(not staged: the targets are untouched)"), consumer
     # Measured from the kill: a rank notices a dead peer within its deadline (mp_utils.DEADLINE_MARGIN).

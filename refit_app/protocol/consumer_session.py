@@ -352,8 +352,8 @@ class ConsumerSession(Session):
         algorithm: str,
         outcome: str,
     ) -> None:
-        """A staged round was applied, discarded or broken half-way: the base this consumer claims follows."""
-        self._staged = None
+        """A staged round was applied, discarded or broken half-way: the base this consumer claims follows. The round
+        stays pending until the base is settled, so a side thread's next :meth:`stage` never claims a stale one."""
         if outcome == APPLIED:
             # Inside the engine's pause, right after the writes: a later write is caught by the next round's check.
             fingerprint = (
@@ -363,6 +363,7 @@ class ConsumerSession(Session):
             self.applied_round = k
         elif outcome == BROKEN:
             self._delta.failed()
+        self._staged = None
 
     def _staging_refusal(self, manifest: Manifest) -> str:
         """Why a round of ``manifest`` cannot be staged within ``max_staging_bytes`` ("" where it can)."""
