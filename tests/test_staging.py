@@ -9,6 +9,7 @@ anything moves or at the manifest. The producer SIGKILLed mid-stage runs on its 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -134,7 +135,8 @@ class _Reader:
 
 
 def _dense_beside_a_reader(rank: int, port: int) -> list:
-    """Dense rounds (no deltas): each staged while a thread reads the targets, then applied in the engine's pause."""
+    """Dense rounds (no deltas): each staged on a side thread while another reads the targets, then applied on this
+    thread in the engine's pause."""
     with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             return _produce(rg, 3, "off")
@@ -149,7 +151,9 @@ def _dense_beside_a_reader(rank: int, port: int) -> list:
             before = _bytes(targets)
             reader.start(before)
             try:
-                staged = session.stage(targets)
+                # Staged on a side thread, applied on this one (the engine's), as an engine's worker would.
+                with concurrent.futures.ThreadPoolExecutor(1) as side:
+                    staged = side.submit(session.stage, targets).result(TIMEOUT_S)
             finally:
                 reader.stop()
             if staged is None:

@@ -290,10 +290,12 @@ class ConsumerSession(Session):
         self.rounds += 1
         self.last_round = result
         if rejected is not None:
-            raise StagingError(
+            error = StagingError(
                 f"round {k}: not applied, the targets keep {f'round {held}' if held else 'what they held'} and the "
                 f"next round comes dense: {rejected}"
-            ) from rejected
+            )
+            logger.warning("rank %d: %s", self.group.rank, error)  # the session goes on: said where runs are read too
+            raise error from rejected
         checksums, algorithm = result.checksums, manifest.checksum_algorithm
         if checksums is None and landed is not None and len(landed) == len(manifest.tensors):
             checksums, algorithm = [landed[m.name] for m in manifest.tensors], default_algorithm()
