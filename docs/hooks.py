@@ -77,7 +77,7 @@ def _session_signatures() -> str:
     import dataclasses
     import inspect
 
-    from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
+    from refit_app.protocol.session import ConsumerSession, ProducerSession, Round, StagedRound
 
     def sig(f: Callable[..., Any]) -> str:
         signature = inspect.signature(f)
@@ -97,6 +97,9 @@ def _session_signatures() -> str:
         f"ProducerSession.send{sig(ProducerSession.send)}",
         f"ConsumerSession{sig(ConsumerSession.__init__)}",
         f"ConsumerSession.receive{sig(ConsumerSession.receive)}",
+        f"ConsumerSession.stage{sig(ConsumerSession.stage)}",
+        f"StagedRound.apply{sig(StagedRound.apply)}",
+        f"StagedRound.discard{sig(StagedRound.discard)}",
         f"Round: {fields}",
     ]
     return "```text\n" + "\n".join(lines) + "\n```"

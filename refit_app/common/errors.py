@@ -32,6 +32,10 @@ class SinkError(RefitError):
     """The received weights cannot be stored."""
 
 
+class StagingError(RefitError):
+    """A staged round was refused, failed or cannot be applied: the targets hold what they held before."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run was stopped by a signal (Ctrl-C, SIGTERM): it fails like any other run, with this reason."""
 

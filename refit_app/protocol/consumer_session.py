@@ -1,19 +1,24 @@
 """An engine's end of a session: :class:`ConsumerSession` (see :mod:`refit_app.protocol.session`).
 
 Over 500 lines as one module on purpose: it is one class, a consumer's round, whose steps (the header, the manifest,
-the three ways a round's data lands, the trailers, the base it claims for the next round) share the session's state;
-the byte-level work is already below it (:mod:`refit_app.protocol.delta.receive`, :mod:`refit_app.core`)."""
+the three ways a round's data lands, a round staged beside the targets, the trailers, the base it claims for the next
+round) share the session's state; the byte-level work is already below it (:mod:`refit_app.protocol.delta.receive`,
+:mod:`refit_app.protocol.staging`, :mod:`refit_app.core`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from refit_app.common.errors import HandshakeError, RefitError
+from refit_app.common.errors import HandshakeError, RefitError, StagingError, VerificationError, one_line
+from refit_app.common.sizes import format_size
+from refit_app.core.chunks import Chunk
+from refit_app.core.delta.image import Image
 from refit_app.core.wire import host_bytes, tensor_bytes
 from refit_app.packed_tensor import (
     ChunkCallback,
@@ -45,6 +50,7 @@ from refit_app.protocol.rounds import (
     with_round,
 )
 from refit_app.protocol.session_base import Batch, Session
+from refit_app.protocol.staging import APPLIED, BROKEN, StagedChange, StagedRound, stage_changes, stage_dense
 from refit_app.protocol.verify import Verifier
 from refit_app.transport.groups import RefitGroup
 from refit_app.transport.spec import PRODUCER_RANK
@@ -82,6 +88,11 @@ class ConsumerSession(Session):
             or through ``t.numpy()``) then gets a dense round instead of a delta onto other bytes. False trusts
             the version counter alone, saving one read of the model per round (two without checksums): only for an
             engine that never writes those tensors by other means.
+        max_staging_bytes: the most host memory a round :meth:`stage` holds may take (None: no bound). A staged
+            round takes up to one host copy of the model (a dense round exactly that, a delta round its changes), so
+            :meth:`stage` refuses, in one line and before anything moves, a model larger than this: at the call where
+            the manifest is in force (the session goes on; :meth:`receive` takes the round unstaged), or as this
+            consumer's refusal of a fresh manifest (every rank stops, as for ``on_manifest``).
 
     A consumer that holds no tensors the producer could send a delta against (no mirror, no targets, not
     accepting deltas, or verifying without tensors to verify) gets dense rounds only. Construct it on every rank
@@ -102,10 +113,14 @@ class ConsumerSession(Session):
         accept_deltas: bool = False,
         rounds: int | None = None,
         check_base: bool = True,
+        max_staging_bytes: int | None = None,
     ) -> None:
         super().__init__(group)
         if group.rank == PRODUCER_RANK:
             raise ValueError(f"a ConsumerSession runs on a consumer rank, not on rank {PRODUCER_RANK}")
+        if max_staging_bytes is not None and max_staging_bytes < 0:
+            raise ValueError(f"max_staging_bytes={max_staging_bytes}: must be 0 or more, or None for no bound")
+        self.max_staging_bytes = max_staging_bytes
         self.buffer_size_bytes = buffer_size_bytes
         self.use_legacy_packing = use_legacy_packing
         self.planned_rounds = rounds
@@ -128,6 +143,10 @@ class ConsumerSession(Session):
         self.regroup_to = 0
         """Set (to the next generation) when the producer ended this group's session to form another one (an
         elastic session, :mod:`refit_app.protocol.elastic`); :meth:`receive` then returned None."""
+        self.applied_round = 0
+        """The round (weight version) the targets of :meth:`stage` hold: the last staged round applied (0: none)."""
+        self._staged: StagedRound | None = None
+        """The round :meth:`stage` returned that is neither applied nor discarded yet."""
 
     @property
     def mirror(self) -> bool:
@@ -164,6 +183,7 @@ class ConsumerSession(Session):
         """
         if self.closed:
             return None
+        self._refuse_while_staged("receive")
         k = self.rounds + 1
         result = Round(round=k)
         self._landed = None
@@ -182,6 +202,193 @@ class ConsumerSession(Session):
             result.base_round = header.base if header.flags & DELTA else 0
             return self._receive_stored(result, store, post_unpack_func, return_iterator, ending)
         return self._receive_packed(result, post_unpack_func, return_iterator, ending)
+
+    def stage(
+        self,
+        targets: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        on_manifest: Callable[[Manifest], None] | None = None,
+    ) -> StagedRound | None:
+        """Receive one round beside ``targets`` (an engine's tensors by name, or a function returning them once the
+        manifest is in), which keep the round they hold, untouched, until :meth:`StagedRound.apply
+        <refit_app.protocol.staging.StagedRound.apply>` writes it into them; None once the producer has closed the
+        session. See :mod:`refit_app.protocol.staging`.
+
+        The round lands in memory the session owns (a dense round: one host copy of the model; a delta round: its
+        changes to the round the targets hold) and, where the session verifies, is verified there. The stage reads
+        the targets (the base's check, a delta round's unchanged tensors) and never writes them, so an engine may
+        keep serving from them on another thread; it must not write them until the round is applied. :meth:`stage`
+        and :meth:`receive` refuse to take another round until this one is applied or discarded.
+
+        Raises :class:`~refit_app.common.errors.StagingError`, one line naming the round and the reason, where the
+        round is not staged, the targets untouched in every case: ``max_staging_bytes`` refused it (see there); it
+        failed verification (the round still ended on every rank, so the session goes on, and the targets' round,
+        not this one, is the next round's base: it comes dense); a peer failed or the producer died (every rank
+        stops, within the group's deadline).
+        """
+        if self.closed:
+            return None
+        self._refuse_while_staged("stage")
+        k = self.rounds + 1
+        if self._delta.mirror:
+            raise StagingError(
+                f"round {k}: stage() writes into targets; this session keeps a mirror (mirror=True): receive() instead"
+            )
+        if self.manifest is not None and (refusal := self._staging_refusal(self.manifest)):
+            raise StagingError(f"round {k}: {refusal}")  # nothing moved: the session goes on
+
+        def accept(manifest: Manifest) -> None:
+            if refusal := self._staging_refusal(manifest):
+                raise StagingError(refusal)
+            if on_manifest is not None:
+                on_manifest(manifest)
+
+        started = time.perf_counter()
+        result = Round(round=k)
+        rejected: VerificationError | None = None
+        try:
+            header = self._begin(k, targets, accept, result)
+            if header is None:
+                return None
+            targets = targets() if callable(targets) else targets
+            manifest = self.manifest
+            assert manifest is not None
+            self._delta.targets_for(manifest.tensors, targets)  # every target there, as the manifest says
+            held = self._delta.held_round
+            result.plain = bool(header.flags & PLAIN)
+            result.base_round = header.base if header.flags & DELTA else 0
+            result.bytes, result.num_tensors = manifest.total_bytes, len(manifest.tensors)
+            # The round's own hashes where the producer sends none: the base claimed once it is applied.
+            landed: dict[str, int] | None = (
+                {} if self._delta_on and self._delta.check_base and not manifest.checksums else None
+            )
+            deliver = _Delivery(landed, None, self._verifier)
+            data_started = time.perf_counter()
+            image, changes = self._stage_data(
+                result, targets, deliver if landed is not None or self._verifier is not None else None
+            )
+            if manifest.checksums:
+                result.checksums = recv_checksums(self.group, len(manifest.tensors))
+            result.seconds = time.perf_counter() - data_started
+            result.extra = self._extra(None, header.extra_len)
+            if self._verifier is not None:
+                try:
+                    result.facts.update(self._verifier.verdict(result.checksums))
+                    result.verified = True
+                except VerificationError as e:
+                    # Contained: the targets never saw it, and the stream is in step (the trailer is in).
+                    rejected, result.verified = e, False
+        except Exception as e:
+            self._stage_failed(k, e)
+        except BaseException as e:
+            self._fail(k, e)
+        try:
+            finish(self.group, None)
+        except Exception as e:
+            self._delta.failed()
+            raise StagingError(f"{round_error(k, e)} (not staged: the targets are untouched)") from e
+        self.rounds += 1
+        self.last_round = result
+        if rejected is not None:
+            error = StagingError(
+                f"round {k}: not applied, the targets keep {f'round {held}' if held else 'what they held'} and the "
+                f"next round comes dense: {rejected}"
+            )
+            logger.warning("rank %d: %s", self.group.rank, error)  # the session goes on: said where runs are read too
+            raise error from rejected
+        checksums, algorithm = result.checksums, manifest.checksum_algorithm
+        if checksums is None and landed is not None and len(landed) == len(manifest.tensors):
+            checksums, algorithm = [landed[m.name] for m in manifest.tensors], default_algorithm()
+        staged = StagedRound(
+            result,
+            manifest.tensors,
+            targets,
+            image=image,
+            changes=changes,
+            held_round=held,
+            stage_seconds=time.perf_counter() - started,
+            settle=functools.partial(self._settle, k, targets, checksums, algorithm),
+            base_intact=functools.partial(self._delta.intact, targets),
+        )
+        self._staged = staged
+        return staged
+
+    def _stage_data(
+        self, result: Round, targets: Mapping[str, torch.Tensor], show: Callable[[Batch], Any] | None
+    ) -> tuple[Image | None, list[StagedChange] | None]:
+        """The round's data into the session's memory: a dense round's copy, or a delta round's changes."""
+        manifest = self.manifest
+        assert manifest is not None
+        metas = manifest.tensors
+        if result.base_round:
+            stats = DeltaStats()
+            records = self._delta_records(result, stats, None, hand_out=True)
+            changes = stage_changes(records, metas, targets, show=show)
+            record_delta(result, result.base_round, stats)
+            return None, changes
+        result.num_broadcasts = self._broadcasts
+        result.wire_bytes = manifest.total_bytes
+
+        def counted(chunk: Chunk) -> None:
+            result.num_chunks += 1
+            if self.on_chunk is not None:
+                self.on_chunk(chunk.nbytes, chunk.count)
+
+        image = stage_dense(
+            metas,
+            self._chunks,
+            self.group.group,
+            PRODUCER_RANK,
+            num_buffers=self.num_buffers or get_num_buffers(),
+            device=self.device,
+            on_chunk=counted,
+            show=show,
+        )
+        return image, None
+
+    def _settle(
+        self,
+        k: int,
+        targets: Mapping[str, torch.Tensor],
+        checksums: list[int] | None,
+        algorithm: str,
+        outcome: str,
+    ) -> None:
+        """A staged round was applied, discarded or broken half-way: the base this consumer claims follows. The round
+        stays pending until the base is settled, so a side thread's next :meth:`stage` never claims a stale one."""
+        if outcome == APPLIED:
+            # Inside the engine's pause, right after the writes: a later write is caught by the next round's check.
+            fingerprint = (
+                self._delta.fingerprint(targets, checksums=checksums, algorithm=algorithm) if self._delta_on else None
+            )
+            self._delta.completed(k, targets, fingerprint=fingerprint)
+            self.applied_round = k
+        elif outcome == BROKEN:
+            self._delta.failed()
+        self._staged = None
+
+    def _staging_refusal(self, manifest: Manifest) -> str:
+        """Why a round of ``manifest`` cannot be staged within ``max_staging_bytes`` ("" where it can)."""
+        bound, needed = self.max_staging_bytes, manifest.total_bytes
+        if bound is None or needed <= bound:
+            return ""
+        return (
+            f"staging a round of this model takes up to {format_size(needed)} ({needed} bytes, one host copy), over "
+            f"max_staging_bytes={bound}; raise it, or receive() the round unstaged"
+        )
+
+    def _refuse_while_staged(self, call: str) -> None:
+        staged = self._staged
+        if staged is not None:
+            raise StagingError(
+                f"round {staged.version} is staged, neither applied nor discarded: apply() or discard() it before "
+                f"{call}() takes round {self.rounds + 1}"
+            )
+
+    def _stage_failed(self, k: int, exc: Exception) -> NoReturn:
+        self._delta.failed()
+        self._report_failure(k, exc)
+        raise StagingError(f"{one_line(round_error(k, exc))} (not staged: the targets are untouched)") from exc
 
     def _begin(
         self,
@@ -337,17 +544,7 @@ class ConsumerSession(Session):
         metas = manifest.tensors
         hand_out = self.accept_deltas and targets is None
         stats = DeltaStats()
-        for final, _, deltas in self._delta.receive_delta(
-            metas,
-            self.group.group,
-            PRODUCER_RANK,
-            stats,
-            device=self.device,
-            targets=store,
-            chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
-            on_chunk=self._stream_counter(result),
-            hand_out=hand_out,
-        ):
+        for final, _, deltas in self._delta_records(result, stats, store, hand_out=hand_out):
             views = (
                 [(metas[i].name, self._delta.view(metas, i, targets)) for i in final]
                 if (store is not None and (not hand_out or deliver.verifier is not None))
@@ -363,6 +560,25 @@ class ConsumerSession(Session):
             else:
                 yield deliver(views)
         record_delta(result, result.base_round, stats)
+
+    def _delta_records(
+        self, result: Round, stats: DeltaStats, store: list[Any] | None, *, hand_out: bool
+    ) -> Iterator[tuple[list[int], list[int], list[TensorDelta]]]:
+        """A delta round's stream, each record applied into ``store`` (None: none) and, with ``hand_out``, handed
+        out as it is (:meth:`~refit_app.protocol.delta.receive.ConsumerDelta.receive_delta`)."""
+        manifest = self.manifest
+        assert manifest is not None
+        return self._delta.receive_delta(
+            manifest.tensors,
+            self.group.group,
+            PRODUCER_RANK,
+            stats,
+            device=self.device,
+            targets=store,
+            chunk_bytes=delta_chunk_bytes(manifest.buffer_size_bytes),
+            on_chunk=self._stream_counter(result),
+            hand_out=hand_out,
+        )
 
     def _mirror_batches(self, result: Round, deliver: _Delivery) -> Iterator[Batch]:
         """A dense round into the session's copy: each chunk's tensors as views of it."""

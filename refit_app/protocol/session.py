@@ -24,6 +24,10 @@ At the start, the producer says whether it may send deltas and each consumer whe
 probe it wants, so the producer computes checksums and probes only for a consumer that uses them. A failure on any
 rank in round k ends every rank within the group's deadline, with that rank's reason and the round.
 
+A consumer can also :meth:`~ConsumerSession.stage` a round: receive and verify it beside its tensors, which keep
+serving the round before, then :meth:`~refit_app.protocol.staging.StagedRound.apply` it in a short pause
+(:mod:`refit_app.protocol.staging`).
+
 Code that drives rounds types its session as :class:`ProducerSessionLike` or :class:`ConsumerSessionLike`: the plain
 sessions here and the elastic ones (:mod:`refit_app.protocol.elastic`) both satisfy them.
 """
@@ -33,6 +37,7 @@ from refit_app.protocol.delta.types import TensorDelta
 from refit_app.protocol.producer_session import ProducerSession
 from refit_app.protocol.rounds import Round
 from refit_app.protocol.session_api import ConsumerSessionLike, ProducerSessionLike, SessionLike
+from refit_app.protocol.staging import StagedRound
 
 __all__ = [
     "ConsumerSession",
@@ -41,5 +46,6 @@ __all__ = [
     "ProducerSessionLike",
     "Round",
     "SessionLike",
+    "StagedRound",
     "TensorDelta",
 ]

@@ -125,6 +125,12 @@ class ConsumerDelta:
             self.held_round = 0
         return self.held_round
 
+    def intact(self, targets: Mapping[str, torch.Tensor] | None) -> bool:
+        """Whether ``targets`` are still the tensors that hold :attr:`held_round`, unwritten through torch since
+        (their identity and version counters only: a check cheap enough for an engine's pause)."""
+        fingerprint = self._fingerprint
+        return bool(self.held_round) and fingerprint is not None and fingerprint.identity == self._identity(targets)
+
     def fingerprint(
         self,
         targets: Mapping[str, torch.Tensor] | None,
