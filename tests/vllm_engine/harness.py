@@ -7,9 +7,12 @@ transformers on ties; ``head_dim`` 32, the least vLLM's CPU attention accepts), 
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +104,7 @@ class PipeClient:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def _call(self, method: str, **kwargs: Any) -> None:
+    def _call(self, method: str, **kwargs: Any) -> Any:
         with self._lock:
             self._conn.send(("rpc", method, kwargs))
             if not self._conn.poll(RPC_TIMEOUT_S):
@@ -109,6 +112,7 @@ class PipeClient:
             status, detail = self._conn.recv()
         if status != "ok":
             raise RuntimeError(f"{method} failed in the engine process: {detail}")
+        return detail
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._call("init_weight_transfer_engine", request={"init_info": init_info})
@@ -124,6 +128,31 @@ class PipeClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
+
+
+@contextlib.contextmanager
+def trainer_process(target: Callable[..., None], *args: Any, deadline: float) -> Iterator[Any]:
+    """Spawn ``target(conn, *args)`` as the trainer process and yield this side's end of the pipe; on a clean exit
+    from the block, the trainer must end (by ``deadline``) with exit code 0. It never outlives the block."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    trainer = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+    trainer.start()
+    try:
+        yield ours
+        trainer.join(max(1.0, deadline - time.monotonic()))
+        assert trainer.exitcode == 0, f"trainer exit code {trainer.exitcode}"
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join(10)
+
+
+def trainer_message_error(message: tuple) -> AssertionError:
+    """What the engine's side raises on a message it does not serve: the trainer's failure, or one out of place."""
+    if message[0] == "error":
+        return AssertionError(f"the trainer process failed:\n{message[1]}")
+    return AssertionError(f"unexpected message from the trainer: {message!r}")
 
 
 def _last_load(worker: Any) -> dict:
@@ -194,10 +223,8 @@ def serve(llm: Any, conn: Any, *, deadline: float, collective_rpc_rounds: set[in
             conn.send(("ok", None))
         elif kind == "done":
             return rounds
-        elif kind == "error":
-            raise AssertionError(f"the trainer process failed:\n{message[1]}")
         else:
-            raise AssertionError(f"unexpected message from the trainer: {message!r}")
+            raise trainer_message_error(message)
 
 
 def trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int) -> None:

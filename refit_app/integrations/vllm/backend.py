@@ -95,6 +95,9 @@ class RefitWorkerInitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
     checksums: bool = False
     """Whether every worker checks every tensor it received against the trainer's checksums, every round."""
+    staged: bool = False
+    """Rounds are staged beside generation and applied in a pause (:mod:`refit_app.integrations.vllm.staged`):
+    the worker's session keeps no mirror (it stages into a host copy of its own) and takes dense rounds only."""
 
 
 @dataclass
@@ -132,6 +135,9 @@ class RefitTrainerInitInfo:
     elements where every worker holds the previous round (``auto``: where that is expected to be smaller;
     :mod:`refit_app.protocol.delta.send`). The trainer keeps a host copy of the sent model, and each worker one of the
     received model (what it reloads a changed layer from when vLLM's checkpoint-patch loader cannot patch it)."""
+    staged: bool = False
+    """See :attr:`RefitWorkerInitInfo.staged`; the rounds are then driven by
+    :func:`refit_app.integrations.vllm.staged.send_staged`, not ``send_weights``."""
     rank: int = field(kw_only=True)
     """This trainer process's rank; rank 0 sends, as in vLLM's own trainer engines."""
 
@@ -160,6 +166,7 @@ def worker_init_info(info: RefitTrainerInitInfo) -> RefitWorkerInitInfo:
         group_backend=info.group_backend,
         timeout_s=info.timeout_s,
         checksums=info.checksums,
+        staged=info.staged,
     )
 
 
@@ -205,8 +212,8 @@ def consumer_session(info: RefitWorkerInitInfo, rank: int) -> ConsumerSession:
             use_legacy_packing=info.use_legacy_packing,
             num_buffers=info.num_buffers,
             verify=info.checksums,
-            mirror=True,
-            accept_deltas=True,
+            mirror=not info.staged,
+            accept_deltas=not info.staged,
         )
     except BaseException:
         rg.close()

@@ -1,0 +1,265 @@
+"""Staged refits on vLLM's offline ``LLM`` (this process) from a spawned trainer: each round is received on a side
+thread in the worker while the engine keeps generating, then applied in a pause (:mod:`refit_app.integrations.vllm.
+staged`).
+
+Four rounds, one optimizer step each. Every round the engine steps generation requests while the worker stages (the
+trainer sends only once the engine has produced tokens with the stage under way, and the engine counts the tokens it
+produced until the stage ended); the apply pauses it with requests in flight (``mode=keep``). After each applied round
+vLLM's greedy tokens equal transformers' on the trainer's weights, and the requests that were in flight at the pause
+carry ``weight_versions`` spans that split there, from the version before to this round's. Round 3's staged copy is
+corrupted in the worker (a bit flipped in the session's staged copy, as tests/test_staging.py does): it fails the
+session's verification, is never applied and never pauses the engine, which keeps generating round 2's tokens; round 4
+comes dense and is applied.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import RPC_TIMEOUT_S, PipeClient, trainer_message_error, trainer_process
+from mp_utils import free_port
+
+ROUNDS = 4
+CORRUPT_ROUND = 3
+TEST_DEADLINE_S = 600.0
+TOKENS_BEFORE_SEND = 4
+"""Tokens the engine must produce with the worker's stage under way before the trainer sends the round."""
+BACKGROUND = [[11, 12, 13, 14, 15], [90, 91, 92]]
+"""The generation requests kept in flight through each round."""
+BACKGROUND_TOKENS = 48
+
+
+class StagedPipeClient(PipeClient):
+    """The trainer's client across the pipe: vLLM's weight-sync calls plus the staged pair."""
+
+    def start_weight_update(self) -> None:
+        raise AssertionError("staged rounds never call start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        raise AssertionError("staged rounds never call update_weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        raise AssertionError("staged rounds never call finish_weight_update")
+
+    def stage_weights(self, update_info: dict) -> None:
+        self._call("stage_weights", round=update_info["round"])
+
+    def apply_staged(self, weight_version: str | None) -> dict:
+        return self._call("apply_staged", weight_version=weight_version)
+
+
+def staged_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
+    try:
+        import torch
+        from harness import SEED, TRAIN_LR, hf_greedy, load_trainer_model, train_step
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+        from refit_app.integrations.vllm import backend as vllm_backend
+        from refit_app.integrations.vllm.staged import send_staged
+
+        vllm_backend.register()
+        torch.manual_seed(SEED + 1)
+        model = load_trainer_model(Path(model_dir))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            vllm_backend.RefitTrainerInitInfo(**settings, staged=True, rank=0),
+            client=StagedPipeClient(conn),
+            source=ModuleSource(model),
+        )
+        try:
+            for step in range(ROUNDS):
+                train_step(model, optimizer, step)
+                _, metrics = send_staged(engine, weight_version=str(step + 1))
+                conn.send(("check", step + 1, hf_greedy(model), metrics))
+                if not conn.poll(RPC_TIMEOUT_S):
+                    raise TimeoutError("the engine process did not confirm the check")
+                conn.recv()
+        finally:
+            engine.shutdown()
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+class Background:
+    """Generation requests stepped on ``llm.llm_engine`` by hand, their tokens counted and their final outputs
+    (with ``weight_versions``) kept."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm import SamplingParams
+
+        self.engine = llm.llm_engine
+        self.params = SamplingParams(max_tokens=BACKGROUND_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+        self.seen: dict[str, int] = {}
+        self.finished: dict[str, Any] = {}
+        self.tokens = 0
+        self._next = 0
+
+    def add(self) -> list[str]:
+        ids = []
+        for prompt in BACKGROUND:
+            rid = f"bg-{self._next}"
+            self._next += 1
+            self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.params)
+            self.seen[rid] = 0
+            ids.append(rid)
+        return ids
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            self.add()
+        for out in self.engine.step():
+            n = len(out.outputs[0].token_ids)
+            self.tokens += n - self.seen.get(out.request_id, 0)
+            self.seen[out.request_id] = n
+            if out.finished:
+                self.finished[out.request_id] = out
+
+    def in_flight(self) -> list[str]:
+        return [r for r in self.seen if r not in self.finished]
+
+    def drain(self, deadline: float) -> None:
+        while self.engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the background requests did not finish")
+            self.step()
+
+
+def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    import torch
+    from harness import vllm_greedy
+
+    from refit_app.integrations.vllm.staged import StagedLLM
+    from refit_app.protocol import consumer_session
+
+    driver = StagedLLM(llm, prefix_cache="reset")
+    background = Background(llm)
+    rounds: list[dict] = []
+    record: dict = {}
+
+    def corrupting(*args, show, **kwargs):  # a bit flipped in the session's staged copy, once
+        flipped: list[str] = []
+
+        def corrupt_then_show(batch):
+            if not flipped and batch[0][1].numel():
+                batch[0][1].view(-1).view(torch.uint8)[0] ^= 0x01
+                flipped.append(batch[0][0])
+            return show(batch)
+
+        return original(*args, show=corrupt_then_show, **kwargs)
+
+    original = consumer_session.stage_dense
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the staged test ran past its deadline")
+        if background.engine.has_unfinished_requests() and not conn.poll(0):
+            background.step()  # generation goes on between the trainer's calls
+            continue
+        if not conn.poll(1.0):
+            continue
+        message = conn.recv()
+        kind = message[0]
+        if kind == "rpc":
+            _, method, kwargs = message
+            try:
+                if method == "stage_weights":
+                    k = kwargs["round"]
+                    monkeypatch.setattr(consumer_session, "stage_dense", corrupting if k == CORRUPT_ROUND else original)
+                    record = {"round": k}
+                    background.add()
+                    tokens_before = background.tokens
+                    driver.stage(k)  # returns at once: the worker receives on a side thread
+                    while background.tokens - tokens_before < TOKENS_BEFORE_SEND:
+                        assert driver.staging(), "the stage ended before the trainer sent anything"
+                        background.step()
+                    conn.send(("ok", None))  # now the trainer sends the round
+                    while driver.staging():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the stage did not end")
+                        background.step()
+                    record["stage_tokens"] = background.tokens - tokens_before
+                    monkeypatch.setattr(consumer_session, "stage_dense", original)
+                elif method == "apply_staged":
+                    record["at_pause"] = {rid: background.seen[rid] for rid in background.in_flight()}
+                    record["metrics"] = driver.apply(kwargs["weight_version"])
+                    conn.send(("ok", record["metrics"]))
+                else:
+                    getattr(llm, method)(**kwargs)
+                    conn.send(("ok", None))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                raise
+        elif kind == "check":
+            _, k, expected, _ = message
+            background.drain(deadline)
+            record["spans"] = {
+                r: [(s.version, s.start, s.end) for s in background.finished[r].outputs[0].weight_versions or []]
+                for r in record["at_pause"]
+            }
+            record["expected"] = expected
+            record["vllm"] = vllm_greedy(llm)
+            rounds.append(record)
+            conn.send(("ok", None))
+        elif kind == "done":
+            return rounds
+        else:
+            raise trainer_message_error(message)
+
+
+def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, vllm_greedy
+    from test_offline_llm import _start_llm, _stop_llm
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    llm = _start_llm(tiny_llama_dir)
+    try:
+        before = vllm_greedy(llm)
+        assert before == hf_greedy(load_trainer_model(tiny_llama_dir)), "vLLM disagrees with transformers at start"
+        settings = {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo", "timeout_s": 120.0,
+            "checksums": True,  # the worker verifies every staged round
+        }  # fmt: skip
+        with trainer_process(staged_trainer_main, str(tiny_llama_dir), settings, deadline=deadline) as conn:
+            rounds = _serve_staged(llm, conn, deadline, monkeypatch)
+    finally:
+        _stop_llm(llm)
+
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    served = before
+    version = "default"
+    for r in rounds:
+        k, m = r["round"], r["metrics"]
+        print(
+            f"round {k}: applied={m['applied']} stage tokens={r['stage_tokens']} "
+            + (
+                f"stage {m['stage_seconds']:.3f}s pause {m['pause_seconds']:.3f}s (reload {m['load_seconds']:.3f}s) "
+                f"pause/stage {m['pause_seconds'] / m['stage_seconds']:.2f}"
+                if m["applied"]
+                else f"error: {m['error']}"
+            )
+        )
+        assert r["stage_tokens"] >= TOKENS_BEFORE_SEND, r
+        if k == CORRUPT_ROUND:
+            assert m["applied"] is False and "verification" in m["error"], m
+            assert r["vllm"] == served, f"round {k}: a corrupted round changed what the engine serves"
+            assert r["vllm"] != r["expected"], "the corrupted round's weights gave the served tokens: proves nothing"
+            for rid, spans in r["spans"].items():
+                assert [s[0] for s in spans] == [version], (rid, spans)  # never paused, never relabelled
+            continue
+        assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
+        assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
+        assert any(r["at_pause"].values()), f"round {k}: no request was generating at the pause: {r['at_pause']}"
+        for rid, spans in r["spans"].items():
+            # Tokens before the pause from the version before, after it from this round's: one split, at the pause.
+            n = r["at_pause"][rid]
+            want = [(version, 0, n), (str(k), n, BACKGROUND_TOKENS)] if n else [(str(k), 0, BACKGROUND_TOKENS)]
+            assert spans == want, (rid, spans, want)
+        served, version = r["vllm"], str(k)
+    assert rounds[-1]["expected"] != before, "training did not change the greedy tokens; the test proves nothing"
