@@ -52,16 +52,18 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 
 @torch.no_grad()
+def hf_greedy_of(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (no EOS stop, like ``ignore_eos`` in vLLM)."""
+    ids = torch.tensor([prompt])
+    for _ in range(NEW_TOKENS):
+        logits = model(input_ids=ids).logits[0, -1]
+        ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
 def hf_greedy(model: torch.nn.Module) -> list[list[int]]:
-    """transformers' greedy continuation of every prompt (no EOS stop, like ``ignore_eos`` in vLLM)."""
-    out = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        for _ in range(NEW_TOKENS):
-            logits = model(input_ids=ids).logits[0, -1]
-            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
+    """transformers' greedy continuation of every prompt."""
+    return [hf_greedy_of(model, prompt) for prompt in PROMPTS]
 
 
 @torch.no_grad()
@@ -85,12 +87,17 @@ def vllm_logprob_diff(llm: Any, theirs: list[torch.Tensor], top: int = 20) -> fl
     return worst
 
 
-def vllm_greedy(llm: Any) -> list[list[int]]:
+def vllm_greedy(llm: Any, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def greedy_of(llm: Any, prompt: list[int]) -> list[int]:
+    """vLLM's greedy continuation of ``prompt``."""
+    return vllm_greedy(llm, [prompt])[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

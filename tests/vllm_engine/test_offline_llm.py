@@ -27,7 +27,7 @@ TEST_DEADLINE_S = 600.0
 """Whole-test deadline: engine start (~25 s here), the trainer's start-up and three rounds, on a loaded 2-core box."""
 
 
-def _start_llm(model_dir: Path) -> Any:
+def _start_llm(model_dir: Path, **engine_args: Any) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -38,6 +38,7 @@ def _start_llm(model_dir: Path) -> Any:
         enforce_eager=True,
         seed=0,
         weight_transfer_config={"backend": "refit_app"},
+        **engine_args,
     )
 
 

@@ -6,7 +6,10 @@ Four rounds, one optimizer step each. Every round the engine steps generation re
 trainer sends only once the engine has produced tokens with the stage under way, and the engine counts the tokens it
 produced until the stage ended); the apply pauses it with requests in flight (``mode=keep``). After each applied round
 vLLM's greedy tokens equal transformers' on the trainer's weights, and the requests that were in flight at the pause
-carry ``weight_versions`` spans that split there, from the version before to this round's. Round 3's staged copy is
+carry ``weight_versions`` spans that split there, from the version before to this round's; the tensors vLLM keeps in
+the checkpoint's shape equal the trainer's bit for bit; and a prompt whose two KV blocks were cached with the weights
+before (generated from during the stage) gives the new weights' greedy tokens: the prefix cache was reset (with
+``prefix_cache="keep"`` this fails: the cached blocks give the old weights' tokens). Round 3's staged copy is
 corrupted in the worker (a bit flipped in the session's staged copy, as tests/test_staging.py does): it fails the
 session's verification, is never applied and never pauses the engine, which keeps generating round 2's tokens; round 4
 comes dense and is applied.
@@ -31,6 +34,13 @@ TOKENS_BEFORE_SEND = 4
 BACKGROUND = [[11, 12, 13, 14, 15], [90, 91, 92]]
 """The generation requests kept in flight through each round."""
 BACKGROUND_TOKENS = 48
+BLOCK_SIZE = 32
+"""vLLM's KV block (the CPU default, 128, leaves no full block to cache in a 128-token context)."""
+CACHED_PROMPT = list(range(3, 3 + 2 * BLOCK_SIZE + 5))
+"""Two full KV blocks, generated from while each round is staged: the prefix cache holds them at the pause."""
+KEPT = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"]
+"""Tensors vLLM keeps in the checkpoint's shape (its CPU linear layers keep a 0-element placeholder): compared bit for
+bit with the trainer's every round."""
 
 
 class StagedPipeClient(PipeClient):
@@ -55,7 +65,7 @@ class StagedPipeClient(PipeClient):
 def staged_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
     try:
         import torch
-        from harness import SEED, TRAIN_LR, hf_greedy, load_trainer_model, train_step
+        from harness import SEED, TRAIN_LR, hf_greedy, hf_greedy_of, load_trainer_model, train_step
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
         from refit_app.integrations.vllm import backend as vllm_backend
@@ -73,8 +83,9 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
         try:
             for step in range(ROUNDS):
                 train_step(model, optimizer, step)
-                _, metrics = send_staged(engine, weight_version=str(step + 1))
-                conn.send(("check", step + 1, hf_greedy(model), metrics))
+                send_staged(engine, weight_version=str(step + 1))
+                kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in KEPT}
+                conn.send(("check", step + 1, hf_greedy(model), hf_greedy_of(model, CACHED_PROMPT), kept))
                 if not conn.poll(RPC_TIMEOUT_S):
                     raise TimeoutError("the engine process did not confirm the check")
                 conn.recv()
@@ -99,9 +110,9 @@ class Background:
         self.tokens = 0
         self._next = 0
 
-    def add(self) -> list[str]:
+    def add(self, *prompts: list[int]) -> list[str]:
         ids = []
-        for prompt in BACKGROUND:
+        for prompt in prompts or BACKGROUND:
             rid = f"bg-{self._next}"
             self._next += 1
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.params)
@@ -131,7 +142,7 @@ class Background:
 
 def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     import torch
-    from harness import vllm_greedy
+    from harness import _weights_differing, greedy_of, vllm_greedy
 
     from refit_app.integrations.vllm.staged import StagedLLM
     from refit_app.protocol import consumer_session
@@ -140,6 +151,8 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
     background = Background(llm)
     rounds: list[dict] = []
     record: dict = {}
+    previous: dict = {}
+    """The trainer's kept tensors of the round before."""
 
     def corrupting(*args, show, **kwargs):  # a bit flipped in the session's staged copy, once
         flipped: list[str] = []
@@ -171,6 +184,7 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
                     monkeypatch.setattr(consumer_session, "stage_dense", corrupting if k == CORRUPT_ROUND else original)
                     record = {"round": k}
                     background.add()
+                    background.add(CACHED_PROMPT)  # its blocks cached with round k-1's weights
                     tokens_before = background.tokens
                     driver.stage(k)  # returns at once: the worker receives on a side thread
                     while background.tokens - tokens_before < TOKENS_BEFORE_SEND:
@@ -194,7 +208,7 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 raise
         elif kind == "check":
-            _, k, expected, _ = message
+            _, k, expected, expected_cached, kept = message
             background.drain(deadline)
             record["spans"] = {
                 r: [(s.version, s.start, s.end) for s in background.finished[r].outputs[0].weight_versions or []]
@@ -202,6 +216,11 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
             }
             record["expected"] = expected
             record["vllm"] = vllm_greedy(llm)
+            record["cached"] = greedy_of(llm, CACHED_PROMPT)
+            record["expected_cached"] = expected_cached
+            record["differ"] = llm.collective_rpc(_weights_differing, args=(kept,))[0]
+            record["differ_from_before"] = llm.collective_rpc(_weights_differing, args=(previous,))[0]
+            previous = kept
             rounds.append(record)
             conn.send(("ok", None))
         elif kind == "done":
@@ -217,7 +236,7 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
     from test_offline_llm import _start_llm, _stop_llm
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    llm = _start_llm(tiny_llama_dir)
+    llm = _start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
     try:
         before = vllm_greedy(llm)
         assert before == hf_greedy(load_trainer_model(tiny_llama_dir)), "vLLM disagrees with transformers at start"
@@ -250,11 +269,16 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
             assert m["applied"] is False and "verification" in m["error"], m
             assert r["vllm"] == served, f"round {k}: a corrupted round changed what the engine serves"
             assert r["vllm"] != r["expected"], "the corrupted round's weights gave the served tokens: proves nothing"
+            # Round 2's weights, bit for bit.
+            assert sorted(r["differ"]) == sorted(KEPT) and r["differ_from_before"] == [], r
             for rid, spans in r["spans"].items():
                 assert [s[0] for s in spans] == [version], (rid, spans)  # never paused, never relabelled
             continue
         assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
         assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
+        assert r["differ"] == [], f"round {k}: vLLM's {r['differ']} differ from the trainer's"
+        # A prompt whose blocks were cached with the weights before: the new weights' tokens (the cache was reset).
+        assert r["cached"] == r["expected_cached"], f"round {k}: {r['cached']} vs {r['expected_cached']}"
         assert any(r["at_pause"].values()), f"round {k}: no request was generating at the pause: {r['at_pause']}"
         for rid, spans in r["spans"].items():
             # Tokens before the pause from the version before, after it from this round's: one split, at the pause.
