@@ -138,17 +138,18 @@ class PipeClient:
 
 
 @contextlib.contextmanager
-def trainer_process(target: Callable[..., None], *args: Any, deadline: float) -> Iterator[Any]:
+def trainer_process(target: Callable[..., None], *args: Any, deadline: float, exitcode: int = 0) -> Iterator[Any]:
     """Spawn ``target(conn, *args)`` as the trainer process and yield this side's end of the pipe; on a clean exit
-    from the block, the trainer must end (by ``deadline``) with exit code 0. It never outlives the block."""
+    from the block, the trainer must end (by ``deadline``) with ``exitcode``. It never outlives the block."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     trainer = ctx.Process(target=target, args=(theirs, *args), daemon=True)
     trainer.start()
+    theirs.close()  # the trainer's end lives in the trainer alone: its death reads as EOF here
     try:
         yield ours
         trainer.join(max(1.0, deadline - time.monotonic()))
-        assert trainer.exitcode == 0, f"trainer exit code {trainer.exitcode}"
+        assert trainer.exitcode == exitcode, f"trainer exit code {trainer.exitcode}, not {exitcode}"
     finally:
         if trainer.is_alive():
             trainer.kill()

@@ -12,11 +12,13 @@ before (generated from during the stage) gives the new weights' greedy tokens: t
 ``prefix_cache="keep"`` this fails: the cached blocks give the old weights' tokens). Round 3's staged copy is
 corrupted in the worker (a bit flipped in the session's staged copy, as tests/test_staging.py does): it fails the
 session's verification, is never applied and never pauses the engine, which keeps generating round 2's tokens; round 4
-comes dense and is applied.
+comes dense and is applied. A second test SIGKILLs the trainer half-way through its round 2.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -28,6 +30,10 @@ from mp_utils import free_port
 
 ROUNDS = 4
 CORRUPT_ROUND = 3
+KILL_AFTER_TENSORS = 10
+"""Of the tiny Llama's 20 tensors: the trainer dies with half of its round sent."""
+KILL_TIMEOUT_S = 10.0
+"""The group's deadline in the kill test: the worker gives up on the dead trainer within it."""
 TEST_DEADLINE_S = 600.0
 TOKENS_BEFORE_SEND = 4
 """Tokens the engine must produce with the worker's stage under way before the trainer sends the round."""
@@ -62,7 +68,9 @@ class StagedPipeClient(PipeClient):
         return self._call("apply_staged", weight_version=weight_version)
 
 
-def staged_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
+def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int = ROUNDS, kill_round: int = 0) -> None:
+    """``rounds`` staged rounds, one optimizer step each; in ``kill_round`` the trainer SIGKILLs itself once
+    :data:`KILL_AFTER_TENSORS` tensors of the round went to the session (some chunks are on the wire)."""
     try:
         import torch
         from harness import SEED, TRAIN_LR, hf_greedy, hf_greedy_of, load_trainer_model, train_step
@@ -71,17 +79,28 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
         from refit_app.integrations.vllm import backend as vllm_backend
         from refit_app.integrations.vllm.staged import send_staged
 
+        class Source(ModuleSource):
+            armed = False
+
+            def __iter__(self):
+                for i, item in enumerate(super().__iter__()):
+                    if self.armed and i == KILL_AFTER_TENSORS:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    yield item
+
         vllm_backend.register()
         torch.manual_seed(SEED + 1)
         model = load_trainer_model(Path(model_dir))
         optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+        source = Source(model)
         engine = WeightTransferTrainerFactory.trainer_init(
             vllm_backend.RefitTrainerInitInfo(**settings, staged=True, rank=0),
             client=StagedPipeClient(conn),
-            source=ModuleSource(model),
+            source=source,
         )
         try:
-            for step in range(ROUNDS):
+            for step in range(rounds):
+                source.armed = step + 1 == kill_round
                 train_step(model, optimizer, step)
                 send_staged(engine, weight_version=str(step + 1))
                 kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in KEPT}
@@ -165,6 +184,20 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
 
         return original(*args, show=corrupt_then_show, **kwargs)
 
+    def check(expected: Any, expected_cached: Any, kept: dict) -> None:
+        background.drain(deadline)
+        record["spans"] = {
+            r: [(s.version, s.start, s.end) for s in background.finished[r].outputs[0].weight_versions or []]
+            for r in record["at_pause"]
+        }
+        record["expected"] = expected
+        record["vllm"] = vllm_greedy(llm)
+        record["cached"] = greedy_of(llm, CACHED_PROMPT)
+        record["expected_cached"] = expected_cached
+        record["differ"] = llm.collective_rpc(_weights_differing, args=(kept,))[0]
+        record["differ_from_before"] = llm.collective_rpc(_weights_differing, args=(previous,))[0]
+        rounds.append(record)
+
     original = consumer_session.stage_dense
     while True:
         if time.monotonic() > deadline:
@@ -174,7 +207,14 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
             continue
         if not conn.poll(1.0):
             continue
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the trainer died: apply its round as it would have (nothing to apply), then check
+            record["at_pause"] = {rid: background.seen[rid] for rid in background.in_flight()}
+            record["metrics"] = driver.apply(str(record["round"]))
+            record["trainer_gone"] = True
+            check(None, None, previous)
+            return rounds
         kind = message[0]
         if kind == "rpc":
             _, method, kwargs = message
@@ -209,19 +249,8 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
                 raise
         elif kind == "check":
             _, k, expected, expected_cached, kept = message
-            background.drain(deadline)
-            record["spans"] = {
-                r: [(s.version, s.start, s.end) for s in background.finished[r].outputs[0].weight_versions or []]
-                for r in record["at_pause"]
-            }
-            record["expected"] = expected
-            record["vllm"] = vllm_greedy(llm)
-            record["cached"] = greedy_of(llm, CACHED_PROMPT)
-            record["expected_cached"] = expected_cached
-            record["differ"] = llm.collective_rpc(_weights_differing, args=(kept,))[0]
-            record["differ_from_before"] = llm.collective_rpc(_weights_differing, args=(previous,))[0]
+            check(expected, expected_cached, kept)
             previous = kept
-            rounds.append(record)
             conn.send(("ok", None))
         elif kind == "done":
             return rounds
@@ -287,3 +316,39 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
             assert spans == want, (rid, spans, want)
         served, version = r["vllm"], str(k)
     assert rounds[-1]["expected"] != before, "training did not change the greedy tokens; the test proves nothing"
+
+
+def test_a_trainer_killed_mid_stage_leaves_the_engine_serving_the_round_before(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 1 staged and applied; in round 2 the trainer SIGKILLs itself with half the round sent. The worker's
+    stage fails within the group's deadline while the engine keeps generating; the apply applies nothing and never
+    pauses; the engine serves round 1's tokens and weights, bit for bit."""
+    from harness import BUFFER_BYTES
+    from test_offline_llm import _start_llm, _stop_llm
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    llm = _start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
+    try:
+        settings = {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo",
+            "timeout_s": KILL_TIMEOUT_S, "checksums": True,
+        }  # fmt: skip
+        with trainer_process(
+            staged_trainer_main, str(tiny_llama_dir), settings, 2, 2, deadline=deadline, exitcode=-signal.SIGKILL
+        ) as conn:
+            rounds = _serve_staged(llm, conn, deadline, monkeypatch)
+    finally:
+        _stop_llm(llm)
+
+    first, killed = rounds
+    assert first["metrics"]["applied"] is True and first["vllm"] == first["expected"], first
+    assert killed.get("trainer_gone") and killed["metrics"]["applied"] is False, killed
+    error = killed["metrics"]["error"]
+    assert error.startswith("round 2: ") and "\n" not in error, error
+    print(f"round 2: {error}; stage tokens {killed['stage_tokens']}")
+    assert killed["stage_tokens"] >= TOKENS_BEFORE_SEND, killed
+    assert killed["vllm"] == first["vllm"] and killed["differ_from_before"] == [], killed  # round 1, bit for bit
+    for rid, spans in killed["spans"].items():
+        assert [s[0] for s in spans] == ["1"], (rid, spans)  # never paused, never relabelled
