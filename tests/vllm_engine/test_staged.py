@@ -17,6 +17,7 @@ comes dense and is applied. A second test SIGKILLs the trainer half-way through 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from harness import RPC_TIMEOUT_S, PipeClient, trainer_message_error, trainer_process
 from mp_utils import free_port
 
@@ -72,7 +74,6 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int =
     """``rounds`` staged rounds, one optimizer step each; in ``kill_round`` the trainer SIGKILLs itself once
     :data:`KILL_AFTER_TENSORS` tensors of the round went to the session (some chunks are on the wire)."""
     try:
-        import torch
         from harness import SEED, TRAIN_LR, hf_greedy, hf_greedy_of, load_trainer_model, train_step
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
@@ -113,6 +114,12 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int =
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def _sha256(tensors: dict) -> dict[str, str]:
+    return {
+        n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest() for n, t in tensors.items()
+    }
 
 
 class Background:
@@ -160,7 +167,6 @@ class Background:
 
 
 def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    import torch
     from harness import _weights_differing, greedy_of, vllm_greedy
 
     from refit_app.integrations.vllm.staged import StagedLLM
@@ -196,6 +202,12 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
         record["expected_cached"] = expected_cached
         record["differ"] = llm.collective_rpc(_weights_differing, args=(kept,))[0]
         record["differ_from_before"] = llm.collective_rpc(_weights_differing, args=(previous,))[0]
+        # What vLLM's /weight_checker returns (SHA-256 of each parameter's bytes as the engine holds it), for the
+        # parameters kept in the checkpoint's shape, against the same digest of the trainer's tensors.
+        digests = {k.rsplit(":", 1)[1]: v for k, v in llm.collective_rpc("compute_weight_checksums")[0].items()}
+        record["weight_checker"] = {n: digests[n] for n in KEPT}
+        record["trainer_digests"] = _sha256(kept)
+        record["previous_digests"] = _sha256(previous)
         rounds.append(record)
 
     original = consumer_session.stage_dense
@@ -300,12 +312,14 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
             assert r["vllm"] != r["expected"], "the corrupted round's weights gave the served tokens: proves nothing"
             # Round 2's weights, bit for bit.
             assert sorted(r["differ"]) == sorted(KEPT) and r["differ_from_before"] == [], r
+            assert r["weight_checker"] == r["previous_digests"] != r["trainer_digests"], r
             for rid, spans in r["spans"].items():
                 assert [s[0] for s in spans] == [version], (rid, spans)  # never paused, never relabelled
             continue
         assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
         assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
         assert r["differ"] == [], f"round {k}: vLLM's {r['differ']} differ from the trainer's"
+        assert r["weight_checker"] == r["trainer_digests"], f"round {k}: vLLM's checksums are not the trainer's: {r}"
         # A prompt whose blocks were cached with the weights before: the new weights' tokens (the cache was reset).
         assert r["cached"] == r["expected_cached"], f"round {k}: {r['cached']} vs {r['expected_cached']}"
         assert any(r["at_pause"].values()), f"round {k}: no request was generating at the pause: {r['at_pause']}"
@@ -350,5 +364,6 @@ def test_a_trainer_killed_mid_stage_leaves_the_engine_serving_the_round_before(
     print(f"round 2: {error}; stage tokens {killed['stage_tokens']}")
     assert killed["stage_tokens"] >= TOKENS_BEFORE_SEND, killed
     assert killed["vllm"] == first["vllm"] and killed["differ_from_before"] == [], killed  # round 1, bit for bit
+    assert killed["weight_checker"] == first["trainer_digests"] == killed["previous_digests"], killed
     for rid, spans in killed["spans"].items():
         assert [s[0] for s in spans] == ["1"], (rid, spans)  # never paused, never relabelled
