@@ -196,7 +196,11 @@ def worker_held(worker: Any) -> dict[str, torch.Tensor]:
 
 
 class StagedLLM:
-    """Drives staged rounds on an offline ``vllm.LLM`` whose engine core runs in this process or another.
+    """Drives staged rounds on an offline ``vllm.LLM``.
+
+    Tested with the engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With it in a process
+    of its own the worker-side functions travel to the workers pickled: one round ran that way (stage, pause, apply,
+    resume; with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` set), but no test covers it.
 
     :meth:`stage` returns at once (the workers receive on side threads; the caller keeps generating, e.g. stepping
     ``llm.llm_engine``); :meth:`apply` waits for the stage outside any pause, then pauses the engine (``mode=keep``:
