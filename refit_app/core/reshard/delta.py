@@ -26,6 +26,7 @@ piece); a consumer keeps nothing but a count of what it had to repair.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,11 +60,16 @@ def _hash(data: np.ndarray) -> int:
 
 @dataclass
 class ProducerDeltas:
-    """A producer's state across rounds: the bytes of every piece as last sent (key: tensor name and box)."""
+    """A producer's state across rounds: the bytes of every piece as last sent (key: tensor name and box), and
+    the last round's figures."""
 
     snapshots: dict[tuple[str, Box], np.ndarray] = field(default_factory=dict)
     changed_elements: int = 0
+    """Last round: the elements of this producer's distinct pieces whose bytes changed (every one in the first)."""
     total_elements: int = 0
+    """Last round: the elements of this producer's distinct pieces."""
+    compare_seconds: float = 0.0
+    """Last round: the time spent comparing the pieces with their snapshots and encoding the pairs' records."""
 
 
 @dataclass
@@ -73,6 +79,8 @@ class ConsumerBases:
 
     repaired: int = 0
     repaired_total: int = 0
+    apply_seconds: float = 0.0
+    """Last round: the time spent applying the records and hashing the pieces (repairs included)."""
 
 
 @dataclass
@@ -151,6 +159,8 @@ def send_delta(
     _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes, group.rank)
     pieces: dict[tuple[str, Box], _Piece] = {}
+    started = time.perf_counter()
+    state.changed_elements = state.total_elements = 0
     for pair in pairs:
         for t in pair.regions:
             if (t.name, t.box) not in pieces:
@@ -161,6 +171,7 @@ def send_delta(
         hashes = as_words([pieces[(t.name, t.box)].digest for t in pair.regions])
         blobs.append((pair, blob, hashes))
         sent += blob.numel()
+    state.compare_seconds = time.perf_counter() - started
     _send_blobs(group, blobs, buffer_size_bytes, num_buffers)
     # Each consumer answers with the pieces it holds other bytes of; they go again, whole.
     verdicts = {p.peer: torch.zeros(len(p.regions), dtype=torch.int64) for p in pairs}
@@ -241,12 +252,17 @@ def receive_delta(
     pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes, group.rank)
     blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
+    bases.apply_seconds = 0.0
     for pair in pairs:
+        started = time.perf_counter()
         _apply(pair, blobs[pair.peer], slices)
+        bases.apply_seconds += time.perf_counter() - started
         received += blobs[pair.peer].numel()
         theirs = torch.empty(len(pair.regions), dtype=torch.int64)
         wait_for(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
+        started = time.perf_counter()  # the wait for the hashes is not applying
         bad[pair.peer] = (theirs, _differing(pair, theirs, slices))
+        bases.apply_seconds += time.perf_counter() - started
         verdict = torch.zeros(len(pair.regions), dtype=torch.int64)
         verdict[bad[pair.peer][1]] = 1
         answers.append((pair.peer, group.isend(verdict, pair.peer), verdict))
@@ -255,9 +271,11 @@ def receive_delta(
     bases.repaired_total += bases.repaired
     repairs = _receive_blobs(group, again, slices, buffer_size_bytes, num_buffers)
     for pair in again:
+        started = time.perf_counter()
         _apply(pair, repairs[pair.peer], slices)
         received += repairs[pair.peer].numel()
         still = _differing(pair, bad[pair.peer][0], slices)
+        bases.apply_seconds += time.perf_counter() - started
         if still:
             t = pair.regions[still[0]]
             raise RegionMismatch(
