@@ -18,10 +18,17 @@ Per (producer, consumer) pair, a round goes::
 So a consumer never claims a base: what it holds after the round is checked against the producer's bytes, and a
 piece that was not what the producer's snapshot says (written since, or anything else) is sent again whole in the
 same round. One pass over the consumer's pieces a round (the verification); ``receive`` returns only once every
-piece is verified. Replica chains are not served by delta rounds yet.
+piece is verified.
+
+Replica chains: a consumer whose replica passes its pieces on to the next one is that one's producer once its own
+pieces are exact: it compares what it now holds with what it sent the next replica last round and sends the changes
+the same way (records, hashes, the pieces that differ again whole), so each replica is checked against the bytes of
+the one before it, which were checked against the producers'. A delta round goes down the chain a replica at a time
+(a dense round forwards each piece as it lands).
 
 Memory: a producer keeps a snapshot of the bytes it sent (its shards' share the plan sends, once per distinct
-piece); a consumer keeps nothing but a count of what it had to repair.
+piece), and so does a consumer that relays to the next replica (a copy of its slices); any other consumer keeps
+nothing but a count of what it had to repair.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 import xxhash
 
 from refit_app.core.delta.codec import DENSE, END, RECORD, Changes, Encoded, apply_record, diff, encode, padded
-from refit_app.core.reshard.plan import Box, LayoutError, Transfer, volume
+from refit_app.core.reshard.plan import Box, Transfer, volume
 from refit_app.core.reshard.transfer import (
     Held,
     Pair,
@@ -81,6 +88,8 @@ class ConsumerBases:
     repaired_total: int = 0
     apply_seconds: float = 0.0
     """Last round: the time spent applying the records and hashing the pieces (repairs included)."""
+    relay: ProducerDeltas = field(default_factory=ProducerDeltas)
+    """A consumer that passes its pieces on to the next replica of its chain: what it sent that one last round."""
 
 
 @dataclass
@@ -140,11 +149,6 @@ def _slices(n: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _no_chains(transfers: Sequence[Transfer]) -> None:
-    if any(t.relayed for t in transfers):
-        raise LayoutError("delta rounds of a sharded refit do not serve replica chains yet: send dense rounds")
-
-
 def send_delta(
     group: PairGroup,
     transfers: Sequence[Transfer],
@@ -156,7 +160,6 @@ def send_delta(
 ) -> int:
     """One round of this producer's pairs as delta records (dense for a pair whose consumer cannot vouch for its
     base, and in the first round); returns the bytes sent."""
-    _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes, group.rank)
     pieces: dict[tuple[str, Box], _Piece] = {}
     started = time.perf_counter()
@@ -248,7 +251,6 @@ def receive_delta(
 ) -> int:
     """One round of this consumer's pairs: apply what arrives, verify every piece, have the ones that differ sent
     again whole; returns the bytes received. Raises RegionMismatch where a piece sent whole still differs."""
-    _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes, group.rank)
     blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
@@ -284,6 +286,8 @@ def receive_delta(
             )
     for peer, work, _ in answers:
         wait_for(work, group, peer, "sending to")
+    if any(t.src == group.rank for t in transfers):  # the next replica of the chain: this one is its producer now
+        send_delta(group, transfers, slices, bases.relay, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
     return received
 
 
