@@ -1,8 +1,9 @@
 """Delta rounds of a sharded refit from the application (``refit.delta=on`` with group.producers, group.tp_size): the
 first round dense, every later one only the elements whose bytes changed, each producer comparing only its own
-shards. Every slice of every round is still checked: bit for bit against the synthetic source's whole tensors
-(sink=verify), against a trainer's ``full_tensor()``s (a hook after every round) and by the consumers' keyed sums; a
-slice written since the last round (behind torch's back) is sent again whole in the next round, never left wrong."""
+shards, and each replica after the first getting its changes from the one before it. Every slice of every round is
+still checked: bit for bit against the synthetic source's whole tensors (sink=verify), against a trainer's
+``full_tensor()``s (a hook after every round) and by the consumers' keyed sums; a slice written since the last round
+(behind torch's back) is sent again whole in the next round, never left wrong."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def tiny(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", seed=1))
 
 
-@pytest.mark.parametrize(("k", "m"), [(2, 2), (3, 1)])
-def test_a_local_sharded_refit_sends_delta_rounds_and_verifies_every_slice_every_round(cli, tmp_path, k, m):
+@pytest.mark.parametrize(("k", "m", "d"), [(2, 2, 1), (3, 1, 2)])
+def test_a_local_sharded_refit_sends_delta_rounds_and_verifies_every_slice_every_round(cli, tmp_path, k, m, d):
     rounds = 3
     result = cli(
         f"group.producers={k}",
         f"group.tp_size={m}",
+        f"group.replicas={d}",  # replica 1's consumers get their changes from replica 0's
         f"refit.rounds={rounds}",
         "refit.delta=on",
         "source.update=training",  # about 1% of the bf16 elements change a round
@@ -46,13 +48,14 @@ def test_a_local_sharded_refit_sends_delta_rounds_and_verifies_every_slice_every
     dense = sum(t.nbytes for t in metas) + (m - 1) * sum(t.nbytes for t in metas if len(t.shape) < 2)
     elements = sum(t.numel for t in metas)
     first, *later = metrics["rounds"]
-    # Every round brings the whole model up to date; the first sends it whole (with its records' headers).
-    assert all(r["bytes"] == dense for r in metrics["rounds"]) and dense <= first["wire_bytes"] < 1.01 * dense
+    # Every round brings the whole model up to date in each replica; the first sends it whole (with its records'
+    # headers) to each.
+    assert all(r["bytes"] == dense for r in metrics["rounds"]) and d * dense <= first["wire_bytes"] < 1.01 * d * dense
     # The first round counts every element the producers compare: the model's, and a tensor every producer holds
     # whole (a 0-dim one) once more for each other producer that sends it to some consumer.
     assert elements <= first["changed_elements"] < 1.001 * elements and first["changed_fraction"] == 1.0
     for r in later:
-        assert r["base_round"] == r["round"] - 1 and r["wire_bytes"] < dense / 10, r
+        assert r["base_round"] == r["round"] - 1 and r["wire_bytes"] < d * dense / 10, r
         assert 0.002 < r["changed_fraction"] < 0.05 and r["changed_elements"] < elements / 20, r
         assert r["diff_seconds"] > 0 and r["apply_seconds"] > 0, r
     for n, r in enumerate(metrics["rounds"]):

@@ -379,9 +379,6 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         value = c.get(key)
         if value is not _ABSENT and value not in allowed:
             c.fail(key, value, f"{what} {why}")
-    if spec.replicas > 1 and c.get("refit.delta") == "on":
-        why = "runs delta rounds without replica chains only so far: leave group.replicas=1 or refit.delta=off"
-        c.fail("refit.delta", "on", f"{what} {why}")
     return spec
 
 

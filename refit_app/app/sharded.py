@@ -26,6 +26,10 @@ weights: it takes the tensor list from producer 0, and with ``sink=verify`` comp
 each slice it holds (:mod:`refit_app.core.reshard.keyed_sum`) with the sum of the producers' sums over their parts
 of the same box, a check that depends on neither the plan nor the transfer.
 
+``refit.delta=on``: the plan is agreed with delta rounds: the first round dense, every later one per-pair delta
+records (:mod:`refit_app.core.reshard.delta`), each producer comparing only its own shards with what it sent last
+round, a replica's relay doing the same for the next replica; the checks above run every round as in dense rounds.
+
 ``sink=save``: each consumer of replica 0 writes its slices into ``sink.path/tp<t>`` through the one-producer
 ``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
 whole after the last), with their boxes in the file's metadata (:mod:`refit_app.checkpoint.slices`); the other
