@@ -53,11 +53,25 @@ from refit_app.core.reshard.transfer import (
     wait_for,
 )
 
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element size, so that numpy can see any tensor's elements (bf16, fp8, bool)."""
+
+
+def _strided(view: torch.Tensor) -> np.ndarray | None:
+    """A non-contiguous piece as a numpy view of its own memory (same strides), or None where its element size has
+    no integer dtype. numpy copies it on one thread: torch's copy of a strided tensor splits it over its intra-op
+    threads, which costs 100x more where other processes hold the cores (a busy host, or K ranks on one)."""
+    same = _SAME_SIZE.get(view.element_size())
+    return None if same is None else view.view(same).numpy()
+
 
 def _bytes_of(view: torch.Tensor) -> tuple[np.ndarray, bool]:
     """A piece's bytes as a flat uint8 array, and whether it is the piece's own memory (else a copy)."""
     if view.is_contiguous():
         return view.reshape(-1).view(torch.uint8).numpy(), True
+    strided = _strided(view)
+    if strided is not None:
+        return np.ascontiguousarray(strided).reshape(-1).view(np.uint8), False
     return view.contiguous().reshape(-1).view(torch.uint8).numpy(), False
 
 
@@ -362,7 +376,11 @@ def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
         else:
             apply_record(target, encoding, section, count, escapes, values, view.element_size())
         if not own:
-            view.copy_(torch.from_numpy(target).view(view.dtype).view(view.shape))
+            strided = _strided(view)
+            if strided is not None:
+                np.copyto(strided, target.view(strided.dtype).reshape(strided.shape))
+            else:
+                view.copy_(torch.from_numpy(target).view(view.dtype).view(view.shape))
 
 
 __all__ = ["ConsumerBases", "ProducerDeltas", "receive_delta", "send_delta"]
