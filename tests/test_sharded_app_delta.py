@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from cli_utils import COVER_STARTUP, assert_ok, local_metrics
+from cli_utils import COVER_STARTUP, assert_ok, assert_one_line_error, local_metrics
 from conditions import needs_transformers
-from mp_utils import run_ranks
+from mp_utils import free_port, run_ranks
 from test_sharded_app_model import ROUNDS, TAMPERED, TIMEOUT_S, _as_bytes, _from_bytes, _rank, mismatches
 
 from refit_app.models.sources import SyntheticSource
@@ -66,6 +66,19 @@ def test_a_local_sharded_refit_sends_delta_rounds_and_verifies_every_slice_every
     shares = [p["rounds"][0]["changed_elements"] for p in producers]
     assert max(shares) < elements / k * 1.2  # each producer compares its own rows, a share of the model
     assert "on the wire" in result.stderr + result.stdout and "verified" in result.stderr + result.stdout
+
+
+def test_ranks_started_apart_stop_together_where_one_producer_sends_dense_rounds(cli):
+    port = free_port()
+    common = ("group.producers=2", "group.world_size=3", f"group.port={port}", COVER_STARTUP)
+    token = {"REFIT_APP_TOKEN": "sharded-delta-test-token"}
+    runs = [
+        cli.start("role=producer", "group.rank=0", "refit.delta=on", *common, env=token),
+        cli.start("role=producer", "group.rank=1", *common, env=token),
+        cli.start("role=consumer", "group.rank=2", *common, env=token),  # it adopts producer 0's refit.delta
+    ]
+    for run in runs:
+        assert_one_line_error(run.wait(), "producers 0 and 1 disagree on refit.delta: on and off")
 
 
 def _settings(k: int, m: int, tiny: str, *more: str):

@@ -276,6 +276,12 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             raise HandshakeError(
                 f"ranks 0 and {other['rank']} disagree on refit.rounds: {first['rounds']} and {other['rounds']}"
             )
+        if other.get("delta", first["delta"]) != first["delta"]:
+            said = {True: "on", False: "off"}
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} disagree on refit.delta: {said[first['delta']]} and "
+                f"{said[other['delta']]}"
+            )
         if other.get("trainer", first["trainer"]) != first["trainer"]:
             kinds = {True: "a trainer (source=model)", False: "a source each takes its rows of"}
             raise HandshakeError(
