@@ -465,9 +465,7 @@ def _rounds(
             probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
             if model is not None and model.probe_tokens:
                 check = model.check(probe, model.probe_tokens)
-        r = _round(
-            n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check
-        )
+        r = _round(n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check)
         done.append(_delta_figures(r, deltas if producer else bases) if agreed.delta else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
