@@ -9,6 +9,8 @@ Each worker asks its own weight loaders which part of every checkpoint tensor it
 transformers' on the same weights, and each worker must have received exactly the boxes the test's own reading of
 vLLM's tensor-parallel layout gives (rows of the column-parallel weights and of q/gate/up inside the fused
 ``qkv_proj``/``gate_up_proj``, columns of the row-parallel ones, the rest whole), about half the model each.
+Then a refit whose workers expect another dtype of one tensor than the producers have: every rank refuses it in the
+same line at the agreement, and the engine keeps serving the last round's weights.
 """
 
 from __future__ import annotations
@@ -76,14 +78,27 @@ def _start_llm(model_dir: Path) -> Any:
     )
 
 
-def _answer(conn: Any, deadline: float) -> tuple:
+def _answer(conn: Any, deadline: float, *, error: bool = False) -> tuple:
     left = deadline - time.monotonic()
     if left <= 0 or not conn.poll(min(left, 180.0)):
         raise TimeoutError("a producer went silent")
     message = conn.recv()
-    if message[0] == "error":
+    if message[0] == "error" and not error:
         raise AssertionError(f"a producer failed:\n{message[1]}")
     return message
+
+
+def _start_producers(model_dir: Path, info: Any) -> list[tuple[Any, Any]]:
+    from harness import sharded_producer_main
+
+    ctx = mp.get_context("spawn")
+    producers = []
+    for rank in range(K):
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=sharded_producer_main, args=(theirs, str(model_dir), asdict(info), rank), daemon=True)
+        p.start()
+        producers.append((p, ours))
+    return producers
 
 
 @pytest.mark.slow
@@ -91,7 +106,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
     untied_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
-    from harness import checkpoint, hf_greedy, round_weights, sharded_producer_main, vllm_greedy
+    from harness import checkpoint, hf_greedy, round_weights, vllm_greedy
     from transformers import LlamaForCausalLM
 
     from refit_app.integrations.vllm.sharded import sharded_facts, sharded_init_info
@@ -105,16 +120,19 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
         reference.load_state_dict(weights)
         return hf_greedy(reference)
 
-    info = sharded_init_info(
-        master_address="127.0.0.1",
-        master_port=free_port(),
-        producers=K,
-        workers=TP,
-        tensors=[(name, t.dtype, t.shape) for name, t in base.items()],
-        buffer_size_bytes=16 * 1024,  # a layer's regions span several chunks, buffers reused
-        timeout_s=120.0,
-        checksums=True,
-    )
+    def settings(dtypes: dict[str, str] | None = None) -> Any:
+        return sharded_init_info(
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            producers=K,
+            workers=TP,
+            tensors=[(name, (dtypes or {}).get(name, t.dtype), t.shape) for name, t in base.items()],
+            buffer_size_bytes=16 * 1024,  # a layer's regions span several chunks, buffers reused
+            timeout_s=120.0,
+            checksums=True,
+        )
+
+    info = settings()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
     llm = _start_llm(untied_llama_dir)
     producers: list[tuple[Any, Any]] = []
@@ -122,14 +140,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
     try:
         before = vllm_greedy(llm)
         assert before == expected(base), "vLLM at TP=2 disagrees with transformers before any refit"
-        ctx = mp.get_context("spawn")
-        for rank in range(K):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=sharded_producer_main, args=(theirs, str(untied_llama_dir), asdict(info), rank), daemon=True
-            )
-            p.start()
-            producers.append((p, ours))
+        producers += _start_producers(untied_llama_dir, info)
         llm.init_weight_transfer_engine({"init_info": asdict(info)})  # the workers join and agree on the plan
         for n in range(1, ROUNDS + 1):
             for _, conn in producers:
@@ -154,6 +165,20 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
             assert _answer(conn, deadline) == ("closed",)
             p.join(max(1.0, deadline - time.monotonic()))
             assert p.exitcode == 0, f"producer exit code {p.exitcode}"
+
+        # A worker told to expect another dtype than the producers have: every rank stops at the agreement, in the
+        # same line, before any data byte, and the engine keeps serving the last round's weights.
+        wrong = settings({"model.norm.weight": "bfloat16"})
+        producers += _start_producers(untied_llama_dir, wrong)
+        with pytest.raises(Exception) as refused:
+            llm.init_weight_transfer_engine({"init_info": asdict(wrong)})
+        why = "consumer rank 2 expects tensor 'model.norm.weight' as bfloat16 [64], the producers have float32 [64]"
+        assert why in str(refused.value)
+        for p, conn in producers[K:]:
+            kind, detail = _answer(conn, deadline, error=True)
+            assert kind == "error" and f"HandshakeError: {why}" in detail, detail
+            p.join(max(1.0, deadline - time.monotonic()))
+        after_refusal = vllm_greedy(llm)
     finally:
         for p, _ in producers:
             if p.is_alive():
@@ -168,6 +193,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
         f"round {r['round']}: vLLM {r['vllm']} vs transformers {r['expected']}" for r in mismatched
     )
     assert rounds[-1]["expected"] != before, "the rounds did not change the greedy tokens: the test proves nothing"
+    assert after_refusal == rounds[-1]["expected"], "the refused refit changed what the engine serves"
 
     shapes = {name: tuple(t.shape) for name, t in base.items()}
     model_bytes = sum(t.numel() * t.element_size() for t in base.values())

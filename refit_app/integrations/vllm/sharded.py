@@ -34,13 +34,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refit_app.common.errors import HandshakeError, PeerError, one_line
+from refit_app.common.errors import HandshakeError, PeerError, VerificationError, one_line
 from refit_app.core.reshard.plan import Box, Need, TensorSpec, volume, whole
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.integrations.vllm.backend import RefitUpdateInfo, RefitWorkerInitInfo
@@ -115,6 +115,26 @@ def _fail(rg: RefitGroup, rank: int, error: BaseException) -> None:
     rg.abandon()
 
 
+@contextlib.contextmanager
+def _failing_together(rg: RefitGroup, rank: int, who: str) -> Iterator[None]:
+    """A failure here fails every rank: this rank publishes its reason and drops the group. gloo's own error (a
+    peer lost) becomes one line with the reason the failing rank published (a :class:`PeerError`), a region that
+    arrived other than it was sent a :class:`VerificationError`."""
+    try:
+        yield
+    except RegionMismatch as e:
+        error = VerificationError(f"{who} rank {rank}: {e}")
+        _fail(rg, rank, error)
+        raise error from e
+    except RuntimeError as e:
+        error = PeerError(f"{who} rank {rank}: {rg.control.explain(e)}")
+        _fail(rg, rank, error)
+        raise error from e
+    except BaseException as e:
+        _fail(rg, rank, e)
+        raise
+
+
 class ShardedProducer:
     """One trainer rank of a sharded refit into a vLLM engine: joins the group as ``rank`` (< ``info.producers``;
     rank 0 hosts the rendezvous), agrees on the plan with every worker from ``specs`` (this rank's
@@ -127,7 +147,7 @@ class ShardedProducer:
         self.rank = rank
         self.num_buffers = info.num_buffers
         self.rg = _group(info, rank)
-        try:
+        with _failing_together(self.rg, rank, "trainer"):
             self.pg = self.rg.group.process_group()
             self.plan = agree(
                 self.pg,
@@ -136,18 +156,12 @@ class ShardedProducer:
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
             )
-        except BaseException as e:
-            _fail(self.rg, rank, e)
-            raise
         self.rounds = 0
 
     def send(self, shards: Mapping[str, Held]) -> int:
         """Send this rank's regions of one round from ``shards`` (the live shards); the bytes sent."""
-        try:
+        with _failing_together(self.rg, self.rank, "trainer"):
             sent = send(self.pg, self.rank, self.plan, dict(shards), num_buffers=self.num_buffers)
-        except RuntimeError as e:
-            _fail(self.rg, self.rank, e)
-            raise PeerError(f"trainer rank {self.rank}: {one_line(e)}") from e
         self.rounds += 1
         return sent
 
@@ -276,7 +290,7 @@ class ShardedWorker:
         self.num_buffers = info.num_buffers
         expects = _expected(info)
         self.rg = _group(info, rank)
-        try:
+        with _failing_together(self.rg, rank, "vLLM worker"):
             self.pg = self.rg.group.process_group()
             self.boxes = boxes(model, expects)
             needs = [Need(rank, name, box) for name, box in self.boxes.items()]
@@ -288,9 +302,6 @@ class ShardedWorker:
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
             )
-        except BaseException as e:
-            _fail(self.rg, rank, e)
-            raise
         by_name = {e.name: e for e in expects}
         # Whole-shaped, written only in the boxes: what vLLM's loaders narrow (torch.empty touches no page).
         self.tensors = {
@@ -324,17 +335,11 @@ class ShardedWorker:
             _fail(self.rg, self.rank, error)
             raise error
         started = time.perf_counter()
-        try:
+        with _failing_together(self.rg, self.rank, "vLLM worker"):
             moved = receive(self.pg, self.rank, self.plan, self.slices, num_buffers=self.num_buffers)
-        except RegionMismatch as e:
-            _fail(self.rg, self.rank, e)
-            raise
-        except RuntimeError as e:
-            _fail(self.rg, self.rank, e)
-            raise PeerError(f"vLLM worker rank {self.rank}: {one_line(e)}") from e
-        self.last_seconds = time.perf_counter() - started
-        load(iter(self.tensors.items()))
-        complete()
+            self.last_seconds = time.perf_counter() - started
+            load(iter(self.tensors.items()))
+            complete()
         self.rounds += 1
         self.last_bytes = moved
         return moved
