@@ -167,7 +167,9 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
             assert p.exitcode == 0, f"producer exit code {p.exitcode}"
 
         # A worker told to expect another dtype than the producers have: every rank stops at the agreement, in the
-        # same line, before any data byte, and the engine keeps serving the last round's weights.
+        # same line, before any data byte, and the engine keeps serving the last round's weights. Last, because
+        # vLLM 0.32's MultiprocExecutor raises at the first worker's failure and leaves the other workers' replies
+        # queued: the next collective RPC would read them (the failure paths are tests/test_vllm_sharded_group.py's).
         wrong = settings({"model.norm.weight": "bfloat16"})
         producers += _start_producers(untied_llama_dir, wrong)
         with pytest.raises(Exception) as refused:

@@ -117,13 +117,21 @@ def _fail(rg: RefitGroup, rank: int, error: BaseException) -> None:
 
 @contextlib.contextmanager
 def _failing_together(rg: RefitGroup, rank: int, who: str) -> Iterator[None]:
-    """A failure here fails every rank: this rank publishes its reason and drops the group. gloo's own error (a
-    peer lost) becomes one line with the reason the failing rank published (a :class:`PeerError`), a region that
-    arrived other than it was sent a :class:`VerificationError`."""
+    """A failure here fails every rank: this rank publishes its reason and drops the group. A lost peer (gloo's own
+    error, or the transfer's :class:`PeerError` naming it) becomes one line with the reason the failing rank
+    published, where it did; a region that arrived other than it was sent a :class:`VerificationError`."""
     try:
         yield
     except RegionMismatch as e:
         error = VerificationError(f"{who} rank {rank}: {e}")
+        _fail(rg, rank, error)
+        raise error from e
+    except PeerError as e:  # a lost peer, named where its send or receive failed: add why, where it published why
+        reason = rg.control.explain(e)
+        if one_line(e) in reason:  # nobody published a reason: the symptom, as it was
+            _fail(rg, rank, e)
+            raise
+        error = PeerError(f"{one_line(e)}; the reason: {reason}")
         _fail(rg, rank, error)
         raise error from e
     except RuntimeError as e:
