@@ -179,6 +179,7 @@ class StagedRound:
         stage_seconds: float,
         settle: Callable[[str], None],
         base_intact: Callable[[], bool],
+        check_targets: Callable[[], object] | None = None,
     ) -> None:
         self.round = round_
         self.held_round = held_round
@@ -195,6 +196,8 @@ class StagedRound:
         self._changes = changes
         self._settle = settle
         self._base_intact = base_intact
+        self._check_targets = check_targets
+        """Raises where the targets no longer match the manifest (a name gone, another shape, dtype or layout)."""
 
     @property
     def version(self) -> int:
@@ -220,6 +223,15 @@ class StagedRound:
         entered = time.perf_counter()
         with pause if pause is not None else nullcontext():
             started = time.perf_counter()
+            try:
+                if self._check_targets is not None:
+                    self._check_targets()  # the mapping or its tensors may have changed since the stage
+            except Exception as e:
+                self._end(BROKEN)
+                raise StagingError(
+                    f"round {self.version}: not applied: {one_line(e)}; they are untouched by it, and the next round "
+                    "comes dense"
+                ) from e
             if self.base_round and not self._base_intact():
                 self._end(BROKEN)
                 raise StagingError(
