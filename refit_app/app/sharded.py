@@ -421,8 +421,8 @@ def _rounds(
             model.finish(None)
         if agreed.probe_tokens:
             probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
-            if model is not None and model.probe_tokens:
-                check = model.check(probe, model.probe_tokens)
+            if model is not None and model.probe_tokens:  # the producers' probe: the most any consumer asked for
+                check = model.check(probe, agreed.probe_tokens)
         done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check))
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
