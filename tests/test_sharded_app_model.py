@@ -313,3 +313,23 @@ def test_consumers_asking_for_probes_of_different_lengths_each_check_the_probe_t
     ]
     for result in [run.wait() for run in runs]:
         assert_ok(result)
+
+
+def test_producers_whose_config_json_differs_stop_every_rank_in_one_line(cli, tiny, tmp_path):
+    # Producer 1 trains from a copy of the checkpoint whose config.json differs in what no tensor's shape shows: the
+    # consumers' models, built from producer 0's, would not be the model producer 1 trains.
+    import json
+    import shutil
+
+    other = shutil.copytree(tiny, tmp_path / "llama")
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (other / "config.json").write_text(json.dumps(config))
+    common = ("group.producers=2", "group.world_size=3", f"group.port={free_port()}", COVER_STARTUP)
+    runs = [
+        cli.start("role=producer", "group.rank=0", "source=model", f"source.path={tiny}", *common, env=TOKEN),
+        cli.start("role=producer", "group.rank=1", "source=model", f"source.path={other}", *common, env=TOKEN),
+        cli.start("role=consumer", "group.rank=2", "sink=model", "sink.probe_tokens=4", *common, env=TOKEN),
+    ]
+    for run in runs:
+        assert_one_line_error(run.wait(), "producers 0 and 1 train models of different config.json")

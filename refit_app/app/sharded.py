@@ -232,6 +232,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
     mine = {"rank": s.rank, "layout": layout, "rounds": s.refit.rounds, "buffer": buffer}
     if producer:
         mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
+        mine.update(config=source.model_config() if is_trainer(source) else None)
     else:
         mine.update(
             verify=_consumer_verifies(s),
@@ -241,7 +242,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             probe=int(s.sink.params.get("probe_tokens") or 0) if s.sink_name == "model" and s.sink else 0,
         )
     if s.rank == 0:
-        mine.update(run=secrets.token_hex(8), config=source.model_config() if is_trainer(source) else None)
+        mine.update(run=secrets.token_hex(8))
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -260,6 +261,11 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             raise HandshakeError(
                 f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
                 f"{kinds[other['trainer']]}"
+            )
+        if other.get("config", first["config"]) != first["config"]:  # what a consumer's sink=model builds
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} train models of different config.json: every producer of a trainer "
+                "needs the same model (source.path)"
             )
     for other in every[layout.producers :]:
         if other["builds"] and not first["trainer"]:
