@@ -303,16 +303,21 @@ def _out_of_order(rank: int, port: int) -> list:
 
 
 def _targets_changed_before_apply(rank: int, port: int) -> list:
-    """Dense rounds: round 2 staged, then the engine swaps a target's tensor for one of another dtype (same shape
-    and bytes); round 3 staged, then a name dropped from the mapping it was staged against. ``apply`` must refuse
-    each in one line, writing nothing."""
+    """Dense rounds: ``stage(None)`` refused before round 1 moves; round 2 staged, then the engine swaps a target's
+    tensor for one of another dtype (same shape and bytes); round 3 staged, then a name dropped from the mapping it
+    was staged against. ``apply`` must refuse each in one line, writing nothing."""
     with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
             return _produce(rg, 3, "off")
         targets = {n: torch.zeros_like(t) for n, t in _model(1).items()}
         session = ConsumerSession(rg, verify=True)
-        session.stage(targets).apply()
         out = []
+        try:
+            session.stage(None)  # refused before anything moves: the round is then staged
+            out.append("not refused")
+        except StagingError as e:
+            out.append(str(e))
+        session.stage(targets).apply()
         for name, replacement in (("w", torch.zeros(64, 48, dtype=torch.float16)), ("b", None)):
             staged = session.stage(targets)
             original = targets.pop(name)
@@ -423,6 +428,7 @@ def test_the_staging_bound_is_refused_in_one_line(played):
 def test_a_staged_round_is_not_applied_to_targets_that_no_longer_match_its_manifest(played):
     producer, consumer = (p["targets_changed_before_apply"] for p in played)
     assert producer == [0, 0, 0]
+    assert consumer.pop(0) == "round 1: stage() needs the targets (tensors by name) the round is applied to"
     assert consumer[0] == (
         "round 2: not applied: the targets do not match the manifest: 'w' is [64, 48] torch.float16, the manifest "
         "says [64, 48] torch.bfloat16; they are untouched by it, and the next round comes dense"
