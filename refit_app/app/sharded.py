@@ -252,6 +252,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             trainer=is_trainer(source),
             source=source.describe(),
             delta=s.refit.delta == "on",
+            config=source.model_config() if is_trainer(source) else None,
         )
     else:
         mine.update(
@@ -262,7 +263,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             probe=int(s.sink.params.get("probe_tokens") or 0) if s.sink_name == "model" and s.sink else 0,
         )
     if s.rank == 0:
-        mine.update(run=secrets.token_hex(8), config=source.model_config() if is_trainer(source) else None)
+        mine.update(run=secrets.token_hex(8))
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -287,6 +288,11 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             raise HandshakeError(
                 f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
                 f"{kinds[other['trainer']]}"
+            )
+        if other.get("config", first["config"]) != first["config"]:  # what a consumer's sink=model builds
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} train models of different config.json: every producer of a trainer "
+                "needs the same model (source.path)"
             )
     for other in every[layout.producers :]:
         if other["builds"] and not first["trainer"]:
@@ -463,8 +469,8 @@ def _rounds(
             model.finish(None)
         if agreed.probe_tokens:
             probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
-            if model is not None and model.probe_tokens:
-                check = model.check(probe, model.probe_tokens)
+            if model is not None and model.probe_tokens:  # the producers' probe: the most any consumer asked for
+                check = model.check(probe, agreed.probe_tokens)
         r = _round(n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check)
         done.append(_delta_figures(r, deltas if producer else bases) if agreed.delta else r)
         if rank == 0 and agreed.rounds > 1:
