@@ -44,17 +44,21 @@ def _full(i: int, round_: int) -> torch.Tensor:
     return t
 
 
-def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
+def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int, d: int = 1, scribbler: int = -1):
+    """Producers ``0..k-1`` and ``d`` replicas of ``m`` tensor-parallel consumers (chained where ``d`` > 1);
+    consumer ``scribbler`` (default: the last rank) writes over its slice of t5 before round ``scribble_round``."""
     init_gloo(rank, world_size, port, timeout_s=30)
     try:
-        m = world_size - k
+        m = (world_size - k) // d
         specs = _specs(k)
         needs = [
-            Need(k + c, s.name, shard_box(s.shape, i % 2 % len(s.shape), m, c) if s.shape else whole(s.shape))
+            Need(k + r * m + c, s.name, shard_box(s.shape, i % 2 % len(s.shape), m, c) if s.shape else whole(s.shape))
+            for r in range(d)
             for c in range(m)
             for i, s in enumerate(specs)
         ]
-        agreed = ShardedPlan(plan(specs, needs), 1024, None, True, "")  # what agree() gives every rank
+        chains = [[k + r * m + c for r in range(d)] for c in range(m)] if d > 1 else []
+        agreed = ShardedPlan(plan(specs, needs, chains=chains), 1024, None, True, "")  # what agree() gives every rank
         options = {"num_buffers": 2}
         out = []
         if rank < k:
@@ -76,7 +80,8 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int):
             n.name: Held(torch.zeros([b - a for a, b in n.box], dtype=DTYPES[int(n.name[1:])]), n.box) for n in mine
         }
         for round_ in range(1, ROUNDS + 1):
-            if round_ == scribble_round:  # an engine's load wrote its weights behind torch's back
+            if round_ == scribble_round and rank == (scribbler if scribbler >= 0 else world_size - 1):
+                # an engine's load wrote its weights behind torch's back
                 slices["t5"].tensor.data.copy_(torch.full_like(slices["t5"].tensor, 7.0))
             got = receive(dist.group.WORLD, rank, agreed, slices, bases=bases, **options)
             exact = all(
@@ -107,3 +112,19 @@ def test_a_consumer_whose_pieces_were_written_since_has_them_sent_whole_not_wron
     assert sizes[2] > 3 * max(sizes[1], sizes[3]), sizes  # round 3: t5's pieces went again, whole
     # round 3: every piece of t5 (64 x 64 float32 in 1 KiB pieces: 16), from both producers
     assert [repaired for _, _, repaired in consumer[1:]] == [0, 16, 0, 0], consumer
+
+
+@pytest.mark.parametrize("scribbler", [3, 4])
+def test_replica_chains_relay_delta_rounds_and_a_replica_written_since_is_repaired_by_the_one_before(scribbler):
+    k, m, d = 2, 1, 3  # one chain: consumer 2 gets its pieces from the producers, 3 from 2, 4 from 3
+    world = k + m * d
+    results = run_ranks(_rank, world, k, 3, d, scribbler, timeout=120)
+    for rank in range(k, world):
+        consumer = results[rank]
+        assert all(exact for _, exact, _ in consumer), (rank, consumer)
+        first, later = consumer[0][0], [got for got, _, _ in consumer[1:]]
+        repaired = [n for _, _, n in consumer[1:]]
+        if rank == scribbler:  # round 3: every piece of t5 again, whole, from the replica before it
+            assert repaired == [0, 16, 0, 0] and later[1] > 3 * max(later[0], later[2]), (rank, consumer)
+        else:
+            assert repaired == [0] * (ROUNDS - 1) and all(got < first / 3 for got in later), (rank, consumer)

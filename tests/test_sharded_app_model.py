@@ -299,3 +299,37 @@ def test_sink_model_builds_the_trainers_model_on_each_replica_and_matches_its_pr
 def test_a_consumer_building_a_model_from_producers_without_one_stops_every_rank_in_one_line(cli):
     for run in _synthetic_producers_and(cli, "sink=model", "sink.probe_tokens=0"):
         assert_one_line_error(run.wait(), "consumer rank 2 builds a model (sink=model) but the producers read")
+
+
+def test_consumers_asking_for_probes_of_different_lengths_each_check_the_probe_the_producers_ran(cli, tiny):
+    # The producers probe the most positions any consumer asks for; one that asked for fewer checks that probe too.
+    common = ("group.producers=2", "group.replicas=2", "group.world_size=4", f"group.port={free_port()}", COVER_STARTUP)
+    model = ("source=model", f"source.path={tiny}", "refit.rounds=1")
+    runs = [
+        cli.start("role=producer", "group.rank=0", *model, *common, env=TOKEN),
+        cli.start("role=producer", "group.rank=1", *model, *common, env=TOKEN),
+        cli.start("role=consumer", "group.rank=2", "sink=model", "sink.probe_tokens=4", *common, env=TOKEN),
+        cli.start("role=consumer", "group.rank=3", "sink=model", "sink.probe_tokens=8", *common, env=TOKEN),
+    ]
+    for result in [run.wait() for run in runs]:
+        assert_ok(result)
+
+
+def test_producers_whose_config_json_differs_stop_every_rank_in_one_line(cli, tiny, tmp_path):
+    # Producer 1 trains from a copy of the checkpoint whose config.json differs in what no tensor's shape shows: the
+    # consumers' models, built from producer 0's, would not be the model producer 1 trains.
+    import json
+    import shutil
+
+    other = shutil.copytree(tiny, tmp_path / "llama")
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (other / "config.json").write_text(json.dumps(config))
+    common = ("group.producers=2", "group.world_size=3", f"group.port={free_port()}", COVER_STARTUP)
+    runs = [
+        cli.start("role=producer", "group.rank=0", "source=model", f"source.path={tiny}", *common, env=TOKEN),
+        cli.start("role=producer", "group.rank=1", "source=model", f"source.path={other}", *common, env=TOKEN),
+        cli.start("role=consumer", "group.rank=2", "sink=model", "sink.probe_tokens=4", *common, env=TOKEN),
+    ]
+    for run in runs:
+        assert_one_line_error(run.wait(), "producers 0 and 1 train models of different config.json")

@@ -302,6 +302,42 @@ def _out_of_order(rank: int, port: int) -> list:
         return out
 
 
+def _targets_changed_before_apply(rank: int, port: int) -> list:
+    """Dense rounds: ``stage(None)`` refused before round 1 moves; round 2 staged, then the engine swaps a target's
+    tensor for one of another dtype (same shape and bytes); round 3 staged, then a name dropped from the mapping it
+    was staged against. ``apply`` must refuse each in one line, writing nothing."""
+    with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
+        if rank == 0:
+            return _produce(rg, 3, "off")
+        targets = {n: torch.zeros_like(t) for n, t in _model(1).items()}
+        session = ConsumerSession(rg, verify=True)
+        out = []
+        try:
+            session.stage(None)  # refused before anything moves: the round is then staged
+            out.append("not refused")
+        except StagingError as e:
+            out.append(str(e))
+        session.stage(targets).apply()
+        # The first apply's pause swallows what is raised in it (an engine's pause that logs and goes on): apply()
+        # must still not return as if the round were applied.
+        cases = (("w", torch.zeros(64, 48, dtype=torch.float16), contextlib.suppress(StagingError)), ("b", None, None))
+        for name, replacement, pause in cases:
+            staged = session.stage(targets)
+            original = targets.pop(name)
+            if replacement is not None:
+                targets[name] = replacement
+            written = _bytes(targets)
+            try:
+                staged.apply(pause=pause)
+                out.append("not refused")
+            except StagingError as e:
+                out.append(str(e))
+            out.append((staged.state, _bytes(targets) == written))
+            targets[name] = original
+        assert session.stage(targets) is None
+        return out
+
+
 SCENARIOS = {
     "dense_beside_a_reader": _dense_beside_a_reader,
     "deltas_one_discarded": functools.partial(_deltas_one_discarded, verify=True),
@@ -311,6 +347,7 @@ SCENARIOS = {
     "out_of_order": _out_of_order,
     "bound": functools.partial(_bounded, first="receive"),
     "bound_at_the_manifest": functools.partial(_bounded, first="stage"),
+    "targets_changed_before_apply": _targets_changed_before_apply,
 }
 
 
@@ -389,6 +426,21 @@ def test_the_staging_bound_is_refused_in_one_line(played):
     producer, consumer = (p["bound_at_the_manifest"] for p in played)
     assert "round 1" in str(consumer) and f"over max_staging_bytes={MODEL_BYTES - 1}" in str(consumer), consumer
     assert f"over max_staging_bytes={MODEL_BYTES - 1}" in str(producer), producer
+
+
+def test_a_staged_round_is_not_applied_to_targets_that_no_longer_match_its_manifest(played):
+    producer, consumer = (p["targets_changed_before_apply"] for p in played)
+    assert producer == [0, 0, 0]
+    assert consumer.pop(0) == "round 1: stage() needs the targets (tensors by name) the round is applied to"
+    assert consumer[0] == (
+        "round 2: not applied: the targets do not match the manifest: 'w' is [64, 48] torch.float16, the manifest "
+        "says [64, 48] torch.bfloat16; they are untouched by it, and the next round comes dense"
+    ), consumer
+    assert consumer[1] == ("broken", True)
+    assert consumer[2].startswith("round 3: not applied: the targets do not match the manifest: ") and (
+        "'b' has no target" in consumer[2]
+    ), consumer
+    assert consumer[3] == ("broken", True)
 
 
 def _killed_mid_stage(rank: int, world_size: int, port: int, killed_at: str) -> dict:

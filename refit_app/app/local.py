@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -192,6 +192,27 @@ def _raise_if_failed(
     raise LocalRunError(error, combined)
 
 
+def _sharded_delta_figures(
+    producers: Sequence[Mapping[str, Any]], consumers: Sequence[Mapping[str, Any]], first: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A sharded refit's round of delta rounds (producers that counted changes), over all its ranks: the elements
+    every producer found changed, their share of the model (the first round counts every element: each producer's
+    distinct pieces are its share), and the slowest producer's comparison and consumer's applying (each runs in
+    parallel with the others)."""
+    counted = [p["changed_elements"] for p in producers if p.get("changed_elements") is not None]
+    if len(counted) != len(producers):
+        return {}
+    changed = sum(counted)
+    total = changed if first is None else first["changed_elements"]
+    applied = [c["apply_seconds"] for c in consumers if c.get("apply_seconds") is not None]
+    return {
+        "changed_elements": changed,
+        "changed_fraction": changed / total if total else None,
+        "diff_seconds": max(p["diff_seconds"] for p in producers),
+        "apply_seconds": max(applied, default=None),
+    }
+
+
 def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
     """A sharded refit's metrics from its ranks': each producer's under ``producers``, each consumer's under
     ``consumers``, and the run's at the top level. A round's ``seconds`` is its slowest rank's (every rank starts
@@ -213,7 +234,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
     for entries in zip(*(m["rounds"] for m in metrics)):
         seconds = max(e["seconds"] for e in entries)
         sent = sum(e["bytes"] for e in entries[:k])
-        received = sum(e["bytes"] for e in entries[k:])
+        received = sum(e["wire_bytes"] for e in entries[k:])
         peak = [e["peak_rss_bytes"] for e in entries if e["peak_rss_bytes"] is not None]
         rounds.append(
             {
@@ -224,6 +245,7 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
                 "wire_bytes": received,
                 "verified": all(e["verified"] for e in entries[k:]) if verifies else None,
                 "peak_rss_bytes": max(peak, default=None),
+                **_sharded_delta_figures(entries[:k], entries[k:], rounds[0] if rounds else None),
             }
         )
     total, times = sum(r["bytes"] for r in rounds), round_times([r["seconds"] for r in rounds])

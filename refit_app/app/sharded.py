@@ -26,6 +26,10 @@ weights: it takes the tensor list from producer 0, and with ``sink=verify`` comp
 each slice it holds (:mod:`refit_app.core.reshard.keyed_sum`) with the sum of the producers' sums over their parts
 of the same box, a check that depends on neither the plan nor the transfer.
 
+``refit.delta=on``: the plan is agreed with delta rounds: the first round dense, every later one per-pair delta
+records (:mod:`refit_app.core.reshard.delta`), each producer comparing only its own shards with what it sent last
+round, a replica's relay doing the same for the next replica; the checks above run every round as in dense rounds.
+
 ``sink=save``: each consumer of replica 0 writes its slices into ``sink.path/tp<t>`` through the one-producer
 ``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
 whole after the last), with their boxes in the file's metadata (:mod:`refit_app.checkpoint.slices`); the other
@@ -58,8 +62,18 @@ from refit_app.checkpoint.slices import slices_metadata
 from refit_app.common.errors import HandshakeError, PeerError, VerificationError
 from refit_app.common.sizes import gb_per_s
 from refit_app.core.meta import TensorMeta
+from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
 from refit_app.core.reshard.keyed_sum import keyed_sum
-from refit_app.core.reshard.plan import Layout, Placement, Replicate, Shard, TensorSpec, held_boxes, shard_box
+from refit_app.core.reshard.plan import (
+    Layout,
+    Placement,
+    Replicate,
+    Shard,
+    TensorSpec,
+    held_boxes,
+    shard_box,
+    volume,
+)
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.models.sinks import SaveSink, make_sink
 from refit_app.models.sources import make_source
@@ -208,6 +222,8 @@ class Agreed:
     """Producer 0's config.json text, where the producers are a trainer: what a consumer's sink=model builds."""
     probe_tokens: int
     """The most probe positions a consumer's sink=model asks for (0: none): the producers probe every round."""
+    delta: bool
+    """Producer 0's ``refit.delta=on``: every round after the first a delta round (a consumer adopts it)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +247,13 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
         buffer = get_target_packed_tensor_size()
     mine = {"rank": s.rank, "layout": layout, "rounds": s.refit.rounds, "buffer": buffer}
     if producer:
-        mine.update(expects=expected_tensors(source), trainer=is_trainer(source), source=source.describe())
+        mine.update(
+            expects=expected_tensors(source),
+            trainer=is_trainer(source),
+            source=source.describe(),
+            delta=s.refit.delta == "on",
+            config=source.model_config() if is_trainer(source) else None,
+        )
     else:
         mine.update(
             verify=_consumer_verifies(s),
@@ -241,7 +263,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             probe=int(s.sink.params.get("probe_tokens") or 0) if s.sink_name == "model" and s.sink else 0,
         )
     if s.rank == 0:
-        mine.update(run=secrets.token_hex(8), config=source.model_config() if is_trainer(source) else None)
+        mine.update(run=secrets.token_hex(8))
     every: list[Any] = [None] * layout.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
@@ -255,11 +277,22 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             raise HandshakeError(
                 f"ranks 0 and {other['rank']} disagree on refit.rounds: {first['rounds']} and {other['rounds']}"
             )
+        if other.get("delta", first["delta"]) != first["delta"]:
+            said = {True: "on", False: "off"}
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} disagree on refit.delta: {said[first['delta']]} and "
+                f"{said[other['delta']]}"
+            )
         if other.get("trainer", first["trainer"]) != first["trainer"]:
             kinds = {True: "a trainer (source=model)", False: "a source each takes its rows of"}
             raise HandshakeError(
                 f"producers 0 and {other['rank']} read different sources: {kinds[first['trainer']]} and "
                 f"{kinds[other['trainer']]}"
+            )
+        if other.get("config", first["config"]) != first["config"]:  # what a consumer's sink=model builds
+            raise HandshakeError(
+                f"producers 0 and {other['rank']} train models of different config.json: every producer of a trainer "
+                "needs the same model (source.path)"
             )
     for other in every[layout.producers :]:
         if other["builds"] and not first["trainer"]:
@@ -285,6 +318,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
         saves=any(e.get("saves") for e in every),
         model_config=first["config"],
         probe_tokens=max((e.get("probe", 0) for e in every), default=0),
+        delta=first["delta"],
     )
 
 
@@ -372,20 +406,25 @@ def _rounds(
         if agreed.trainer:
             source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
         specs, _ = _shards(source, rank, k, agreed.trainer)
-        plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer)
+        plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta)
+        deltas, bases = ProducerDeltas() if agreed.delta else None, None
         expects = agreed.expects
     else:
         if not agreed.trainer:
             oracle = _consumer_source(s)
         expects = expected_tensors(oracle) if oracle is not None else agreed.expects
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
-        plan = agree(pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer)
+        plan = agree(
+            pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta
+        )
+        deltas, bases = None, ConsumerBases() if agreed.delta else None
         slices = allocate(expects, needs)
         saver = _slice_saver(s, layout, agreed, expects, slices)
         model = _model_sink(s, agreed, slices)
         if saver is not None:
             stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
     handshake_s = time.perf_counter() - started
+    dense = _dense_bytes(plan, rank, producer) if agreed.delta else None
     done: list[RoundMetrics] = []
     checked = None
     for n in range(1, agreed.rounds + 1):
@@ -398,9 +437,9 @@ def _rounds(
             t0 = time.perf_counter()
             if producer:
                 specs, shards = _shards(source, rank, k, agreed.trainer)  # this round's values, live
-                moved = send(pg, rank, plan, shards, num_buffers=s.refit.num_buffers)
+                moved = send(pg, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas)
             else:
-                moved = receive(pg, rank, plan, slices, num_buffers=s.refit.num_buffers)
+                moved = receive(pg, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases)
             seconds = time.perf_counter() - t0
         if after_round is not None:
             after_round(RoundView(n, rank, source=source) if producer else RoundView(n, rank, slices=slices))
@@ -415,15 +454,25 @@ def _rounds(
         if saver is not None:  # into the staging files, which the next round overwrites
             saver.consume([(name, held.tensor) for name, held in slices.items()])
             saver.finish(None)
+        if bases is not None and bases.repaired:
+            logger.warning(
+                "consumer %d: round %d: %d piece(s) held other bytes than the round before left there (written "
+                "since) and went again whole",
+                rank,
+                n,
+                bases.repaired,
+            )
+        brought = moved if dense is None else dense
         check = None
         if model is not None:  # every tensor whole (group.tp_size=1), copied into the model
             model.consume([(name, held.tensor) for name, held in slices.items()])
             model.finish(None)
         if agreed.probe_tokens:
             probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
-            if model is not None and model.probe_tokens:
-                check = model.check(probe, model.probe_tokens)
-        done.append(_round(n, seconds, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check))
+            if model is not None and model.probe_tokens:  # the producers' probe: the most any consumer asked for
+                check = model.check(probe, agreed.probe_tokens)
+        r = _round(n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check)
+        done.append(_delta_figures(r, deltas if producer else bases) if agreed.delta else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
@@ -505,9 +554,35 @@ def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorS
     return producer_shards(source.tensors(), rank, k)
 
 
+def _dense_bytes(plan: ShardedPlan, rank: int, producer: bool) -> int:
+    """The bytes of the regions of ``plan`` that this producer sends or this consumer receives: what a round brings
+    up to date, whether it goes dense or as deltas."""
+    mine = [t for t in plan.transfers if (t.src if producer else t.dst) == rank]
+    return sum(volume(t.box) * getattr(torch, t.dtype).itemsize for t in mine)
+
+
+def _delta_figures(r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None) -> RoundMetrics:
+    """A round of a plan agreed with delta rounds, with what this rank's side of it did: the first round is dense
+    (every piece whole), the later ones delta rounds."""
+    delta = r.round > 1
+    if isinstance(state, ProducerDeltas):
+        total = state.total_elements
+        return replace(
+            r,
+            delta=delta,
+            base_round=r.round - 1 if delta else None,
+            changed_elements=state.changed_elements,
+            changed_fraction=state.changed_elements / total if total else None,
+            diff_seconds=state.compare_seconds,
+        )
+    assert isinstance(state, ConsumerBases)
+    return replace(r, delta=delta, base_round=r.round - 1 if delta else None, apply_seconds=state.apply_seconds)
+
+
 def _round(
     n: int,
     seconds: float,
+    dense: int,
     moved: int,
     memory: PeakMemory,
     verify: bool,
@@ -515,11 +590,12 @@ def _round(
     loss: float | None,
     model_check: dict[str, Any] | None = None,
 ) -> RoundMetrics:
+    """A round's figures: ``dense`` the bytes it brought up to date, ``moved`` those that crossed the group."""
     return RoundMetrics(
         round=n,
         seconds=seconds,
-        gb_per_s=gb_per_s(moved, seconds),
-        bytes=moved,
+        gb_per_s=gb_per_s(dense, seconds),
+        bytes=dense,
         verified=True if verify else None,
         manifest_sent=n == 1,
         handshake_seconds=handshake_s,
@@ -549,7 +625,8 @@ def _metrics(
         role="producer" if producer else "consumer",
         rank=s.rank,
         bytes=total,
-        wire_bytes=total,
+        wire_bytes=sum(r.wire_bytes or 0 for r in rounds),
+        delta=s.refit.delta if producer else None,
         num_tensors=num_tensors,
         gb_per_s=gb_per_s(total, times["seconds"]),
         handshake_seconds=handshake_s,

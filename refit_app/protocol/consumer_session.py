@@ -230,6 +230,8 @@ class ConsumerSession(Session):
             return None
         self._refuse_while_staged("stage")
         k = self.rounds + 1
+        if targets is None:  # nothing to stage beside: refused before anything moves, as the bound is
+            raise StagingError(f"round {k}: stage() needs the targets (tensors by name) the round is applied to")
         if self._delta.mirror:
             raise StagingError(
                 f"round {k}: stage() writes into targets; this session keeps a mirror (mirror=True): receive() instead"
@@ -309,6 +311,7 @@ class ConsumerSession(Session):
             stage_seconds=time.perf_counter() - started,
             settle=functools.partial(self._settle, k, targets, checksums, algorithm),
             base_intact=functools.partial(self._delta.intact, targets),
+            check_targets=functools.partial(self._delta.targets_for, manifest.tensors, targets),
         )
         self._staged = staged
         return staged

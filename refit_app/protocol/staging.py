@@ -179,6 +179,7 @@ class StagedRound:
         stage_seconds: float,
         settle: Callable[[str], None],
         base_intact: Callable[[], bool],
+        check_targets: Callable[[], object] | None = None,
     ) -> None:
         self.round = round_
         self.held_round = held_round
@@ -195,6 +196,8 @@ class StagedRound:
         self._changes = changes
         self._settle = settle
         self._base_intact = base_intact
+        self._check_targets = check_targets
+        """Raises where the targets no longer match the manifest (a name gone, another shape, dtype or layout)."""
 
     @property
     def version(self) -> int:
@@ -218,27 +221,15 @@ class StagedRound:
         round comes dense)."""
         self._check_staged("apply")
         entered = time.perf_counter()
+        failure: StagingError | None = None
         with pause if pause is not None else nullcontext():
-            started = time.perf_counter()
-            if self.base_round and not self._base_intact():
-                self._end(BROKEN)
-                raise StagingError(
-                    f"round {self.version}: not applied: the targets were written to since it was staged as changes "
-                    f"to round {self.base_round}; they are untouched by it, and the next round comes dense"
-                )
             try:
-                if self._image is not None:
-                    _write_dense(self._image, self._metas, self._targets)
-                else:
-                    _write_changes(self._changes or [], self._metas, self._targets)
-            except Exception as e:
-                self._end(BROKEN)
-                raise StagingError(
-                    f"round {self.version}: applying it failed half-way ({one_line(e, with_type=True)}); the targets "
-                    "hold neither round, and the next round comes dense"
-                ) from e
-            self.apply_seconds = time.perf_counter() - started
-            self._end(APPLIED, release=False)
+                self._write()
+            except StagingError as e:
+                failure = e
+                raise
+        if failure is not None:  # the pause swallowed it (its __exit__ returned True): the round is still not applied
+            raise failure
         self.pause_seconds = time.perf_counter() - entered
         self._image = self._changes = None  # freed after the pause: returning a model's pages takes tens of ms
         logger.info(
@@ -250,6 +241,38 @@ class StagedRound:
             self.stage_seconds,
         )
         return self.metrics()
+
+    def _write(self) -> None:
+        """The checks and the writes, in the pause: StagingError where the round is not applied."""
+        started = time.perf_counter()
+        try:
+            if self._check_targets is not None:
+                self._check_targets()  # the mapping or its tensors may have changed since the stage
+        except Exception as e:
+            self._end(BROKEN)
+            raise StagingError(
+                f"round {self.version}: not applied: {one_line(e)}; they are untouched by it, and the next round "
+                "comes dense"
+            ) from e
+        if self.base_round and not self._base_intact():
+            self._end(BROKEN)
+            raise StagingError(
+                f"round {self.version}: not applied: the targets were written to since it was staged as changes "
+                f"to round {self.base_round}; they are untouched by it, and the next round comes dense"
+            )
+        try:
+            if self._image is not None:
+                _write_dense(self._image, self._metas, self._targets)
+            else:
+                _write_changes(self._changes or [], self._metas, self._targets)
+        except Exception as e:
+            self._end(BROKEN)
+            raise StagingError(
+                f"round {self.version}: applying it failed half-way ({one_line(e, with_type=True)}); the targets "
+                "hold neither round, and the next round comes dense"
+            ) from e
+        self.apply_seconds = time.perf_counter() - started
+        self._end(APPLIED, release=False)
 
     def discard(self) -> None:
         """Drop the round unwritten: the targets keep the round they hold, and the next round comes dense (the

@@ -356,3 +356,60 @@ def delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A sharded trainer: K producer processes, each holding Shard(0) (its rows) of every tensor, refitting a vLLM engine
+# at tensor_parallel_size=2 whose workers each receive only what their loaders load (test_sharded_tp.py).
+
+PERTURB_SCALE = 0.05
+"""Of a round's change to every element: large enough that each round changes the greedy tokens."""
+
+
+def checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model directory's tensors, as saved (the trainer's starting weights)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def round_weights(base: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The whole weights of round ``n``: ``base`` plus a seeded change of every element, the same in every process
+    (each producer computes it and keeps its rows; the test's reference model loads it whole)."""
+    out = {}
+    for i, (name, t) in enumerate(sorted(base.items())):
+        g = torch.Generator().manual_seed(1000 * n + i)
+        out[name] = t + PERTURB_SCALE * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    return out
+
+
+def sharded_producer_main(conn: Any, model_dir: str, info: dict, rank: int) -> None:
+    """Producer ``rank`` of a sharded refit: joins the group and agrees on the plan (while the engine's workers do
+    in ``init_weight_transfer_engine``), then, on each ``("round", n)``, sends its rows of :func:`round_weights` and
+    answers ``("sent", bytes)``; ``("done",)`` closes it."""
+    try:
+        from refit_app.app.sharded import producer_shards
+        from refit_app.integrations.vllm.backend import RefitWorkerInitInfo
+        from refit_app.integrations.vllm.sharded import ShardedProducer
+
+        settings = RefitWorkerInitInfo(**info)
+        base = checkpoint(model_dir)
+        specs, _ = producer_shards(base.items(), rank, settings.producers)
+        producer = ShardedProducer(settings, rank, specs)
+        try:
+            while True:
+                if not conn.poll(RPC_TIMEOUT_S):
+                    raise TimeoutError("the test went silent")
+                message = conn.recv()
+                if message[0] == "done":
+                    break
+                _, shards = producer_shards(round_weights(base, message[1]).items(), rank, settings.producers)
+                conn.send(("sent", producer.send(shards)))
+        finally:
+            producer.close()
+        conn.send(("closed",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))

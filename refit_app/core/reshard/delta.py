@@ -18,14 +18,22 @@ Per (producer, consumer) pair, a round goes::
 So a consumer never claims a base: what it holds after the round is checked against the producer's bytes, and a
 piece that was not what the producer's snapshot says (written since, or anything else) is sent again whole in the
 same round. One pass over the consumer's pieces a round (the verification); ``receive`` returns only once every
-piece is verified. Replica chains are not served by delta rounds yet.
+piece is verified.
+
+Replica chains: a consumer whose replica passes its pieces on to the next one is that one's producer once its own
+pieces are exact: it compares what it now holds with what it sent the next replica last round and sends the changes
+the same way (records, hashes, the pieces that differ again whole), so each replica is checked against the bytes of
+the one before it, which were checked against the producers'. A delta round goes down the chain a replica at a time
+(a dense round forwards each piece as it lands).
 
 Memory: a producer keeps a snapshot of the bytes it sent (its shards' share the plan sends, once per distinct
-piece); a consumer keeps nothing but a count of what it had to repair.
+piece), and so does a consumer that relays to the next replica (a copy of its slices); any other consumer keeps
+nothing but a count of what it had to repair.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +42,7 @@ import torch
 import xxhash
 
 from refit_app.core.delta.codec import DENSE, END, RECORD, Changes, Encoded, apply_record, diff, encode, padded
-from refit_app.core.reshard.plan import Box, LayoutError, Transfer, volume
+from refit_app.core.reshard.plan import Box, Transfer, volume
 from refit_app.core.reshard.transfer import (
     Held,
     Pair,
@@ -45,11 +53,25 @@ from refit_app.core.reshard.transfer import (
     wait_for,
 )
 
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element size, so that numpy can see any tensor's elements (bf16, fp8, bool)."""
+
+
+def _strided(view: torch.Tensor) -> np.ndarray | None:
+    """A non-contiguous piece as a numpy view of its own memory (same strides), or None where its element size has
+    no integer dtype. numpy copies it on one thread: torch's copy of a strided tensor splits it over its intra-op
+    threads, which costs 100x more where other processes hold the cores (a busy host, or K ranks on one)."""
+    same = _SAME_SIZE.get(view.element_size())
+    return None if same is None else view.view(same).numpy()
+
 
 def _bytes_of(view: torch.Tensor) -> tuple[np.ndarray, bool]:
     """A piece's bytes as a flat uint8 array, and whether it is the piece's own memory (else a copy)."""
     if view.is_contiguous():
         return view.reshape(-1).view(torch.uint8).numpy(), True
+    strided = _strided(view)
+    if strided is not None:
+        return np.ascontiguousarray(strided).reshape(-1).view(np.uint8), False
     return view.contiguous().reshape(-1).view(torch.uint8).numpy(), False
 
 
@@ -59,11 +81,16 @@ def _hash(data: np.ndarray) -> int:
 
 @dataclass
 class ProducerDeltas:
-    """A producer's state across rounds: the bytes of every piece as last sent (key: tensor name and box)."""
+    """A producer's state across rounds: the bytes of every piece as last sent (key: tensor name and box), and
+    the last round's figures."""
 
     snapshots: dict[tuple[str, Box], np.ndarray] = field(default_factory=dict)
     changed_elements: int = 0
+    """Last round: the elements of this producer's distinct pieces whose bytes changed (every one in the first)."""
     total_elements: int = 0
+    """Last round: the elements of this producer's distinct pieces."""
+    compare_seconds: float = 0.0
+    """Last round: the time spent comparing the pieces with their snapshots and encoding the pairs' records."""
 
 
 @dataclass
@@ -73,6 +100,10 @@ class ConsumerBases:
 
     repaired: int = 0
     repaired_total: int = 0
+    apply_seconds: float = 0.0
+    """Last round: the time spent applying the records and hashing the pieces (repairs included)."""
+    relay: ProducerDeltas = field(default_factory=ProducerDeltas)
+    """A consumer that passes its pieces on to the next replica of its chain: what it sent that one last round."""
 
 
 @dataclass
@@ -132,11 +163,6 @@ def _slices(n: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _no_chains(transfers: Sequence[Transfer]) -> None:
-    if any(t.relayed for t in transfers):
-        raise LayoutError("delta rounds of a sharded refit do not serve replica chains yet: send dense rounds")
-
-
 def send_delta(
     group: PairGroup,
     transfers: Sequence[Transfer],
@@ -148,9 +174,10 @@ def send_delta(
 ) -> int:
     """One round of this producer's pairs as delta records (dense for a pair whose consumer cannot vouch for its
     base, and in the first round); returns the bytes sent."""
-    _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.src == group.rank], shards, "dst", buffer_size_bytes, group.rank)
     pieces: dict[tuple[str, Box], _Piece] = {}
+    started = time.perf_counter()
+    state.changed_elements = state.total_elements = 0
     for pair in pairs:
         for t in pair.regions:
             if (t.name, t.box) not in pieces:
@@ -161,6 +188,7 @@ def send_delta(
         hashes = as_words([pieces[(t.name, t.box)].digest for t in pair.regions])
         blobs.append((pair, blob, hashes))
         sent += blob.numel()
+    state.compare_seconds = time.perf_counter() - started
     _send_blobs(group, blobs, buffer_size_bytes, num_buffers)
     # Each consumer answers with the pieces it holds other bytes of; they go again, whole.
     verdicts = {p.peer: torch.zeros(len(p.regions), dtype=torch.int64) for p in pairs}
@@ -237,16 +265,20 @@ def receive_delta(
 ) -> int:
     """One round of this consumer's pairs: apply what arrives, verify every piece, have the ones that differ sent
     again whole; returns the bytes received. Raises RegionMismatch where a piece sent whole still differs."""
-    _no_chains(transfers)
     pairs = pair_streams([t for t in transfers if t.dst == group.rank], slices, "src", buffer_size_bytes, group.rank)
     blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
+    bases.apply_seconds = 0.0
     for pair in pairs:
+        started = time.perf_counter()
         _apply(pair, blobs[pair.peer], slices)
+        bases.apply_seconds += time.perf_counter() - started
         received += blobs[pair.peer].numel()
         theirs = torch.empty(len(pair.regions), dtype=torch.int64)
         wait_for(group.irecv(theirs, pair.peer), group, pair.peer, "receiving the hashes from")
+        started = time.perf_counter()  # the wait for the hashes is not applying
         bad[pair.peer] = (theirs, _differing(pair, theirs, slices))
+        bases.apply_seconds += time.perf_counter() - started
         verdict = torch.zeros(len(pair.regions), dtype=torch.int64)
         verdict[bad[pair.peer][1]] = 1
         answers.append((pair.peer, group.isend(verdict, pair.peer), verdict))
@@ -255,9 +287,11 @@ def receive_delta(
     bases.repaired_total += bases.repaired
     repairs = _receive_blobs(group, again, slices, buffer_size_bytes, num_buffers)
     for pair in again:
+        started = time.perf_counter()
         _apply(pair, repairs[pair.peer], slices)
         received += repairs[pair.peer].numel()
         still = _differing(pair, bad[pair.peer][0], slices)
+        bases.apply_seconds += time.perf_counter() - started
         if still:
             t = pair.regions[still[0]]
             raise RegionMismatch(
@@ -266,6 +300,8 @@ def receive_delta(
             )
     for peer, work, _ in answers:
         wait_for(work, group, peer, "sending to")
+    if any(t.src == group.rank for t in transfers):  # the next replica of the chain: this one is its producer now
+        send_delta(group, transfers, slices, bases.relay, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
     return received
 
 
@@ -340,7 +376,11 @@ def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
         else:
             apply_record(target, encoding, section, count, escapes, values, view.element_size())
         if not own:
-            view.copy_(torch.from_numpy(target).view(view.dtype).view(view.shape))
+            strided = _strided(view)
+            if strided is not None:
+                np.copyto(strided, target.view(strided.dtype).reshape(strided.shape))
+            else:
+                view.copy_(torch.from_numpy(target).view(view.dtype).view(view.shape))
 
 
 __all__ = ["ConsumerBases", "ProducerDeltas", "receive_delta", "send_delta"]

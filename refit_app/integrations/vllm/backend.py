@@ -95,6 +95,12 @@ class RefitWorkerInitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
     checksums: bool = False
     """Whether every worker checks every tensor it received against the trainer's checksums, every round."""
+    producers: int = 0
+    """0: one trainer, the session's packed broadcast. K > 0: a sharded refit
+    (:mod:`refit_app.integrations.vllm.sharded`): ranks ``[0, K)`` are the trainer's, each sending its own shards, and
+    every worker receives only the part of each tensor its weight loaders load (``rank_offset`` is K)."""
+    tensors: list[list[Any]] | None = None
+    """A sharded refit's checkpoint tensors, ``[name, dtype, shape]`` each (the producers' agreement checks them)."""
     staged: bool = False
     """Rounds are staged beside generation and applied in a pause (:mod:`refit_app.integrations.vllm.staged`):
     the worker's session keeps no mirror (it stages into a host copy of its own) and takes dense rounds only."""

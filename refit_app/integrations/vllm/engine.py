@@ -37,6 +37,7 @@ from refit_app.integrations.vllm.backend import (
     worker_init_info,
 )
 from refit_app.integrations.vllm.loader import EngineLoader, LoadReport
+from refit_app.integrations.vllm.sharded import ShardedWorker
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.spec import DEFAULT_TIMEOUT_S, PRODUCER_RANK
 
@@ -93,6 +94,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.session: ConsumerSession | None = None
+        self.sharded: ShardedWorker | None = None
+        """This worker's part of a sharded refit (``init_info.producers`` > 0), instead of :attr:`session`."""
         self.last_round: Round | None = None
         self.last_load: LoadReport | None = None
         self.loaded: set[str] = set()
@@ -110,7 +113,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
 
     def init_transfer_engine(self, init_info: RefitWorkerInitInfo) -> None:
         self.shutdown()
-        self.session = consumer_session(init_info, init_info.rank_offset + _worker_rank(self.parallel_config))
+        rank = init_info.rank_offset + _worker_rank(self.parallel_config)
+        if init_info.producers:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):  # the loaders it asks may read the current config
+                self.sharded = ShardedWorker(init_info, rank, self.model)
+            return
+        self.session = consumer_session(init_info, rank)
 
     def start_weight_update(self) -> None:
         self._completed = self._failed = False
@@ -148,6 +158,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        if self.sharded is not None:
+            try:
+                self.sharded.receive_round(update_info, self.load, self.complete)
+            except BaseException:
+                self._failed = True
+                raise
+            logger.info("refit_app worker: sharded round %d, %d bytes", update_info.round, self.sharded.last_bytes)
+            return
         if self.session is None:
             raise RuntimeError("refit_app weight transfer is not initialized: call init_weight_transfer_engine first")
         try:
@@ -158,6 +176,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
         logger.info("refit_app worker: %s", self.last_round)
 
     def shutdown(self) -> None:
+        if self.sharded is not None:
+            sharded, self.sharded = self.sharded, None
+            sharded.close()
         if self.session is not None:
             session, self.session = self.session, None
             _close(session)
