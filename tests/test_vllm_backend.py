@@ -1,6 +1,6 @@
 """The vLLM backend's registration, without vLLM (tests/vllm_engine runs the real engines): importing the backend,
 the sink and the package never imports vLLM, and ``register`` hands vLLM's factories a module path and class names
-that name the engine classes, without importing them."""
+that name the engine classes, without importing them; settings that cannot go together are refused."""
 
 from __future__ import annotations
 
@@ -86,3 +86,12 @@ def test_the_registered_path_names_the_engine_classes() -> None:
     # The vLLM import is at the module's top, not inside a function, so type checkers and mkdocstrings see it.
     top = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
     assert any(node.module == "vllm.distributed.weight_transfer.base" for node in top)
+
+
+def test_staged_rounds_of_a_sharded_refit_are_refused_in_one_line() -> None:
+    from refit_app.integrations.vllm.backend import RefitWorkerInitInfo
+
+    common = dict(master_address="127.0.0.1", master_port=1, buffer_size_bytes=1 << 20, num_buffers=2)
+    with pytest.raises(ValueError, match=r"^staged=True with producers=2: a sharded refit's rounds are not staged"):
+        RefitWorkerInitInfo(rank_offset=2, world_size=4, producers=2, staged=True, **common)
+    assert RefitWorkerInitInfo(rank_offset=1, world_size=2, staged=True, **common).staged
