@@ -32,6 +32,30 @@ RPC_TIMEOUT_S = 180.0
 """Deadline of one control-plane call between the trainer process and the process that owns the engine."""
 
 
+def start_llm(model_dir: Path, **engine_args: Any) -> Any:
+    """The tests' offline engine of ``model_dir`` (float32, eager, no tokenizer) with refit_app as its
+    weight-transfer backend; ``engine_args`` add to vLLM's (``tensor_parallel_size``, ``block_size``)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        weight_transfer_config={"backend": "refit_app"},
+        **engine_args,
+    )
+
+
+def stop_llm(llm: Any) -> None:
+    """Stop ``llm``'s engine core (its worker processes) now, not at garbage collection."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
 def load_trainer_model(path: Path) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conditions import needs_cuda
@@ -25,27 +24,6 @@ from mp_utils import free_port
 ROUNDS = 3
 TEST_DEADLINE_S = 600.0
 """Whole-test deadline: engine start (~25 s here), the trainer's start-up and three rounds, on a loaded 2-core box."""
-
-
-def _start_llm(model_dir: Path, **engine_args: Any) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        weight_transfer_config={"backend": "refit_app"},
-        **engine_args,
-    )
-
-
-def _stop_llm(llm: Any) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
@@ -65,10 +43,10 @@ def test_offline_llm_on_a_gpu(tiny_llama_dir: Path, backend: str) -> None:
 
 
 def test_delta_rounds_patch_what_vllm_serves_in_place_and_reload_the_rest(tiny_llama_dir: Path) -> None:
-    from harness import BUFFER_BYTES, DELTA_PLAN, delta_trainer_main, serve
+    from harness import BUFFER_BYTES, DELTA_PLAN, delta_trainer_main, serve, start_llm, stop_llm
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    llm = _start_llm(tiny_llama_dir)
+    llm = start_llm(tiny_llama_dir)
     trainer = None
     try:
         settings = {
@@ -87,7 +65,7 @@ def test_delta_rounds_patch_what_vllm_serves_in_place_and_reload_the_rest(tiny_l
         if trainer is not None and trainer.is_alive():
             trainer.kill()
             trainer.join(10)
-        _stop_llm(llm)
+        stop_llm(llm)
 
     assert [r["round"] for r in rounds] == list(range(1, len(DELTA_PLAN) + 1))
     for kind, r in zip(DELTA_PLAN, rounds):
@@ -108,10 +86,19 @@ def test_delta_rounds_patch_what_vllm_serves_in_place_and_reload_the_rest(tiny_l
 
 
 def _refit_offline_llm(tiny_llama_dir: Path, backend: str) -> None:
-    from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, serve, trainer_main, vllm_greedy
+    from harness import (
+        BUFFER_BYTES,
+        hf_greedy,
+        load_trainer_model,
+        serve,
+        start_llm,
+        stop_llm,
+        trainer_main,
+        vllm_greedy,
+    )
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    llm = _start_llm(tiny_llama_dir)
+    llm = start_llm(tiny_llama_dir)
     trainer = None
     try:
         before = vllm_greedy(llm)
@@ -140,7 +127,7 @@ def _refit_offline_llm(tiny_llama_dir: Path, backend: str) -> None:
         if trainer is not None and trainer.is_alive():
             trainer.kill()
             trainer.join(10)
-        _stop_llm(llm)
+        stop_llm(llm)
 
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     mismatched = [r for r in rounds if r["vllm"] != r["expected"]]

@@ -67,21 +67,6 @@ def _whole(shape: tuple[int, ...]) -> list[list[int]]:
     return [[0, n] for n in shape]
 
 
-def _start_llm(model_dir: Path) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        tensor_parallel_size=TP,
-        weight_transfer_config={"backend": "refit_app"},
-    )
-
-
 def _answer(conn: Any, deadline: float, *, error: bool = False) -> tuple:
     left = deadline - time.monotonic()
     if left <= 0 or not conn.poll(min(left, 180.0)):
@@ -110,7 +95,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
-    from harness import checkpoint, hf_greedy, round_weights, vllm_greedy
+    from harness import checkpoint, hf_greedy, round_weights, start_llm, stop_llm, vllm_greedy
     from transformers import LlamaForCausalLM
 
     from refit_app.integrations.vllm.sharded import sharded_facts, sharded_init_info
@@ -139,7 +124,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
 
     info = settings()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
-    llm = _start_llm(llama_dir)
+    llm = start_llm(llama_dir, tensor_parallel_size=TP)
     producers: list[tuple[Any, Any]] = []
     rounds = []
     try:
@@ -191,9 +176,7 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
             if p.is_alive():
                 p.kill()
                 p.join(10)
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        stop_llm(llm)
 
     mismatched = [r for r in rounds if r["vllm"] != r["expected"]]
     assert not mismatched, "vLLM served other weights than the trainer's after " + "; ".join(

@@ -273,11 +273,10 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
 def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, vllm_greedy
-    from test_offline_llm import _start_llm, _stop_llm
+    from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, start_llm, stop_llm, vllm_greedy
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    llm = _start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
+    llm = start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
     try:
         before = vllm_greedy(llm)
         assert before == hf_greedy(load_trainer_model(tiny_llama_dir)), "vLLM disagrees with transformers at start"
@@ -289,7 +288,7 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
         with trainer_process(staged_trainer_main, str(tiny_llama_dir), settings, deadline=deadline) as conn:
             rounds = _serve_staged(llm, conn, deadline, monkeypatch)
     finally:
-        _stop_llm(llm)
+        stop_llm(llm)
 
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     served = before
@@ -338,11 +337,10 @@ def test_a_trainer_killed_mid_stage_leaves_the_engine_serving_the_round_before(
     """Round 1 staged and applied; in round 2 the trainer SIGKILLs itself with half the round sent. The worker's
     stage fails within the group's deadline while the engine keeps generating; the apply applies nothing and never
     pauses; the engine serves round 1's tokens and weights, bit for bit."""
-    from harness import BUFFER_BYTES
-    from test_offline_llm import _start_llm, _stop_llm
+    from harness import BUFFER_BYTES, start_llm, stop_llm
 
     deadline = time.monotonic() + TEST_DEADLINE_S
-    llm = _start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
+    llm = start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
     try:
         settings = {
             "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
@@ -354,7 +352,7 @@ def test_a_trainer_killed_mid_stage_leaves_the_engine_serving_the_round_before(
         ) as conn:
             rounds = _serve_staged(llm, conn, deadline, monkeypatch)
     finally:
-        _stop_llm(llm)
+        stop_llm(llm)
 
     first, killed = rounds
     assert first["metrics"]["applied"] is True and first["vllm"] == first["expected"], first
