@@ -112,6 +112,45 @@ def test_a_sharded_refit_refuses_what_it_cannot_run_yet_in_one_line(cli):
     )
 
 
+# --- the fault hooks (refit.debug.*) in sharded runs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("delta", "says"),
+    [("off", "arrived other than it was sent (checksums differ)"), ("on", "arrived unreadable")],
+)
+def test_a_chunk_changed_in_transit_to_a_consumer_fails_every_rank_naming_it(cli, delta, says):
+    # corrupt_chunk=0: each consumer flips the first byte of the first chunk it receives in a round (a delta
+    # round's records: their header, which then names no piece it can take).
+    result = cli("group.producers=2", "group.tp_size=2", "refit.rounds=2", f"refit.delta={delta}",
+                 "refit.debug.corrupt_chunk=0", COVER_STARTUP)  # fmt: skip
+    line = assert_one_line_error(result, says)
+    assert "rank 2: " in line or "rank 3: " in line, line  # a consumer names what reached it
+
+
+def test_a_corrupt_chunk_hook_that_never_fires_is_refused(cli):
+    assert_one_line_error(
+        cli("group.producers=2", "group.tp_size=2", "refit.debug.corrupt_chunk=1000", COVER_STARTUP),
+        "refit.debug.corrupt_chunk=1000: this consumer received", "the hook never fired",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("die_rank", [1, 3])  # a producer, a consumer
+def test_a_rank_killed_mid_round_fails_the_run_naming_it(cli, die_rank):
+    result = cli("group.producers=2", "group.tp_size=2", "refit.rounds=3", "refit.debug.die_in_round=2",
+                 f"refit.debug.die_rank={die_rank}", COVER_STARTUP)  # fmt: skip
+    assert_one_line_error(result, f"rank {die_rank} died (exit code -9)", "this rank kills itself now")
+    # Round 2's other pairs may finish (producer 0's sends do not wait for producer 1); the run never starts round 3.
+    assert "round 1/3" in result.stderr + result.stdout and "round 3/3" not in result.stderr + result.stdout
+
+
+def test_a_die_rank_outside_the_layout_is_refused(cli):
+    assert_one_line_error(
+        cli("group.producers=2", "group.tp_size=2", "refit.debug.die_in_round=1", "refit.debug.die_rank=4"),
+        "refit.debug.die_rank=4", "must be a rank in 1..3",
+    )  # fmt: skip
+
+
 # --- sink=save: each tensor-parallel consumer of replica 0 saves its slices ---------------------------------------
 
 

@@ -314,7 +314,7 @@ def validate(cfg: DictConfig) -> RunSettings:
     if refit is not None and group is not None and refit.elastic:
         _check_elastic(c, role, group)
     if refit is not None and group is not None:
-        _check_fault_hooks(c, refit, group)
+        _check_fault_hooks(c, refit, group, sharded)
         if role in ("local", "producer"):
             group = _check_shm_ring(c, refit, group)
 
@@ -371,8 +371,6 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         ("refit.delta", (DEFAULT_DELTA, "on"), SHARDED_DELTA_AUTO),
         ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),
         ("refit.use_legacy_packing", (False, None), "does not send vLLM's legacy chunks"),
-        ("refit.debug.corrupt_chunk", (None,), "has no corrupt_chunk hook yet"),
-        ("refit.debug.die_in_round", (None,), "has no die_in_round hook yet"),
         ("group.topology", ("tree",), "takes no topology (its replicas chain by themselves): leave it tree"),
         ("group.backend", ("auto", "gloo"), "runs over gloo: leave it auto or give gloo"),
     ):
@@ -382,11 +380,17 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
     return spec
 
 
-def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec) -> None:
+def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec, sharded: ShardedSpec | None) -> None:
     """A test hook that could never fire would let a test pass without its fault: refuse it."""
     if refit.die_in_round is None:
         return
-    if refit.die_rank >= group.world_size:
+    if sharded is not None and refit.die_rank >= sharded.world_size:
+        c.fail(
+            "refit.debug.die_rank",
+            refit.die_rank,
+            f"must be a rank in 1..{sharded.world_size - 1} ({sharded.describe()})",
+        )
+    elif sharded is None and refit.die_rank >= group.world_size:
         c.fail(
             "refit.debug.die_rank",
             refit.die_rank,

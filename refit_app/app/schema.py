@@ -151,7 +151,7 @@ class RefitDebug:
     """Round in which consumer refit.debug.die_rank SIGKILLs itself, at its first batch (mid-transfer), to show that
     refit.on_consumer_loss=continue goes on without it; under role=ray, an actor Ray restarted does not die again."""
     die_rank: int = 1
-    """The consumer rank that refit.debug.die_in_round kills."""
+    """The consumer rank that refit.debug.die_in_round kills (in a sharded refit any rank but 0: a producer's too)."""
 
 
 @dataclass

@@ -44,7 +44,9 @@ sink=verify does, and with ``sink.probe_tokens`` the producers run the fixed pro
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -59,7 +61,7 @@ import torch.distributed as dist
 from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
 from refit_app.checkpoint.slices import slices_metadata
-from refit_app.common.errors import HandshakeError, PeerError, VerificationError
+from refit_app.common.errors import ConfigError, HandshakeError, PeerError, VerificationError
 from refit_app.common.sizes import gb_per_s
 from refit_app.core.meta import TensorMeta
 from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
@@ -354,6 +356,79 @@ def trainer_mesh(rg: RefitGroup, s: RunSettings, producers: int) -> Iterator[Any
         dist.destroy_process_group()
 
 
+class FaultyGroup:
+    """The test-only fault hooks of a sharded refit (``refit.debug.*``), around the process group its transfers use
+    (every other call passes through): ``corrupt_chunk`` flips the first byte of each consumer's chunk of that index
+    (counting the byte buffers it receives in a round) after it arrived, before its region checksums are compared;
+    ``die_in_round`` SIGKILLs rank ``die_rank`` (a producer's as well as a consumer's) once its first send or receive
+    of that round has completed, mid-transfer, as a crash would end it."""
+
+    def __init__(self, pg: Any, *, corrupt_chunk: int | None, die_in_round: int | None) -> None:
+        self._pg = pg
+        self._corrupt_chunk = corrupt_chunk
+        self._die_in_round = die_in_round
+        self._round = 0
+        self._received = 0
+
+    def start_round(self, n: int) -> None:
+        self._round, self._received = n, 0
+
+    def end_round(self) -> None:
+        """A corrupt_chunk this consumer never received would let a test pass without its fault: refuse it."""
+        if self._corrupt_chunk is not None and self._received <= self._corrupt_chunk:
+            raise ConfigError(
+                f"refit.debug.corrupt_chunk={self._corrupt_chunk}: this consumer received {self._received} chunk(s) "
+                f"in round {self._round}: the hook never fired (give a smaller index)"
+            )
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return _Hooked(self._pg.send(tensors, dst, tag), self._dying(), None)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        flip = None
+        if self._corrupt_chunk is not None and tensors[0].dtype == torch.uint8 and tensors[0].numel():
+            if self._received == self._corrupt_chunk:
+                flip = tensors[0]
+            self._received += 1
+        return _Hooked(self._pg.recv(tensors, src, tag), self._dying(), flip)
+
+    def _dying(self) -> bool:
+        return self._die_in_round == self._round
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
+class _Hooked:
+    """One send or receive of a :class:`FaultyGroup`: its fault, once it completed."""
+
+    def __init__(self, work: Any, die: bool, flip: torch.Tensor | None) -> None:
+        self._work, self._die, self._flip = work, die, flip
+
+    def wait(self, *args: Any) -> Any:
+        done = self._work.wait(*args)
+        if self._die:
+            logger.warning("refit.debug.die_in_round: this rank kills itself now, mid-transfer")
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._flip is not None:
+            logger.warning("refit.debug.corrupt_chunk: flipping the first byte of a received chunk")
+            self._flip[0] ^= 0x01
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _fault_hooks(s: RunSettings, layout: ShardedSpec, pg: Any) -> FaultyGroup | None:
+    """The group with this rank's fault hooks, or None where it has none (every real run)."""
+    corrupt = s.refit.corrupt_chunk if s.rank >= layout.producers else None
+    die = s.refit.die_in_round if s.rank == s.refit.die_rank else None
+    if corrupt is None and die is None:
+        return None
+    return FaultyGroup(pg, corrupt_chunk=corrupt, die_in_round=die)
+
+
 def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | None = None) -> dict[str, Any]:
     """This rank's part of a sharded refit, ``refit.rounds`` rounds; its metrics. ``after_round``: called on every
     rank after each round's transfer, before a consumer checks it (a test reads the trainer's and the slices'
@@ -368,8 +443,8 @@ def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | No
         try:
             with ExitStack() as stack:
                 return _rounds(s, layout, rg, pg, source, started, stack, after_round)
-        except RegionMismatch as e:  # bytes that arrived other than their source hashed them
-            raise VerificationError(f"rank {s.rank}: {e}") from e
+        except RegionMismatch as e:  # bytes that arrived other than their source hashed them (it names the rank)
+            raise VerificationError(str(e)) from e
         except RuntimeError as e:  # gloo's own error: a peer lost; say whose and why, where it said
             raise PeerError(rg.control.explain(e)) from e
         finally:
@@ -425,6 +500,8 @@ def _rounds(
             stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
     handshake_s = time.perf_counter() - started
     dense = _dense_bytes(plan, rank, producer) if agreed.delta else None
+    faults = _fault_hooks(s, layout, pg)
+    wire = pg if faults is None else faults  # what the transfers go over
     done: list[RoundMetrics] = []
     checked = None
     for n in range(1, agreed.rounds + 1):
@@ -433,14 +510,18 @@ def _rounds(
         if n > 1 and changing is not None and hasattr(changing, "advance"):
             facts = changing.advance(n) or {}
         dist.barrier(group=pg)  # every rank starts the round together: its seconds are the transfer's
+        if faults is not None:
+            faults.start_round(n)
         with PeakMemory() as memory:
             t0 = time.perf_counter()
             if producer:
                 specs, shards = _shards(source, rank, k, agreed.trainer)  # this round's values, live
-                moved = send(pg, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas)
+                moved = send(wire, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas)
             else:
-                moved = receive(pg, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases)
+                moved = receive(wire, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases)
             seconds = time.perf_counter() - t0
+        if faults is not None:
+            faults.end_round()
         if after_round is not None:
             after_round(RoundView(n, rank, source=source) if producer else RoundView(n, rank, slices=slices))
         if agreed.sums:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
+from refit_app.common.errors import one_line
 from refit_app.core.delta.codec import DENSE, END, RECORD, Changes, Encoded, apply_record, diff, encode, padded
 from refit_app.core.reshard.plan import Box, Transfer, volume
 from refit_app.core.reshard.transfer import (
@@ -271,7 +272,7 @@ def receive_delta(
     bases.apply_seconds = 0.0
     for pair in pairs:
         started = time.perf_counter()
-        _apply(pair, blobs[pair.peer], slices)
+        _apply_checked(group, pair, blobs[pair.peer], slices)
         bases.apply_seconds += time.perf_counter() - started
         received += blobs[pair.peer].numel()
         theirs = torch.empty(len(pair.regions), dtype=torch.int64)
@@ -288,7 +289,7 @@ def receive_delta(
     repairs = _receive_blobs(group, again, slices, buffer_size_bytes, num_buffers)
     for pair in again:
         started = time.perf_counter()
-        _apply(pair, repairs[pair.peer], slices)
+        _apply_checked(group, pair, repairs[pair.peer], slices)
         received += repairs[pair.peer].numel()
         still = _differing(pair, bad[pair.peer][0], slices)
         bases.apply_seconds += time.perf_counter() - started
@@ -345,6 +346,17 @@ def _differing(pair: Pair, theirs: torch.Tensor, slices: Mapping[str, Held]) -> 
         for i, (t, sent) in enumerate(zip(pair.regions, theirs.tolist()))
         if _hash(_bytes_of(slices[t.name].region(t.box))[0]) != sent % (1 << 64)  # sent as a signed word
     ]
+
+
+def _apply_checked(group: PairGroup, pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
+    """:func:`_apply`, a stream whose records cannot be read (bytes changed in transit) named as a mismatch."""
+    try:
+        _apply(pair, blob, slices)
+    except (ValueError, IndexError) as e:
+        raise RegionMismatch(
+            f"rank {group.rank}: the delta records from rank {pair.peer} arrived unreadable ({one_line(e)}): "
+            "changed in transit"
+        ) from e
 
 
 def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
