@@ -95,3 +95,19 @@ def test_staged_rounds_of_a_sharded_refit_are_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^staged=True with producers=2: a sharded refit's rounds are not staged"):
         RefitWorkerInitInfo(rank_offset=2, world_size=4, producers=2, staged=True, **common)
     assert RefitWorkerInitInfo(rank_offset=1, world_size=2, staged=True, **common).staged
+
+
+def test_the_group_token_comes_from_each_sides_environment_never_from_the_init_info(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from refit_app.common.errors import ConfigError
+    from refit_app.transport.groups import connect
+
+    info = backend.RefitTrainerInitInfo(master_address="10.77.0.1", master_port=29999, world_size=2, rank=0)
+    monkeypatch.delenv("REFIT_APP_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"10\.77\.0\.1 is not a loopback address and group\.token is not set"):
+        connect(backend._spec(info, 0))  # refused before it binds or dials anything
+    monkeypatch.setenv("REFIT_APP_TOKEN", "secret-of-this-side")
+    assert backend._spec(info, 0).token == "secret-of-this-side"
+    assert backend._spec(backend.worker_init_info(info), 1).token == "secret-of-this-side"
+    assert "secret-of-this-side" not in repr(backend.worker_init_info(info))  # what vLLM's control plane carries

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from typing import Any, ClassVar
 from refit_app.common.errors import HandshakeError, PeerError
 from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
+from refit_app.transport.auth import TOKEN_ENV
 from refit_app.transport.groups import GroupSpec, connect
 from refit_app.transport.spec import DEFAULT_TIMEOUT_S, PRODUCER_RANK
 
@@ -184,6 +186,13 @@ def worker_init_info(info: RefitTrainerInitInfo) -> RefitWorkerInitInfo:
     )
 
 
+def group_token() -> str | None:
+    """The refit group's token: ``REFIT_APP_TOKEN`` in this process's environment, the trainer's and every vLLM
+    worker's alike (set the same one on both sides). It never travels in an init info: vLLM sends those over its
+    control plane (HTTP for a server). Without it a group on a non-loopback address is refused in one line."""
+    return os.environ.get(TOKEN_ENV)
+
+
 def _spec(info: RefitTrainerInitInfo | RefitWorkerInitInfo, rank: int) -> GroupSpec:
     return GroupSpec(
         backend=info.group_backend,
@@ -192,6 +201,7 @@ def _spec(info: RefitTrainerInitInfo | RefitWorkerInitInfo, rank: int) -> GroupS
         world_size=info.world_size,
         rank=rank,
         timeout_s=info.timeout_s,
+        token=group_token(),
     )
 
 

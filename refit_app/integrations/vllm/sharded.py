@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from refit_app.common.errors import HandshakeError, PeerError, VerificationError, one_line
 from refit_app.core.reshard.plan import Box, Need, TensorSpec, volume, whole
 from refit_app.core.reshard.transfer import Held, RegionMismatch
-from refit_app.integrations.vllm.backend import RefitUpdateInfo, RefitWorkerInitInfo
+from refit_app.integrations.vllm.backend import RefitUpdateInfo, RefitWorkerInitInfo, group_token
 from refit_app.protocol.checksum import PIECED
 from refit_app.protocol.sharded import Expected, agree, receive, send
 from refit_app.transport.groups import GroupSpec, RefitGroup, connect
@@ -98,6 +98,7 @@ def _group(info: RefitWorkerInitInfo, rank: int) -> RefitGroup:
             world_size=info.world_size,
             rank=rank,
             timeout_s=info.timeout_s,
+            token=group_token(),
         )
     )
 
