@@ -272,7 +272,7 @@ def _out_of_order(rank: int, port: int) -> list:
     a delta round applied after the engine wrote its targets (then never applied: round 4 comes dense)."""
     with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
         if rank == 0:
-            return _produce(rg, 4, "on")
+            return _produce(rg, 5, "on")
         targets = {n: torch.zeros_like(t) for n, t in _model(1).items()}
         session = ConsumerSession(rg, verify=True)
         out = []
@@ -298,6 +298,11 @@ def _out_of_order(rank: int, port: int) -> list:
         staged = session.stage(targets)
         staged.apply()
         out.append((staged.version, staged.base_round, _bytes(targets) == _bytes(_model(4))))
+        staged = session.stage(targets)  # round 5, changes to round 4
+        targets["b"].numpy()[0] += 1.0  # a write behind torch's version counter: only the bytes show it
+        written = _bytes(targets)
+        out.append(refused(staged.apply))
+        out.append(_bytes(targets) == written)
         assert session.stage(targets) is None
         return out
 
@@ -398,7 +403,7 @@ def test_a_staged_round_that_fails_verification_is_never_applied_and_the_next_co
 
 def test_calls_out_of_order_are_refused_in_one_line_and_a_written_base_is_never_patched(played):
     producer, consumer = (p["out_of_order"] for p in played)
-    assert producer == [0, 1, 2, 0]
+    assert producer == [0, 1, 2, 0, 4]
     while_staged = "round 2 is staged, neither applied nor discarded: apply() or discard() it before {}() takes round 3"
     assert consumer[:3] == [
         while_staged.format("receive"),
@@ -410,6 +415,11 @@ def test_calls_out_of_order_are_refused_in_one_line_and_a_written_base_is_never_
         "untouched by it, and the next round comes dense"
     )
     assert consumer[4] is True and consumer[5] == (4, 0, True)
+    assert producer[4] == 4 and consumer[6] == (
+        "round 5: not applied: the targets no longer hold round 4's bytes it was staged against (written behind "
+        "torch's version counter); they are untouched by it, and the next round comes dense"
+    )
+    assert consumer[7] is True
 
 
 def test_the_staging_bound_is_refused_in_one_line(played):

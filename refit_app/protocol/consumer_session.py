@@ -311,6 +311,7 @@ class ConsumerSession(Session):
             stage_seconds=time.perf_counter() - started,
             settle=functools.partial(self._settle, k, targets, checksums, algorithm),
             base_intact=functools.partial(self._delta.intact, targets),
+            base_bytes_intact=functools.partial(self._delta.bytes_intact, targets),
             check_targets=functools.partial(self._delta.targets_for, manifest.tensors, targets),
         )
         self._staged = staged

@@ -180,6 +180,7 @@ class StagedRound:
         settle: Callable[[str], None],
         base_intact: Callable[[], bool],
         check_targets: Callable[[], object] | None = None,
+        base_bytes_intact: Callable[[list[int]], bool | None] | None = None,
     ) -> None:
         self.round = round_
         self.held_round = held_round
@@ -198,6 +199,10 @@ class StagedRound:
         self._base_intact = base_intact
         self._check_targets = check_targets
         """Raises where the targets no longer match the manifest (a name gone, another shape, dtype or layout)."""
+        self._base_bytes_intact = base_bytes_intact
+        """Whether the targets of the given tensors still hash to the base (None: nothing to compare with)."""
+        self.base_check_seconds = 0.0
+        """The base's bytes checked before the pause (a delta round's patched tensors hashed)."""
 
     @property
     def version(self) -> int:
@@ -220,6 +225,7 @@ class StagedRound:
         a failure half-way through the writes leaves the targets holding neither round (StagingError too; the next
         round comes dense)."""
         self._check_staged("apply")
+        self._check_base_bytes()
         entered = time.perf_counter()
         failure: StagingError | None = None
         with pause if pause is not None else nullcontext():
@@ -241,6 +247,24 @@ class StagedRound:
             self.stage_seconds,
         )
         return self.metrics()
+
+    def _check_base_bytes(self) -> None:
+        """Before the pause: a delta round's scatter goes only onto the bytes it was staged against. The version
+        counters checked in the pause miss writes behind torch (``.data``, numpy, another process); the tensors the
+        round patches are hashed here instead, while the engine still serves, and compared with the base's hashes."""
+        if not self.base_round or self._base_bytes_intact is None or not self._changes or not self._base_intact():
+            return  # (a write through torch: the pause's check refuses it, saying so)
+        started = time.perf_counter()
+        patched = [c.index for c in self._changes if c.positions is not None]
+        intact = self._base_bytes_intact(patched) if patched else True
+        self.base_check_seconds = time.perf_counter() - started
+        if intact is False:
+            self._end(BROKEN)
+            raise StagingError(
+                f"round {self.version}: not applied: the targets no longer hold round {self.base_round}'s bytes it "
+                "was staged against (written behind torch's version counter); they are untouched by it, and the "
+                "next round comes dense"
+            )
 
     def _write(self) -> None:
         """The checks and the writes, in the pause: StagingError where the round is not applied."""
@@ -291,6 +315,7 @@ class StagedRound:
             "stage_seconds": self.stage_seconds,
             "pause_seconds": self.pause_seconds,
             "apply_seconds": self.apply_seconds,
+            "base_check_seconds": self.base_check_seconds,
             "staged_bytes": self.staged_bytes,
             "transfer_seconds": self.round.seconds,
             "wire_bytes": self.round.wire_bytes,

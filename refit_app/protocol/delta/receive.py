@@ -131,6 +131,17 @@ class ConsumerDelta:
         fingerprint = self._fingerprint
         return bool(self.held_round) and fingerprint is not None and fingerprint.identity == self._identity(targets)
 
+    def bytes_intact(self, targets: Mapping[str, torch.Tensor], indices: list[int]) -> bool | None:
+        """Whether the targets of manifest tensors ``indices`` still hold the bytes :attr:`held_round` left there, as
+        its fingerprint hashed them (what :meth:`intact` cannot see: a write behind torch's version counter, through
+        ``.data``, numpy or another process); None where there are no checksums to compare (``check_base=False``)."""
+        fingerprint = self._fingerprint
+        if not self.held_round or fingerprint is None or fingerprint.checksums is None:
+            return None
+        function = checksum_function(fingerprint.algorithm)
+        held = fingerprint.checksums
+        return all(function(host_bytes(targets[self._metas[i].name])) == held[i] for i in indices)
+
     def fingerprint(
         self,
         targets: Mapping[str, torch.Tensor] | None,
