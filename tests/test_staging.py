@@ -343,6 +343,29 @@ def _targets_changed_before_apply(rank: int, port: int) -> list:
         return out
 
 
+def _closed_with_a_round_staged(rank: int, port: int) -> list:
+    """Round 2 staged in a session that is then closed: its round must never be applied after that (another
+    session may have written newer weights into the targets since)."""
+    with connect(gloo_spec(rank, 2, port, timeout_s=TIMEOUT_S)) as rg:
+        if rank == 0:
+            session = ProducerSession(rg, buffer_size_bytes=BUFFER)
+            bases = [session.send(list(_model(k).items())).base_round for k in (1, 2)]
+            session.close(notify=False)  # the consumer closes its side without waiting for an end
+            return bases
+        targets = {n: torch.zeros_like(t) for n, t in _model(1).items()}
+        first = ConsumerSession(rg, verify=True)
+        first.stage(targets).apply()
+        staged = first.stage(targets)
+        first.close()
+        written = _bytes(targets)
+        try:
+            staged.apply()
+            out = ["not refused"]
+        except StagingError as e:
+            out = [str(e)]
+        return [*out, staged.state, _bytes(targets) == written]
+
+
 SCENARIOS = {
     "dense_beside_a_reader": _dense_beside_a_reader,
     "deltas_one_discarded": functools.partial(_deltas_one_discarded, verify=True),
@@ -353,6 +376,7 @@ SCENARIOS = {
     "bound": functools.partial(_bounded, first="receive"),
     "bound_at_the_manifest": functools.partial(_bounded, first="stage"),
     "targets_changed_before_apply": _targets_changed_before_apply,
+    "closed_with_a_round_staged": _closed_with_a_round_staged,
 }
 
 
@@ -503,3 +527,9 @@ def test_a_producer_killed_mid_stage_leaves_the_targets_untouched_and_the_consum
     assert consumer["error"].endswith("(not staged: the targets are untouched)"), consumer
     # Measured from the kill: a rank notices a dead peer within its deadline (mp_utils.DEADLINE_MARGIN).
     assert consumer["after_kill_s"] <= deadline_budget(KILL_TIMEOUT_S), consumer
+
+
+def test_a_round_staged_in_a_closed_session_is_never_applied(played):
+    producer, consumer = (p["closed_with_a_round_staged"] for p in played)
+    assert producer == [0, 0]
+    assert consumer == ["round 2: cannot apply it: it was discarded already", "discarded", True]

@@ -742,7 +742,10 @@ class ConsumerSession(Session):
         raise with_round(k, exc) from exc
 
     def close(self) -> None:
-        """Nothing to tell the producer: it ends the session. Marks this side closed."""
+        """Nothing to tell the producer: it ends the session. Marks this side closed, and discards a round staged
+        and not applied: once its session is over, another one may have written newer weights into the targets."""
+        if self._staged is not None:
+            self._staged.discard()
         self.closed = True
 
 
