@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_app.common.errors import HandshakeError
+from refit_app.common.errors import HandshakeError, PeerError
 from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas, receive_delta, send_delta
 from refit_app.core.reshard.plan import (
     Layout,
@@ -406,6 +406,94 @@ def receive(
         num_buffers=num_buffers,
         checksum=plan.checksum_function(),
     )
+
+
+GOING = 1
+ENDING = 2
+"""A rank's word at the start of a :class:`ShardedSession` round: it takes part in the round, or ends the session."""
+
+
+class ShardedSession:
+    """Rounds over one agreed plan (the layouts and the plan agreed once, as a one-producer session sends its
+    manifest once), each opened by every rank's word: the round it is at and whether it goes on. A producer's
+    :meth:`close` ends the session on every rank (a consumer's :meth:`receive` returns None); ranks at different
+    rounds, a producer that ends while another sends, or a consumer that leaves while the producers send, make every
+    rank raise in one line at that round's start, before its data. Delta state (a plan agreed with ``delta=True``)
+    is kept here across rounds::
+
+        session = ShardedSession(pg, rank, plan, producer=rank < k)
+        producer: for each step: session.send(shards)  ...  session.close()
+        consumer: while session.receive(slices) is not None: use(slices)
+
+    Every rank of ``pg`` must hold a session over the same plan: each round's word is a collective.
+    """
+
+    def __init__(
+        self, pg: Any, rank: int, plan: ShardedPlan, *, producer: bool, num_buffers: int = DEFAULT_NUM_BUFFERS
+    ):
+        _check_buffers(num_buffers)
+        self.pg, self.rank, self.plan, self.producer = pg, rank, plan, producer
+        self.num_buffers = num_buffers
+        self.rounds = 0
+        """Rounds done."""
+        self.closed = False
+        self.deltas = ProducerDeltas() if plan.delta and producer else None
+        self.bases = ConsumerBases() if plan.delta and not producer else None
+
+    def send(self, shards: dict[str, Held]) -> int:
+        """One round of this producer's regions; the bytes sent."""
+        self._opened("send", producer=True)
+        moved = send(self.pg, self.rank, self.plan, shards, num_buffers=self.num_buffers, delta=self.deltas)
+        self.rounds += 1
+        return moved
+
+    def receive(self, slices: dict[str, Held]) -> int | None:
+        """One round into ``slices``; the bytes received, or None once a producer ended the session."""
+        if not self._opened("receive", producer=False):
+            return None
+        moved = receive(self.pg, self.rank, self.plan, slices, num_buffers=self.num_buffers, bases=self.bases)
+        self.rounds += 1
+        return moved
+
+    def close(self) -> None:
+        """End the session on every rank (a producer's, called by every producer together; a consumer's: it
+        leaves, and the producers' next round stops in one line). A no-op once the session is over."""
+        if not self.closed:
+            self._word(ENDING)
+            self.closed = True
+
+    def _opened(self, call: str, *, producer: bool) -> bool:
+        if producer != self.producer:
+            raise ValueError(f"rank {self.rank}: {call}() is a {'producer' if producer else 'consumer'}'s call")
+        if self.closed:
+            if producer:
+                raise RuntimeError(f"rank {self.rank}: the session is closed: no round to send")
+            return False
+        return self._word(GOING)
+
+    def _word(self, word: int) -> bool:
+        """Every rank's word at round ``rounds + 1``; True where the round goes on."""
+        k = self.rounds + 1
+        mine = torch.tensor([k, word, int(self.producer)], dtype=torch.int64)
+        words = [torch.zeros(3, dtype=torch.int64) for _ in range(dist.get_world_size(self.pg))]
+        dist.all_gather(words, mine, group=self.pg)
+        said = [(r, *(int(x) for x in w)) for r, w in enumerate(words)]
+        for r, at, _, _ in said:
+            if at != k:
+                raise PeerError(f"rank {r} is at round {at} of the session, rank {self.rank} at round {k}")
+        ending = [(r, is_producer) for r, _, w, is_producer in said if w == ENDING]
+        if not ending:
+            return True
+        self.closed = True
+        going = [r for r, _, w, is_producer in said if w == GOING and is_producer]
+        enders = [r for r, is_producer in ending if is_producer]
+        if enders and going:
+            raise PeerError(f"producer {enders[0]} ended the session at round {k} while producer {going[0]} sent it")
+        if not enders:
+            if word == ENDING:
+                return False
+            raise PeerError(f"consumer {ending[0][0]} left the session before round {k}")
+        return False
 
 
 def _check_mode(plan: ShardedPlan, state: Any, how: str) -> None:
