@@ -15,7 +15,7 @@ threads here keep ``/inference/v1/generate`` requests in flight (greedy, their o
 
 Every background output is checked token by token: each ``weight_versions`` span equals transformers' greedy
 continuation with that version's weights of the prompt plus the tokens before the span (so each split is where
-the weights changed), and every applied round split some request that was in flight at its pause.
+the weights changed); outputs split only at the pauses that applied a round, and some output was split.
 """
 
 from __future__ import annotations
@@ -291,5 +291,7 @@ def test_staged_rounds_into_vllm_serve_while_it_generates(tiny_llama_dir: Path, 
             want = continuations[key]
             assert out["tokens"][start:end] == want, f"{out}: span {v} [{start}, {end}) vs transformers {want}"
     print(f"{len(background.outputs)} background outputs; split by a refit: {split_at}")
-    for before, after in (("default", "a1"), ("a1", "a2"), ("a2", "a3"), ("a3", "b1"), ("b1", "c1")):
-        assert split_at.get((before, after)), f"no request was in flight at the pause that applied {after}"
+    # A split only at a pause that applied a round, from the version before it (the dead round paused nothing). Not
+    # every pause splits a request: both clients may be between requests, or in a prefill, when it comes.
+    pauses = {("default", "a1"), ("a1", "a2"), ("a2", "a3"), ("a3", "b1"), ("b1", "c1")}
+    assert split_at and split_at.keys() <= pauses, f"splits {split_at}, pauses {sorted(pauses)}"
