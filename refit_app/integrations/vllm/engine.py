@@ -38,6 +38,7 @@ from refit_app.integrations.vllm.backend import (
 )
 from refit_app.integrations.vllm.loader import EngineLoader, LoadReport
 from refit_app.integrations.vllm.sharded import ShardedWorker
+from refit_app.integrations.vllm.staged import drop_pending, update_staged
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.spec import DEFAULT_TIMEOUT_S, PRODUCER_RANK
 
@@ -102,6 +103,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
         self._completed = False
         self._failed = False
         self._loaders: dict[int, EngineLoader] = {}
+        self.staged = False
+        """Whether the trainer stages its rounds (``RefitWorkerInitInfo.staged``): they load in their apply."""
 
     @property
     def loader(self) -> EngineLoader:
@@ -112,8 +115,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
         return loader
 
     def init_transfer_engine(self, init_info: RefitWorkerInitInfo) -> None:
+        drop_pending(self)  # a round the trainer before left staged ends first (within its group's deadline)
         self.shutdown()
         rank = init_info.rank_offset + _worker_rank(self.parallel_config)
+        self.staged = init_info.staged
         if init_info.producers:
             from vllm.config import set_current_vllm_config
 
@@ -124,7 +129,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
 
     def start_weight_update(self) -> None:
         self._completed = self._failed = False
-        self.loader.begin()
+        if not self.staged:  # a staged round loads in its apply, inside the engine's pause, not beside generation
+            self.loader.begin()
 
     def load(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Take a part of the round (a chunk, or the whole round's iterator)."""
@@ -158,6 +164,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitWorkerInitInfo, RefitU
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        if update_info.staged is not None:
+            if not self.staged:
+                raise RuntimeError(
+                    f"update_weights(staged={update_info.staged!r}): this engine's trainer did not set staged=True"
+                )
+            update_staged(self, update_info)
+            return
         if self.sharded is not None:
             try:
                 self.sharded.receive_round(update_info, self.load, self.complete)

@@ -155,11 +155,69 @@ def _worker(worker: Any) -> StagedWorker:
     engine = worker.weight_transfer_engine
     if engine is None:
         raise RuntimeError("no weight-transfer engine: start vLLM with weight_transfer_config={'backend': 'refit_app'}")
+    return _staged_of(engine)
+
+
+def _staged_of(engine: Any) -> StagedWorker:
     staged = getattr(engine, ATTRIBUTE, None)
     if staged is None:
         staged = StagedWorker(engine)
         setattr(engine, ATTRIBUTE, staged)
     return staged
+
+
+# The worker engine's update_weights with RefitUpdateInfo.staged set: how `vllm serve` drives a staged round. Its
+# /update_weights route returns nothing of the call but its failure, so a step that cannot go on raises, one line.
+
+
+def update_staged(engine: Any, update: RefitUpdateInfo) -> None:
+    """One step of a staged round on this worker (:attr:`RefitUpdateInfo.staged`): ``start`` returns at once (the
+    engine core goes on stepping generation while the side thread receives); ``wait`` returns once the round is
+    staged and raises :class:`~refit_app.common.errors.StagingError` (one line) where it will not be applied, the
+    round dropped; ``apply`` applies it (the caller has paused the engine); ``discard`` drops it, once its stage
+    has ended. ``wait`` and ``discard`` wait at most the group's deadline."""
+    staged = _staged_of(engine)
+    if engine.session is None:
+        raise RuntimeError("refit_app weight transfer is not initialized: call init_weight_transfer_engine first")
+    timeout_s = engine.session.group.spec.timeout_s
+    k = update.round
+    if update.staged == "start":
+        drop_pending(engine)
+        staged.start(k)
+    elif update.staged == "wait":
+        result = staged.wait(timeout_s)
+        if isinstance(result, str):
+            raise StagingError(f"round {k}: not applied, the engine keeps its weights: {result}")
+        if result.version != k:
+            _drop(staged, 0)
+            raise StagingError(f"round {k}: the worker staged round {result.version}; not applied")
+    elif update.staged == "apply":
+        metrics = staged.apply()
+        logger.info("refit_app worker: staged round %d applied: %s", k, metrics)
+    elif update.staged == "discard":
+        logger.info("refit_app worker: staged round %d dropped: %s", k, _drop(staged, timeout_s))
+    else:
+        raise ValueError(f"RefitUpdateInfo.staged={update.staged!r}")
+
+
+def drop_pending(engine: Any) -> None:
+    """Drop the round a trainer left staged (it died mid-stage, or never applied it), never applying it: waits for
+    its stage to end, within its group's deadline (the worker engine calls this before it joins a new trainer)."""
+    staged = getattr(engine, ATTRIBUTE, None)
+    if staged is None or staged._future is None:
+        return
+    timeout_s = engine.session.group.spec.timeout_s if engine.session is not None else 0.0
+    logger.warning("refit_app worker: the round staged before was not applied: %s", _drop(staged, timeout_s))
+
+
+def _drop(staged: StagedWorker, timeout_s: float) -> str:
+    """Drop the worker's staged round, unapplied, once its stage has ended (within ``timeout_s``); returns why it
+    was not applied (one line)."""
+    result = staged.wait(timeout_s)
+    if staged.staging():
+        raise StagingError(f"the staged round did not end within {timeout_s:g}s; it stays pending")
+    _discard_staged(staged)
+    return result if isinstance(result, str) else f"round {result.version}: staged, never applied"
 
 
 # Worker-side functions, run through collective_rpc (each gets the vLLM worker).
@@ -251,7 +309,10 @@ class StagedLLM:
 
 
 def _discard(worker: Any) -> None:
-    staged = _worker(worker)
+    _discard_staged(_worker(worker))
+
+
+def _discard_staged(staged: StagedWorker) -> None:
     future, staged._future = staged._future, None
     if future is not None and future.done() and future.exception() is None:
         future.result().discard()
@@ -261,15 +322,25 @@ def send_staged(trainer: Any, weight_version: str | None = None) -> tuple[Round,
     """One staged round from a :class:`~refit_app.integrations.vllm.engine.RefitTrainerWeightTransferEngine` built
     with ``staged=True``, through its client, which must also have ``stage_weights(update_info)`` (returns once
     the workers' stage has started) and ``apply_staged(weight_version) -> metrics`` (:class:`StagedLLM`'s
-    :meth:`~StagedLLM.stage` and :meth:`~StagedLLM.apply` on the engine's side). Returns the producer's round and
-    the engine's metrics."""
+    :meth:`~StagedLLM.stage` and :meth:`~StagedLLM.apply` on the engine's side; for ``vllm serve``,
+    :class:`~refit_app.integrations.vllm.server.StagedHTTPClient`), and may have ``discard_staged()``, called where
+    the send fails. Returns the producer's round and the engine's metrics."""
     session = trainer.session
     if session is None:
         raise RuntimeError("refit_app trainer engine is not connected (trainer_init failed or shutdown ran)")
     metas = [TensorMeta(m.name, tuple(m.shape), m.dtype) for m in trainer.source.metadata()]
     update = RefitUpdateInfo(round=session.rounds + 1)
     trainer.client.stage_weights(asdict(update))
-    sent = session.send(trainer.source, metas=metas, source="vLLM trainer engine (staged)")
+    try:
+        sent = session.send(trainer.source, metas=metas, source="vLLM trainer engine (staged)")
+    except BaseException:
+        discard = getattr(trainer.client, "discard_staged", None)
+        if discard is not None:  # the engine drops the round, once the workers' stage has failed too
+            try:
+                discard()
+            except Exception as e:
+                logger.warning("the engine could not drop the staged round: %s", e)
+        raise
     trainer.last_round = sent
     metrics = trainer.client.apply_staged(weight_version)
     return sent, metrics
