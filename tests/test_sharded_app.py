@@ -107,8 +107,9 @@ def test_ranks_started_apart_stop_together_where_one_producer_has_another_layout
 
 def test_a_sharded_refit_refuses_what_it_cannot_run_yet_in_one_line(cli):
     assert_one_line_error(
-        cli("group.producers=2", "sink=vllm"),
-        "a sharded refit feeds sink=verify, discard, save or model only so far, not sink=vllm",
+        cli("group.producers=2", "group.replicas=2", "sink=vllm"),
+        "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one engine (group.replicas=1) so far",
+        "a sharded refit into sink=vllm needs a trainer to build the engine's model from: source=model",
     )
 
 
