@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -273,7 +274,20 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.producers=0"], "group.producers=0 is invalid: must be an integer in 1..1023"),
         (["group.producers=25", "group.tp_size=1000"], "consumers are 1025 ranks, more than 1024"),
         (["group.tp_size=2", "role=ray", "group.world_size=2"], "group.world_size=2 is invalid: role=ray runs group"),
-        (["group.producers=2", "sink=vllm"], "a sharded refit feeds sink=verify, discard, save or model only so far"),
+        (["group.producers=2", "sink=vllm"], "a sharded refit into sink=vllm needs a trainer to build the engine's"),
+        (["group.replicas=2", "sink=vllm"], "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one"),
+        (
+            ["group.producers=2", "sink=vllm", "source=model", "source.path=.", "refit.delta=on"],
+            "refit.delta='on' is invalid: a sharded refit into sink=vllm sends dense rounds only so far",
+        ),
+        (
+            ["group.producers=2", "role=ray", "sink=vllm"],
+            "role='ray' is invalid: a sharded refit into sink=vllm runs under role=local, or role=producer and",
+        ),
+        (
+            ["group.producers=2", "role=consumer", "group.rank=2", "group.world_size=4", "sink=vllm"],
+            "group.world_size=4 is invalid: group.producers=2 + group.replicas=1 engine process(es) of group.tp_size=1",
+        ),
         (["group.tp_size=2", "sink=model"], "group.tp_size=2 is invalid: a sharded refit into sink=model builds the"),
         (["group.producers=2", "sink=model"], "a sharded refit into sink=model needs a trainer to build the model"),
         (
@@ -500,3 +514,21 @@ def test_full_error_shows_the_traceback(app: Path) -> None:
     assert "Traceback (most recent call last)" in result.stderr
     assert "refit_app.common.errors.ConfigError: refit.num_buffers=0 is invalid" in result.stderr
     assert "refit_app: error:" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "engines"),
+    [
+        (["role=local", "sink=vllm", "source=model", "source.path={model}"], 3, True),
+        (["role=consumer", "group.rank=2", "group.world_size=3", "sink=vllm"], 3, True),
+        (["role=producer", "group.rank=1", "group.world_size=3"], 3, True),  # the engine process counted, not workers
+        (["role=producer", "group.rank=1", "group.world_size=4"], 4, False),
+    ],
+)
+def test_a_sharded_refit_into_an_engine_counts_one_process_per_replica(
+    overrides: list[str], world_size: int, engines: bool, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    s = settings("group.producers=2", "group.tp_size=2", *[o.format(model=tmp_path) for o in overrides])
+    assert s.sharded is not None and (s.group.world_size, s.sharded.engines) == (world_size, engines)
+    assert s.sharded == replace(s.sharded, engines=not engines)  # not part of the layout the ranks compare

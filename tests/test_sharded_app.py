@@ -107,8 +107,9 @@ def test_ranks_started_apart_stop_together_where_one_producer_has_another_layout
 
 def test_a_sharded_refit_refuses_what_it_cannot_run_yet_in_one_line(cli):
     assert_one_line_error(
-        cli("group.producers=2", "sink=vllm"),
-        "a sharded refit feeds sink=verify, discard, save or model only so far, not sink=vllm",
+        cli("group.producers=2", "group.replicas=2", "sink=vllm"),
+        "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one engine (group.replicas=1) so far",
+        "a sharded refit into sink=vllm needs a trainer to build the engine's model from: source=model",
     )
 
 
@@ -191,7 +192,7 @@ def test_a_sharded_save_writes_each_tp_ranks_slices_once_and_they_reassemble_to_
 
 def _failing_rank(rank: int, world_size: int, port: int, s, fail_rank: int, fail_round: int):
     from refit_app.app.local import rank_settings
-    from refit_app.app.sharded import run_sharded
+    from refit_app.app.sharded_run import run_sharded
 
     s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
 
@@ -232,7 +233,7 @@ def test_a_failed_sharded_save_keeps_the_previous_slices_and_leaves_no_file_that
 
 def _failing_seal_rank(rank: int, world_size: int, port: int, s, fail_rank: int):
     from refit_app.app.local import rank_settings
-    from refit_app.app.sharded import run_sharded
+    from refit_app.app.sharded_run import run_sharded
     from refit_app.common.errors import SinkError
     from refit_app.models.sinks import SaveSink
 

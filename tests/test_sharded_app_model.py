@@ -127,7 +127,7 @@ def test_producers_sums_count_a_replicated_tensor_once_and_name_a_slice_that_mov
 def _rank(rank: int, world_size: int, port: int, s, tamper_rank: int) -> tuple[bytes, object]:
     """One rank of the application's sharded refit, with a hook that hands the test what it saw each round."""
     from refit_app.app.local import rank_settings
-    from refit_app.app.sharded import run_sharded
+    from refit_app.app.sharded_run import run_sharded
 
     s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
     seen: list[dict] = []

@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, port: int, scenario: str) -> dict:
         buffer_size_bytes=256,  # regions in pieces, buffers reused
         timeout_s=60.0,  # above run_ranks' 40 s: a rank that waited for the deadline is killed and fails the test
         checksums=True,
+        token={"token": "s3cret", "wrong-token": "s3cret" if rank != K + 1 else "guess"}.get(scenario),
     )
     if rank < K:
         specs, _ = producer_shards(_weights(1).items(), rank, K)
@@ -86,8 +87,9 @@ def _rank(rank: int, world: int, port: int, scenario: str) -> dict:
     return {"facts": facts, "loaded": loaded}
 
 
-def test_workers_receive_exactly_their_boxes_into_whole_shaped_tensors() -> None:
-    results = run_ranks(_rank, K + W, "ok", timeout=40)
+@pytest.mark.parametrize("scenario", ["ok", "token"])
+def test_workers_receive_exactly_their_boxes_into_whole_shaped_tensors(scenario: str) -> None:
+    results = run_ranks(_rank, K + W, scenario, timeout=40)
     for tp_rank, result in enumerate(results[K:]):
         boxes = _boxes(tp_rank)
         assert result["loaded"] == [dict.fromkeys(SHAPES, "exact")] * ROUNDS, (tp_rank, result["loaded"])
@@ -131,3 +133,10 @@ def test_a_lost_trainer_rank_fails_the_workers_naming_it() -> None:
     for worker in results[K:]:
         assert worker.exc_type == PeerError.__name__, results
         assert "lost rank 1 while" in worker.message and "\n" not in worker.message, results
+
+
+def test_a_worker_without_the_groups_token_cannot_join() -> None:
+    results = run_ranks(_rank, K + W, "wrong-token", timeout=70, return_exceptions=True)
+    assert all(not isinstance(r, dict) for r in results), results
+    assert all("\n" not in f.message for f in results), results
+    assert "token" in results[K + 1].message, results[K + 1]

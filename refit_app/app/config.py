@@ -115,13 +115,23 @@ class ShardedSpec:
     producers: int
     tp_size: int
     replicas: int
+    engines: bool = field(default=False, compare=False)
+    """The consumers are an engine's workers (``sink=vllm``): the application runs one engine process per replica,
+    whose ``tp_size`` workers join the refit themselves. Not part of the layout ranks compare: a producer learns it
+    from the consumers at the settings exchange (:mod:`refit_app.app.sharded_engine`)."""
 
     @property
     def world_size(self) -> int:
-        return self.producers + self.tp_size * self.replicas
+        """The application's processes: the producers, then each consumer, or each replica's engine process."""
+        return self.producers + (self.replicas if self.engines else self.tp_size * self.replicas)
 
     def describe(self) -> str:
         """The layout as its keys, for messages."""
+        if self.engines:
+            return (
+                f"group.producers={self.producers} + group.replicas={self.replicas} engine process(es) of "
+                f"group.tp_size={self.tp_size} workers"
+            )
         return (
             f"group.producers={self.producers} + group.tp_size={self.tp_size} x group.replicas={self.replicas} "
             f"consumers"
@@ -136,9 +146,12 @@ SHARDED_DELTA_AUTO = (
     "switch to dense rounds is not built for it yet"
 )
 """Why a sharded refit refuses ``refit.delta=auto`` (its producers compare their own shards with ``on``)."""
-SHARDED_SINKS = ("verify", "discard", "save", "model")
+SHARDED_SINKS = ("verify", "discard", "save", "model", "vllm")
 """The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
-a whole model, group.tp_size=1; docs/sharded.md)."""
+a whole model, group.tp_size=1; vllm: one engine process whose tensor-parallel workers are the consumers;
+docs/sharded.md)."""
+ENGINE_SINKS = ("vllm",)
+"""Sinks whose consumers are an engine's workers: one process per replica (:attr:`ShardedSpec.engines`)."""
 
 
 @dataclass(frozen=True)
@@ -336,7 +349,8 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
             bad = True
     if bad or _ABSENT in sizes.values() or all(v == 1 for v in sizes.values()):
         return None
-    spec = ShardedSpec(**sizes)
+    sink_kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
+    spec = ShardedSpec(**sizes, engines=_engines(c, role, sink_kind, ShardedSpec(**sizes)))
     if spec.world_size > MAX_WORLD_SIZE:
         c.fail(
             "group.producers",
@@ -354,9 +368,13 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
     device = c.get("source.device") if kind == "model" and role in ("local", "ray", "auto", "producer") else _ABSENT
     if device not in (_ABSENT, None, "cpu"):
         c.fail("source.device", device, f"{what} trains source=model on the CPU (FSDP2, gloo) so far: leave it null")
-    kind = OmegaConf.select(c.cfg, "sink.kind", default=None)
+    kind = sink_kind
     if role in ("local", "ray", "auto", "consumer") and kind not in SHARDED_SINKS:
-        c.errors.append(f"{what} feeds sink=verify, discard, save or model only so far, not sink={kind or 'custom'}")
+        c.errors.append(
+            f"{what} feeds sink=verify, discard, save, model or vllm only so far, not sink={kind or 'custom'}"
+        )
+    if kind in ENGINE_SINKS and role in ("local", "ray", "auto", "consumer"):
+        _check_engine_sink(c, role, kind, spec)
     if kind == "model" and spec.tp_size != 1:
         c.fail(
             "group.tp_size",
@@ -378,6 +396,33 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         if value is not _ABSENT and value not in allowed:
             c.fail(key, value, f"{what} {why}")
     return spec
+
+
+def _engines(c: _Checker, role: Any, sink_kind: Any, layout: ShardedSpec) -> bool:
+    """Whether this process's view of the layout has engine processes for consumers (:attr:`ShardedSpec.engines`):
+    a consumer or role=local with an engine's sink; a producer (which has no sink) where its ``group.world_size``
+    counts engine processes rather than consumers (the settings exchange confirms it)."""
+    if role != "producer":
+        return sink_kind in ENGINE_SINKS
+    engine_world = dataclasses.replace(layout, engines=True).world_size
+    return c.get("group.world_size") == engine_world != layout.world_size
+
+
+def _check_engine_sink(c: _Checker, role: Any, kind: str, spec: ShardedSpec) -> None:
+    """What a sharded refit into an engine (sink=vllm) does not run yet, in one line each."""
+    what = f"a sharded refit into sink={kind}"
+    if role not in ("local", "consumer"):
+        c.fail("role", role, f"{what} runs under role=local, or role=producer and role=consumer, so far")
+    if spec.replicas != 1:
+        c.fail("group.replicas", spec.replicas, f"{what} runs one engine (group.replicas=1) so far")
+    if role == "local" and OmegaConf.select(c.cfg, "source.kind", default=None) != "model":
+        c.errors.append(f"{what} needs a trainer to build the engine's model from: source=model")
+    delta = c.get("refit.delta")
+    if delta not in (_ABSENT, DEFAULT_DELTA):
+        c.fail("refit.delta", delta, f"{what} sends dense rounds only so far: leave it off")
+    model = c.get("sink.model")
+    if model not in (_ABSENT, None):
+        c.fail("sink.model", model, f"{what} builds the engine from the trainer's config.json: leave it null")
 
 
 def _check_fault_hooks(c: _Checker, refit: RefitSpec, group: GroupSpec, sharded: ShardedSpec | None) -> None:

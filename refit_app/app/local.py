@@ -57,7 +57,7 @@ def _rank_main(rank: int, s: RunSettings, log_files: list[str]) -> dict[str, Any
     # Every rank is on this host, so its rank is its index here: the producer takes cuda:0, consumer k cuda:k.
     ranked = rank_settings(s, rank, local_rank=rank)
     if s.sharded is not None:
-        from refit_app.app.sharded import run_sharded
+        from refit_app.app.sharded_run import run_sharded
 
         return run_sharded(ranked)
     # Only the producer draws a live progress line: several ranks rewriting one terminal line is noise.

@@ -50,7 +50,8 @@ class RoundMetrics:
         default=None,
         metadata=_doc(
             "sink=model/vllm: `{max_abs_logit_diff, tokens_match}` of the consumer's model against the "
-            "producer's after this round"
+            "producer's after this round (a sharded refit into sink=vllm: also `next_tokens`, the trainer's "
+            "greedy tokens on the probe)"
         ),
     )
     engine_load: dict[str, Any] | None = field(
@@ -60,6 +61,13 @@ class RoundMetrics:
             "whole through vLLM's layerwise reload) and, in a delta round, `patched` (tensors changed in "
             "place through vLLM's checkpoint-patch loader), `layers` (layers reloaded), `patch_seconds`, "
             "`reload_seconds`"
+        ),
+    )
+    workers: list[dict[str, Any]] | None = field(
+        default=None,
+        metadata=_doc(
+            "a sharded refit into sink=vllm: each tensor-parallel worker's `rank`, `bytes` received this round "
+            "(its boxes of every tensor) and `model_bytes` (the whole model's)"
         ),
     )
     wire_bytes: int | None = field(
@@ -492,6 +500,10 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
         parts.append(", verified")
     elif verified is False:
         parts.append(", VERIFICATION FAILED")
+    workers = [w for c in consumers for r in (c.get("rounds") or [])[-1:] for w in r.get("workers") or []]
+    if workers:  # an engine's tensor-parallel workers, each receiving its part of the model
+        shares = "/".join(f"{w['bytes'] / w['model_bytes']:.0%}" for w in workers if w["model_bytes"])
+        parts.append(f", {len(workers)} engine workers receiving {shares} of the model")
     checks = [r["model_check"] for c in [metrics, *consumers] for r in c.get("rounds") or [] if r.get("model_check")]
     if checks:
         worst = max(c["max_abs_logit_diff"] for c in checks)

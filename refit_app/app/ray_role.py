@@ -338,7 +338,7 @@ class RankActor:
         # Ray gives each actor its GPUs (CUDA_VISIBLE_DEVICES): the current device is the actor's own.
         ranked = rank_settings(s, rank, local_rank=None)
         if s.sharded is not None:  # one of a sharded refit's producers or consumers
-            from refit_app.app.sharded import run_sharded
+            from refit_app.app.sharded_run import run_sharded
 
             return outcome_of(lambda r: run_sharded(ranked), rank)
         # No live progress line: Ray relays an actor's output line by line, with a prefix.

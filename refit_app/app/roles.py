@@ -354,7 +354,7 @@ def run_role(s: RunSettings) -> dict[str, Any]:
     """Run this process's role (the producer or a consumer; of a sharded refit, one of its ranks) and return its
     metrics."""
     if s.sharded is not None:
-        from refit_app.app.sharded import run_sharded
+        from refit_app.app.sharded_run import run_sharded
 
         return run_sharded(s)
     return (run_producer if s.role == "producer" else run_consumer)(s)

@@ -58,10 +58,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit_app.app.config import RunSettings, ShardedSpec
+from refit_app.app.config import ENGINE_SINKS, RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics, RunMetrics, round_times
 from refit_app.checkpoint.slices import slices_metadata
-from refit_app.common.errors import ConfigError, HandshakeError, PeerError, VerificationError
+from refit_app.common.errors import ConfigError, HandshakeError, VerificationError
 from refit_app.common.sizes import gb_per_s
 from refit_app.core.meta import TensorMeta
 from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
@@ -76,7 +76,7 @@ from refit_app.core.reshard.plan import (
     shard_box,
     volume,
 )
-from refit_app.core.reshard.transfer import Held, RegionMismatch
+from refit_app.core.reshard.transfer import Held
 from refit_app.models.sinks import SaveSink, make_sink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
@@ -95,7 +95,7 @@ from refit_app.protocol.sharded import (
     send,
     tp_needs,
 )
-from refit_app.transport.groups import RefitGroup, connect
+from refit_app.transport.groups import RefitGroup
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,9 @@ class Agreed:
     """The most probe positions a consumer's sink=model asks for (0: none): the producers probe every round."""
     delta: bool
     """Producer 0's ``refit.delta=on``: every round after the first a delta round (a consumer adopts it)."""
+    engines: bool = False
+    """The consumers are engine processes whose workers take the slices (sink=vllm,
+    :mod:`refit_app.app.sharded_engine`)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ class RoundView:
     slices: dict[str, Held] | None = None
 
 
-def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -> Agreed:
+def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -> Agreed:
     """The rounds and buffer size every rank runs with (a consumer's null adopts producer 0's) and what the
     producers' source is; a rank whose layout or rounds differ from rank 0's, or producers of two kinds of source,
     stop every rank with the same line."""
@@ -261,12 +264,16 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
             verify=_consumer_verifies(s),
             saves=s.sink_name == "save",
             recomputes=s.source is not None,
-            builds=s.sink_name == "model",
-            probe=int(s.sink.params.get("probe_tokens") or 0) if s.sink_name == "model" and s.sink else 0,
+            builds=s.sink_name in ("model", *ENGINE_SINKS),
+            engine=s.sink_name in ENGINE_SINKS,
+            sink=s.sink_name,
+            probe=int(s.sink.params.get("probe_tokens") or 0)
+            if s.sink_name in ("model", *ENGINE_SINKS) and s.sink
+            else 0,
         )
     if s.rank == 0:
         mine.update(run=secrets.token_hex(8))
-    every: list[Any] = [None] * layout.world_size
+    every: list[Any] = [None] * s.group.world_size
     dist.all_gather_object(every, mine, group=pg)
     first = every[0]
     for other in every:
@@ -296,11 +303,17 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
                 f"producers 0 and {other['rank']} train models of different config.json: every producer of a trainer "
                 "needs the same model (source.path)"
             )
-    for other in every[layout.producers :]:
+    consumers = every[layout.producers :]
+    for other in consumers:
         if other["builds"] and not first["trainer"]:
             raise HandshakeError(
-                f"consumer rank {other['rank']} builds a model (sink=model) but the producers read "
-                f"{first['source']}: sink=model needs the producers to train one (source=model)"
+                f"consumer rank {other['rank']} builds a model (sink={other['sink']}) but the producers read "
+                f"{first['source']}: sink={other['sink']} needs the producers to train one (source=model)"
+            )
+        if other["engine"] != consumers[0]["engine"]:
+            raise HandshakeError(
+                f"consumer ranks {consumers[0]['rank']} and {other['rank']} differ: sink={consumers[0]['sink']} and "
+                f"sink={other['sink']}; an engine's workers (sink=vllm) and other consumers cannot share a refit yet"
             )
     if not first["trainer"]:
         for other in every[layout.producers :]:
@@ -321,6 +334,7 @@ def _agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) -
         model_config=first["config"],
         probe_tokens=max((e.get("probe", 0) for e in every), default=0),
         delta=first["delta"],
+        engines=bool(consumers) and consumers[0]["engine"],
     )
 
 
@@ -429,38 +443,17 @@ def _fault_hooks(s: RunSettings, layout: ShardedSpec, pg: Any) -> FaultyGroup | 
     return FaultyGroup(pg, corrupt_chunk=corrupt, die_in_round=die)
 
 
-def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | None = None) -> dict[str, Any]:
-    """This rank's part of a sharded refit, ``refit.rounds`` rounds; its metrics. ``after_round``: called on every
-    rank after each round's transfer, before a consumer checks it (a test reads the trainer's and the slices'
-    values there)."""
-    layout = s.sharded
-    assert layout is not None, "run_sharded needs a sharded layout (group.producers, tp_size, replicas)"
-    producer = s.rank < layout.producers
-    source = make_source(s.source.target, s.source.params) if producer else None
-    started = time.perf_counter()
-    with connect(replace(s.group, backend="gloo")) as rg:
-        pg = rg.group.process_group()
-        try:
-            with ExitStack() as stack:
-                return _rounds(s, layout, rg, pg, source, started, stack, after_round)
-        except RegionMismatch as e:  # bytes that arrived other than their source hashed them (it names the rank)
-            raise VerificationError(str(e)) from e
-        except RuntimeError as e:  # gloo's own error: a peer lost; say whose and why, where it said
-            raise PeerError(rg.control.explain(e)) from e
-        finally:
-            del pg
-
-
 def _consumer_source(s: RunSettings) -> Any:
     """What a consumer of a source it can recompute (synthetic) builds, from its own settings, to verify against
-    (every consumer has one: :func:`_agree_settings` checked)."""
+    (every consumer has one: :func:`agree_settings` checked)."""
     assert s.source is not None
     return make_source(s.source.target, s.source.params)
 
 
-def _rounds(
+def run_rounds(
     s: RunSettings,
     layout: ShardedSpec,
+    agreed: Agreed,
     rg: RefitGroup,
     pg: Any,
     source: Any,
@@ -470,7 +463,6 @@ def _rounds(
 ) -> dict[str, Any]:
     rank, k, m = s.rank, layout.producers, layout.tp_size
     producer = source is not None
-    agreed = _agree_settings(pg, s, layout, source)
     chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
     buffer = agreed.buffer_size_bytes
     verify = not producer and _consumer_verifies(s)
@@ -552,7 +544,9 @@ def _rounds(
             probe = _probe(pg, layout, rank, source, agreed.probe_tokens)
             if model is not None and model.probe_tokens:  # the producers' probe: the most any consumer asked for
                 check = model.check(probe, agreed.probe_tokens)
-        r = _round(n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check)
+        r = round_metrics(
+            n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check
+        )
         done.append(_delta_figures(r, deltas if producer else bases) if agreed.delta else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
@@ -568,7 +562,9 @@ def _rounds(
         dist.barrier(group=pg)
     saved = saver.close() if saver is not None else {}
     described = source.describe() if producer else agreed.source  # a trainer's as it is now, sharded
-    return _metrics(s, described, plan, done, handshake_s, producer, verify, checked, len(expects), saved)
+    return rank_metrics(
+        s, described, plan.buffer_size_bytes, done, handshake_s, producer, verify, checked, len(expects), saved
+    )
 
 
 def _slice_saver(
@@ -660,7 +656,7 @@ def _delta_figures(r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None
     return replace(r, delta=delta, base_round=r.round - 1 if delta else None, apply_seconds=state.apply_seconds)
 
 
-def _round(
+def round_metrics(
     n: int,
     seconds: float,
     dense: int,
@@ -671,7 +667,8 @@ def _round(
     loss: float | None,
     model_check: dict[str, Any] | None = None,
 ) -> RoundMetrics:
-    """A round's figures: ``dense`` the bytes it brought up to date, ``moved`` those that crossed the group."""
+    """A round's figures on one rank: ``dense`` the bytes it brought up to date, ``moved`` those that crossed the
+    group."""
     return RoundMetrics(
         round=n,
         seconds=seconds,
@@ -688,10 +685,10 @@ def _round(
     )
 
 
-def _metrics(
+def rank_metrics(
     s: RunSettings,
     source: str,
-    plan: ShardedPlan,
+    buffer_size_bytes: int,
     rounds: list[RoundMetrics],
     handshake_s: float,
     producer: bool,
@@ -711,7 +708,7 @@ def _metrics(
         num_tensors=num_tensors,
         gb_per_s=gb_per_s(total, times["seconds"]),
         handshake_seconds=handshake_s,
-        buffer_size_bytes=plan.buffer_size_bytes,
+        buffer_size_bytes=buffer_size_bytes,
         num_buffers=s.refit.num_buffers,
         use_legacy_packing=False,
         backend="gloo",

@@ -64,11 +64,14 @@ def sharded_init_info(
     num_buffers: int = 2,
     timeout_s: float = 120.0,
     checksums: bool = True,
+    token: str | None = None,
 ) -> RefitWorkerInitInfo:
     """The settings of a sharded refit into a vLLM engine, for its workers (``init_weight_transfer_engine``'s
     ``init_info``) and for the trainer's :class:`ShardedProducer` ranks alike: ``producers`` trainer ranks, then the
     engine's ``workers`` (every worker of every data-parallel replica); ``tensors`` the checkpoint's names, dtypes
-    and global shapes, which every worker's loaders are asked about (the producers' agreement checks them)."""
+    and global shapes, which every worker's loaders are asked about (the producers' agreement checks them);
+    ``token`` the secret every rank proves at the rendezvous (``group.token``; None: each process's own
+    ``REFIT_APP_TOKEN``, and without one a loopback address only)."""
     if not (isinstance(producers, int) and producers >= 1 and isinstance(workers, int) and workers >= 1):
         raise ValueError(f"producers={producers!r}, workers={workers!r}: give at least one of each")
     listed = [[name, str(dtype).removeprefix("torch."), [int(n) for n in shape]] for name, dtype, shape in tensors]
@@ -84,6 +87,7 @@ def sharded_init_info(
         checksums=checksums,
         producers=producers,
         tensors=listed,
+        token=token,
     )
 
 
@@ -98,7 +102,7 @@ def _group(info: RefitWorkerInitInfo, rank: int) -> RefitGroup:
             world_size=info.world_size,
             rank=rank,
             timeout_s=info.timeout_s,
-            token=group_token(),
+            token=info.token if info.token is not None else group_token(),
         )
     )
 

