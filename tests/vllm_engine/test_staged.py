@@ -183,6 +183,7 @@ def _serve_staged(
     *,
     prepare: bool = True,
     on_check: Any = None,
+    on_stage: Any = None,
 ) -> list[dict]:
     from harness import _weights_differing, greedy_of, vllm_greedy, vllm_logprob_diff
 
@@ -275,6 +276,8 @@ def _serve_staged(
                     background.add()
                     background.add(CACHED_PROMPT)  # its blocks cached with round k-1's weights
                     tokens_before = background.tokens
+                    if on_stage is not None:
+                        on_stage(k, driver)
                     driver.stage(k)  # returns at once: the worker receives on a side thread
                     while background.tokens - tokens_before < TOKENS_BEFORE_SEND:
                         assert driver.staging(), "the stage ended before the trainer sent anything"
@@ -435,6 +438,11 @@ DELTA_LAYERS = {
 """The vLLM layers a delta round's changes load into, and so the only ones it prepares: k_proj's change rebuilds
 the fused qkv_proj (from q and v as the worker holds them), the embedding's the LM head tied to it."""
 NUDGE = 0.5
+BOUND_ROUND = 4
+"""Staged with ``max_prepared_bytes=1``."""
+REFUSED_ROUND = 5
+"""Its fused ``gate_up_proj`` refused by the swap check."""
+REFUSAL = "refused by the test"
 
 
 def staged_delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
@@ -490,8 +498,25 @@ def test_staged_delta_rounds_prepare_only_the_layers_they_change(
     After every applied round vLLM's log-probabilities and greedy tokens are transformers' on the trainer's weights,
     the parameters vLLM keeps in the checkpoint's shape (and their /weight_checker digests) the trainer's, and the
     prefix cache was reset. Round 3 (a delta round) is corrupted in its staged copy: never applied, the engine keeps
-    round 2; round 4 comes dense; round 5 is a delta round again."""
+    round 2; round 4 comes dense, over ``max_prepared_bytes``: nothing prepared, the whole model reloaded in the
+    pause; round 5 is a delta round again, with one of its layers refused by the swap check: that layer alone is
+    reloaded in the pause."""
     from harness import BUFFER_BYTES, start_llm, stop_llm
+
+    from refit_app.integrations.vllm import prepare as prepare_module
+
+    check_swap = prepare_module._swappable
+
+    def on_stage(k: int, driver: Any) -> None:
+        driver.max_prepared_bytes = 1 if k == BOUND_ROUND else None
+        if k == REFUSED_ROUND:  # the fused gate_up_proj's shadow is refused: reloaded in the pause instead
+
+            def refusing(layer: Any, shadow: Any) -> str | None:
+                return REFUSAL if type(layer).__name__ == "MergedColumnParallelLinear" else check_swap(layer, shadow)
+
+            monkeypatch.setattr(prepare_module, "_swappable", refusing)
+        else:
+            monkeypatch.setattr(prepare_module, "_swappable", check_swap)
 
     deadline = time.monotonic() + TEST_DEADLINE_S
     llm = start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
@@ -509,6 +534,7 @@ def test_staged_delta_rounds_prepare_only_the_layers_they_change(
                 deadline,
                 monkeypatch,
                 on_check=lambda k: prepared.update({k: llm.collective_rpc(_prepared_names)[0]}),
+                on_stage=on_stage,
             )
         layers = llm.collective_rpc(_weighted_layers)[0]
     finally:
@@ -521,8 +547,9 @@ def test_staged_delta_rounds_prepare_only_the_layers_they_change(
         print(
             f"round {k}: "
             + (
-                f"base {m['base_round']} prepared {m['prepared_layers']} layers in {m['prepare_seconds']:.3f}s, "
-                f"stage {m['stage_seconds']:.3f}s, pause {m['pause_seconds']:.4f}s (swap {m['swap_seconds']:.4f}s), "
+                f"base {m['base_round']} prepared {m.get('prepared_layers', 0)} layers in "
+                f"{m.get('prepare_seconds', 0):.3f}s, stage {m['stage_seconds']:.3f}s, pause {m['pause_seconds']:.4f}s "
+                f"(swap {m['swap_seconds']:.4f}s, reload {m['load_seconds']:.4f}s), fallback {m['fallback']}, "
                 f"log-prob diff {r['logprob_diff']:.2e}"
                 if m["applied"]
                 else f"not applied (log-prob diff to the trainer's {r['logprob_diff']:.2e}): {m['error']}"
@@ -537,12 +564,20 @@ def test_staged_delta_rounds_prepare_only_the_layers_they_change(
             continue
         assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
         assert m["base_round"] == (k - 1 if k in DELTA_LAYERS else 0), m
-        assert m["fallback"] == {} and m["load_seconds"] == 0.0, m
         want = DELTA_LAYERS.get(k)
-        if want is None:
-            assert m["prepared_layers"] == layers, m
+        if k == BOUND_ROUND:  # over the bound: nothing prepared, the whole model reloaded in the pause
+            assert m["prepared"] is False and list(m["fallback"]) == ["*"] and "over 1" in m["fallback"]["*"], m
+            assert m["load_seconds"] > 0 and prepared[k] == [], m
+        elif k == REFUSED_ROUND:  # the refused layer reloaded in the pause, the others swapped in
+            refused = "model.layers.0.mlp.gate_up_proj"
+            assert m["fallback"] == {refused: REFUSAL} and m["load_seconds"] > 0, m
+            assert set(prepared[k]) == want - {refused} and m["prepared_layers"] == len(want) - 1, (m, prepared[k])
         else:
-            assert m["prepared_layers"] == len(want) and set(prepared[k]) == want, (m, prepared[k])
+            assert m["fallback"] == {} and m["load_seconds"] == 0.0, m
+            if want is None:
+                assert m["prepared_layers"] == layers, m
+            else:
+                assert m["prepared_layers"] == len(want) and set(prepared[k]) == want, (m, prepared[k])
         assert r["logprob_diff"] < 1e-4, f"round {k}: log-probabilities differ by {r['logprob_diff']}"
         assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
         assert r["differ"] == [] and r["weight_checker"] == r["trainer_digests"], r
