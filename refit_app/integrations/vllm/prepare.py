@@ -177,6 +177,7 @@ def prepare(
             result.fallback[name] = why
     for info in infos.values():
         info.reset()
+    result.before = {id(s): result.before[id(s)] for _, s in result.layers.values()}  # the others are dropped now
     result.prepare_seconds = time.perf_counter() - started
     return result
 
