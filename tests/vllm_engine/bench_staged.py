@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,12 @@ def answer(conn: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+def rss_gib() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def applied(driver: Any, weight_version: str) -> dict:
     metrics = driver.apply(weight_version)
     if not metrics.get("applied"):
@@ -117,6 +124,7 @@ def serve(llm: Any, conn: Any, deadline: float) -> list[dict]:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     rows: list[dict] = []
+    print(f"engine process resident before the first round: {rss_gib():.2f} GiB", flush=True)
     session = -1
     index = 0
     seen: dict[str, int] = {}
@@ -160,6 +168,7 @@ def serve(llm: Any, conn: Any, deadline: float) -> list[dict]:
                 row["stage_tokens_per_s"] = tokens / (time.perf_counter() - started)
             elif method == "apply_staged":
                 row["in_flight"] = engine.has_unfinished_requests()
+                row["rss_gib_before_pause"] = rss_gib()
                 metrics = answer(conn, applied, driver, kwargs["weight_version"])
                 row.update({k: v for k, v in metrics.items() if isinstance(v, int | float | bool | str | dict)})
             else:
@@ -200,9 +209,12 @@ def main() -> None:
         finally:
             stop_llm(llm)
 
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    trainer_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    print(f"\npeak resident memory: engine process {peak:.2f} GiB, trainer process {trainer_peak:.2f} GiB")
     transfer_2g = model_bytes * 8 / LINK_BITS_PER_S
     goals = {"dense": max(0.05, 0.1 * transfer_2g), "delta": 0.1}
-    print(f"\nthe issue's goal: dense pause <= {goals['dense']:.3f} s (a tenth of {transfer_2g:.2f} s, the model over "
+    print(f"the issue's goal: dense pause <= {goals['dense']:.3f} s (a tenth of {transfer_2g:.2f} s, the model over "
           f"2 Gbit/s), delta pause <= {goals['delta']:.3f} s")  # fmt: skip
     medians: dict[tuple[str, str], dict[str, float]] = {}
     for session in ("dense", "delta"):

@@ -56,6 +56,9 @@ _MODULE_STATE = frozenset(
 )
 """A module's own bookkeeping, never moved by :func:`swap` (its tensors are moved one by one)."""
 _MISSING = object()
+LOAD_GROUP_BYTES = 64 << 20
+"""The round's tensors go to the shadows' ``load_weights`` in groups of about this many bytes (a delta round's
+changed tensors are fresh copies: held all at once they would take one more copy of what the round changes)."""
 
 
 @dataclass
@@ -129,17 +132,23 @@ def prepare(
 
     known = dict(routes or {})
     pending: list[tuple[str, torch.Tensor]] = []
+    pending_bytes = 0
     fed: list[str] = []
     with torch.no_grad(), _no_mtp_check():
         for name, tensor in weights:
             fed.append(name)
-            result.prepared_bytes += tensor.numel() * tensor.element_size()
+            nbytes = tensor.numel() * tensor.element_size()
+            result.prepared_bytes += nbytes
             if name in known:
                 pending.append((name, tensor))
+                pending_bytes += nbytes
+                if pending_bytes >= LOAD_GROUP_BYTES:  # a layer is processed, its inputs freed, once it is whole
+                    shadow_model.load_weights(pending)
+                    pending, pending_bytes = [], 0
                 continue
             if pending:
                 shadow_model.load_weights(pending)
-                pending = []
+                pending, pending_bytes = [], 0
             was = states()
             shadow_model.load_weights([(name, tensor)])
             now = states()
