@@ -89,6 +89,7 @@ def prepare(
     lets the tensors go to ``load_weights`` together; a tensor with no route goes alone and its route is recorded
     in :attr:`Prepared.routes`."""
     from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
         _layerwise_process,
         get_layerwise_info,
         initialize_online_processing,
@@ -184,9 +185,16 @@ def prepare(
         if why is not None:
             del result.layers[name]
             result.fallback[name] = why
-    for info in infos.values():
-        info.reset()
-    result.before = {id(s): result.before[id(s)] for _, s in result.layers.values()}  # the others are dropped now
+    # No reference may outlive this round: vLLM's reload table (weakly keyed by module) would keep each shadow alive
+    # through its metadata's loaders bound to it, and a shadow's loaders hold it in a cycle, which only the cyclic
+    # collector would break, holding the processed copies meanwhile (a model's worth of oneDNN handles each round).
+    swapped = {id(s) for _, s in result.layers.values()}
+    for shadow in shadows.values():
+        LAYERWISE_INFO.pop(shadow, None)
+        if id(shadow) not in swapped:
+            shadow.__dict__.clear()
+    infos.clear()
+    result.before = {i: result.before[i] for i in swapped}
     result.prepare_seconds = time.perf_counter() - started
     return result
 
@@ -197,8 +205,17 @@ def swap(prepared: Prepared) -> list[Any]:
     old: list[Any] = []
     for layer, shadow in prepared.layers.values():
         _move(layer, shadow, prepared.before[id(shadow)], old)
-    prepared.layers.clear()
+    release(prepared)  # what the shadows held is the layers' now
     return old
+
+
+def release(prepared: Prepared) -> None:
+    """Drop prepared layers that will not be swapped in (a round discarded): their memory goes now, not at the
+    cyclic collector's next pass."""
+    for _, shadow in prepared.layers.values():
+        shadow.__dict__.clear()
+    prepared.layers.clear()
+    prepared.before.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------

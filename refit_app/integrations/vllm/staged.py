@@ -407,7 +407,11 @@ class StagedLLM:
 def _discard(worker: Any) -> None:
     staged = _worker(worker)
     future, staged._future = staged._future, None
-    staged._prepared = None
+    if staged._prepared is not None:
+        from refit_app.integrations.vllm import prepare
+
+        prepare.release(staged._prepared)
+        staged._prepared = None
     if future is not None and future.done() and future.exception() is None:
         future.result().discard()
 
