@@ -192,6 +192,9 @@ def _deltas_one_discarded(rank: int, port: int, *, verify: bool) -> list:
             if staged is None:
                 return out
             row = {"round": staged.version, "base": staged.base_round, "staged_bytes": staged.staged_bytes}
+            # What an engine builds its own state from beside generation: the round's tensors, read unapplied.
+            row["changed"] = staged.changed
+            will_hold = _bytes(dict(staged.tensors(list(targets))))
             row["untouched_until_apply"] = _bytes(targets) == before
             if staged.version == 3:
                 staged.discard()
@@ -199,7 +202,7 @@ def _deltas_one_discarded(rank: int, port: int, *, verify: bool) -> list:
                 row["state"] = staged.state
             else:
                 row["metrics"] = staged.apply()
-                row["kept"] = _bytes(targets) == _bytes(_model(staged.version))
+                row["kept"] = _bytes(targets) == _bytes(_model(staged.version)) == will_hold
             out.append(row)
 
 
@@ -404,8 +407,10 @@ def test_delta_rounds_stage_only_their_changes_and_a_discarded_round_is_never_th
             if row["base"]:
                 # 1% of the elements: positions and values of those, far below one copy of the model.
                 assert 0 < row["staged_bytes"] < MODEL_BYTES // 10, (name, row)
+                assert row["changed"] == [n for n, t in _model(1).items() if t.numel()], (name, row)
             else:
                 assert row["staged_bytes"] == MODEL_BYTES, (name, row)
+                assert row["changed"] == list(_model(1)), (name, row)
         assert consumer[2]["state"] == "discarded"
         assert consumer[4]["metrics"]["changed_elements"] > 0
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -213,6 +213,39 @@ class StagedRound:
     def base_round(self) -> int:
         """The round a delta round's changes apply to (the targets must still hold it); 0 for a dense round."""
         return self.round.base_round
+
+    @property
+    def changed(self) -> list[str]:
+        """The names of the tensors this round writes: every tensor of a dense round, a delta round's changed ones."""
+        self._check_staged("read")
+        if self._image is not None:
+            return [m.name for m in self._metas]
+        return [self._metas[c.index].name for c in self._changes or []]
+
+    def tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of what the targets will hold once this round is applied, without writing them: for
+        an engine that builds its own state from the round beside generation. A dense round's tensors are views of
+        its staged copy (valid until it is applied or discarded); a delta round's changed tensor is a fresh copy of
+        its target with the changes written in (one tensor's memory each), an unchanged one its target itself."""
+        self._check_staged("read")
+        index = {m.name: i for i, m in enumerate(self._metas)}
+        changes = {c.index: c for c in self._changes or []}
+        for name in names:
+            i = index[name]
+            meta = self._metas[i]
+            if self._image is not None:
+                yield name, self._image.view(i)
+                continue
+            change = changes.get(i)
+            target = self._targets[name]
+            if change is None:
+                yield name, target
+            elif change.positions is None:
+                yield name, torch.from_numpy(change.values.copy()).view(meta.dtype).view(meta.shape)
+            else:
+                new = target.detach().cpu().clone().contiguous()
+                codec.apply(tensor_bytes(new).numpy(), change.positions, change.values, meta.dtype.itemsize)
+                yield name, new
 
     def apply(self, pause: AbstractContextManager[Any] | None = None) -> dict[str, Any]:
         """Write the round into the targets (a copy per tensor for a dense round, a scatter of the changed elements

@@ -44,13 +44,13 @@ SETTINGS = [
 ]
 
 
-def make_model(path: Path, layers: int, hidden: int) -> int:
+def make_model(path: Path, layers: int, hidden: int, vocab: int = 8192) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
         max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
     )  # fmt: skip

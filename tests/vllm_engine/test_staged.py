@@ -71,7 +71,7 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int =
     """``rounds`` staged rounds, one optimizer step each; in ``kill_round`` the trainer SIGKILLs itself once
     :data:`harness.KILL_AFTER_TENSORS` tensors of the round went to the session (some chunks are on the wire)."""
     try:
-        from harness import hf_greedy, hf_greedy_of, staged_trainer, train_step
+        from harness import staged_trainer, train_step
 
         from refit_app.integrations.vllm.staged import send_staged
 
@@ -81,16 +81,25 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int =
                 source.armed = step + 1 == kill_round
                 train_step(model, optimizer, step)
                 send_staged(engine, weight_version=str(step + 1))
-                kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in KEPT}
-                conn.send(("check", step + 1, hf_greedy(model), hf_greedy_of(model, CACHED_PROMPT), kept))
-                if not conn.poll(RPC_TIMEOUT_S):
-                    raise TimeoutError("the engine process did not confirm the check")
-                conn.recv()
+                _check(conn, step + 1, model)
         finally:
             engine.shutdown()
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def _check(conn: Any, k: int, model: torch.nn.Module, *, logprobs: bool = False) -> None:
+    """The trainer's side of round ``k``'s check: what the engine must now serve (transformers' greedy tokens, the
+    cached prompt's, the kept tensors, and its log-probabilities where asked); waits for the engine's answer."""
+    from harness import hf_greedy, hf_greedy_of, hf_logprobs
+
+    kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in KEPT}
+    extra = (hf_logprobs(model),) if logprobs else ()
+    conn.send(("check", k, hf_greedy(model), hf_greedy_of(model, CACHED_PROMPT), kept, *extra))
+    if not conn.poll(RPC_TIMEOUT_S):
+        raise TimeoutError("the engine process did not confirm the check")
+    conn.recv()
 
 
 def _sha256(tensors: dict) -> dict[str, str]:
@@ -143,13 +152,22 @@ class Background:
             self.step()
 
 
-def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    from harness import _weights_differing, greedy_of, vllm_greedy
+def _serve_staged(
+    llm: Any,
+    conn: Any,
+    deadline: float,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    prepare: bool = True,
+    on_check: Any = None,
+    on_stage: Any = None,
+) -> list[dict]:
+    from harness import _weights_differing, greedy_of, vllm_greedy, vllm_logprob_diff
 
     from refit_app.integrations.vllm.staged import StagedLLM
     from refit_app.protocol import consumer_session
 
-    driver = StagedLLM(llm, prefix_cache="reset")
+    driver = StagedLLM(llm, prefix_cache="reset", prepare=prepare)
     background = Background(llm)
     rounds: list[dict] = []
     record: dict = {}
@@ -167,7 +185,19 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
 
         return original(*args, show=corrupt_then_show, **kwargs)
 
-    def check(expected: Any, expected_cached: Any, kept: dict) -> None:
+    def corrupting_changes(records, metas, targets, *, show):  # a bit flipped in a changed tensor's staged copy
+        flipped: list[str] = []
+
+        def corrupt_then_show(batch):
+            name, tensor = batch[0]
+            if not flipped and tensor.numel() and tensor is not targets[name]:
+                tensor.view(-1).view(torch.uint8)[0] ^= 0x01
+                flipped.append(name)
+            return show(batch)
+
+        return original_changes(records, metas, targets, show=corrupt_then_show)
+
+    def check(expected: Any, expected_cached: Any, kept: dict, logprobs: Any = None) -> None:
         background.drain(deadline)
         record["spans"] = {
             r: [(s.version, s.start, s.end) for s in background.finished[r].outputs[0].weight_versions or []]
@@ -185,9 +215,13 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
         record["weight_checker"] = {n: digests[n] for n in KEPT}
         record["trainer_digests"] = _sha256(kept)
         record["previous_digests"] = _sha256(previous)
+        record["logprob_diff"] = None if logprobs is None else vllm_logprob_diff(llm, logprobs)
+        if on_check is not None:
+            on_check(record["round"])
         rounds.append(record)
 
     original = consumer_session.stage_dense
+    original_changes = consumer_session.stage_changes
     while True:
         if time.monotonic() > deadline:
             raise TimeoutError("the staged test ran past its deadline")
@@ -210,11 +244,17 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
             try:
                 if method == "stage_weights":
                     k = kwargs["round"]
-                    monkeypatch.setattr(consumer_session, "stage_dense", corrupting if k == CORRUPT_ROUND else original)
+                    corrupt = k == CORRUPT_ROUND
+                    monkeypatch.setattr(consumer_session, "stage_dense", corrupting if corrupt else original)
+                    monkeypatch.setattr(
+                        consumer_session, "stage_changes", corrupting_changes if corrupt else original_changes
+                    )
                     record = {"round": k}
                     background.add()
                     background.add(CACHED_PROMPT)  # its blocks cached with round k-1's weights
                     tokens_before = background.tokens
+                    if on_stage is not None:
+                        on_stage(k, driver)
                     driver.stage(k)  # returns at once: the worker receives on a side thread
                     while background.tokens - tokens_before < TOKENS_BEFORE_SEND:
                         assert driver.staging(), "the stage ended before the trainer sent anything"
@@ -226,6 +266,7 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
                         background.step()
                     record["stage_tokens"] = background.tokens - tokens_before
                     monkeypatch.setattr(consumer_session, "stage_dense", original)
+                    monkeypatch.setattr(consumer_session, "stage_changes", original_changes)
                 elif method == "apply_staged":
                     record["at_pause"] = {rid: background.seen[rid] for rid in background.in_flight()}
                     record["metrics"] = driver.apply(kwargs["weight_version"])
@@ -237,8 +278,8 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 raise
         elif kind == "check":
-            _, k, expected, expected_cached, kept = message
-            check(expected, expected_cached, kept)
+            _, k, expected, expected_cached, kept, *logprobs = message
+            check(expected, expected_cached, kept, *logprobs)
             previous = kept
             conn.send(("ok", None))
         elif kind == "done":
@@ -247,8 +288,15 @@ def _serve_staged(llm: Any, conn: Any, deadline: float, monkeypatch: pytest.Monk
             raise trainer_message_error(message)
 
 
+def _weighted_layers(worker: Any) -> int:
+    """How many of the engine model's layers hold parameters of their own (what a dense round loads into; the
+    rotary embedding's and the attention layers' buffers are computed, not loaded)."""
+    return sum(1 for m in worker.get_model().modules() if m._parameters)
+
+
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "reload-in-pause"])
 def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, prepare: bool
 ) -> None:
     from harness import BUFFER_BYTES, hf_greedy, load_trainer_model, start_llm, stop_llm, vllm_greedy
 
@@ -263,7 +311,8 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
             "checksums": True,  # the worker verifies every staged round
         }  # fmt: skip
         with trainer_process(staged_trainer_main, str(tiny_llama_dir), settings, deadline=deadline) as conn:
-            rounds = _serve_staged(llm, conn, deadline, monkeypatch)
+            rounds = _serve_staged(llm, conn, deadline, monkeypatch, prepare=prepare)
+        layers = llm.collective_rpc(_weighted_layers)[0]
     finally:
         stop_llm(llm)
 
@@ -275,7 +324,8 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
         print(
             f"round {k}: applied={m['applied']} stage tokens={r['stage_tokens']} "
             + (
-                f"stage {m['stage_seconds']:.3f}s pause {m['pause_seconds']:.3f}s (reload {m['load_seconds']:.3f}s) "
+                f"stage {m['stage_seconds']:.3f}s prepare {m.get('prepare_seconds', 0):.3f}s pause "
+                f"{m['pause_seconds']:.4f}s (swap {m['swap_seconds']:.4f}s, reload {m['load_seconds']:.3f}s) "
                 f"pause/stage {m['pause_seconds'] / m['stage_seconds']:.2f}"
                 if m["applied"]
                 else f"error: {m['error']}"
@@ -293,6 +343,11 @@ def test_staged_rounds_apply_in_a_pause_while_the_engine_generates(
                 assert [s[0] for s in spans] == [version], (rid, spans)  # never paused, never relabelled
             continue
         assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
+        if prepare:  # every layer built beside generation, nothing reloaded in the pause
+            assert m["prepared"] is True and m["fallback"] == {} and m["prepared_layers"] == layers, m
+            assert m["load_seconds"] == 0.0, m
+        else:
+            assert m["prepared"] is False and m["load_seconds"] > 0, m
         assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
         assert r["differ"] == [], f"round {k}: vLLM's {r['differ']} differ from the trainer's"
         assert r["weight_checker"] == r["trainer_digests"], f"round {k}: vLLM's checksums are not the trainer's: {r}"
@@ -342,3 +397,168 @@ def test_a_trainer_killed_mid_stage_leaves_the_engine_serving_the_round_before(
     assert killed["weight_checker"] == first["trainer_digests"] == killed["previous_digests"], killed
     for rid, spans in killed["spans"].items():
         assert [s[0] for s in spans] == ["1"], (rid, spans)  # never paused, never relabelled
+
+
+DELTA_PLAN: list[list[str] | None] = [
+    None,  # 1: an AdamW step; dense (the session's first round)
+    ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"],
+    ["model.layers.1.mlp.gate_proj.weight"],  # 3: corrupted in the worker, never applied
+    None,  # 4: an AdamW step; dense (round 3 was not applied)
+    ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"],
+]
+"""Per round: None, an AdamW step; else a few elements of these tensors nudged (a delta round after a round the
+worker holds)."""
+DELTA_LAYERS = {
+    2: {"model.layers.1.mlp.down_proj", "model.layers.0.self_attn.qkv_proj", "model.norm"},
+    5: {"model.embed_tokens", "lm_head", "model.layers.0.mlp.gate_up_proj"},
+}
+"""The vLLM layers a delta round's changes load into, and so the only ones it prepares: k_proj's change rebuilds
+the fused qkv_proj (from q and v as the worker holds them), the embedding's the LM head tied to it."""
+NUDGE = 0.5
+BOUND_ROUND = 4
+"""Staged with ``max_prepared_bytes=1``."""
+REFUSED_ROUND = 5
+"""Its fused ``gate_up_proj`` refused by the swap check."""
+REFUSAL = "refused by the test"
+
+
+def staged_delta_trainer_main(conn: Any, model_dir: str, settings: dict) -> None:
+    """:data:`DELTA_PLAN`'s rounds, staged, with ``delta="on"``; each check also carries transformers'
+    log-probabilities."""
+    try:
+        from harness import SEED, TRAIN_LR, load_trainer_model, train_step
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+        from refit_app.integrations.vllm import backend as vllm_backend
+        from refit_app.integrations.vllm.staged import send_staged
+
+        vllm_backend.register()
+        torch.manual_seed(SEED + 1)
+        model = load_trainer_model(Path(model_dir))
+        params = dict(model.named_parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+        g = torch.Generator().manual_seed(SEED + 2)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            vllm_backend.RefitTrainerInitInfo(**settings, staged=True, delta="on", rank=0),
+            client=StagedPipeClient(conn),
+            source=ModuleSource(model),
+        )
+        try:
+            for step, names in enumerate(DELTA_PLAN):
+                if names is None:
+                    train_step(model, optimizer, step)
+                else:
+                    with torch.no_grad():
+                        for name in names:
+                            flat = params[name].data.view(-1)
+                            flat[torch.randperm(flat.numel(), generator=g)[:8]] += NUDGE
+                send_staged(engine, weight_version=str(step + 1))
+                _check(conn, step + 1, model, logprobs=True)
+        finally:
+            engine.shutdown()
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _prepared_names(worker: Any) -> list[str]:
+    from refit_app.integrations.vllm.staged import _worker
+
+    return sorted(_worker(worker).last_prepared)
+
+
+def test_staged_delta_rounds_prepare_only_the_layers_they_change(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Delta rounds staged in the worker (``delta="on"``): each prepares, beside generation, only the layers its
+    changes load into (with their other checkpoint tensors from the worker's copy), and the pause swaps those in.
+    After every applied round vLLM's log-probabilities and greedy tokens are transformers' on the trainer's weights,
+    the parameters vLLM keeps in the checkpoint's shape (and their /weight_checker digests) the trainer's, and the
+    prefix cache was reset. Round 3 (a delta round) is corrupted in its staged copy: never applied, the engine keeps
+    round 2; round 4 comes dense, over ``max_prepared_bytes``: nothing prepared, the whole model reloaded in the
+    pause; round 5 is a delta round again, with one of its layers refused by the swap check: that layer alone is
+    reloaded in the pause."""
+    from harness import BUFFER_BYTES, start_llm, stop_llm
+
+    from refit_app.integrations.vllm import prepare as prepare_module
+
+    check_swap = prepare_module._swappable
+    # One load_weights call per tensor once the routes are known (the 1 GB model's groups; the other test, one call).
+    monkeypatch.setattr(prepare_module, "LOAD_GROUP_BYTES", 1)
+
+    def on_stage(k: int, driver: Any) -> None:
+        driver.max_prepared_bytes = 1 if k == BOUND_ROUND else None
+        if k == REFUSED_ROUND:  # the fused gate_up_proj's shadow is refused: reloaded in the pause instead
+
+            def refusing(layer: Any, shadow: Any) -> str | None:
+                return REFUSAL if type(layer).__name__ == "MergedColumnParallelLinear" else check_swap(layer, shadow)
+
+            monkeypatch.setattr(prepare_module, "_swappable", refusing)
+        else:
+            monkeypatch.setattr(prepare_module, "_swappable", check_swap)
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    llm = start_llm(tiny_llama_dir, block_size=BLOCK_SIZE)
+    prepared: dict[int, list[str]] = {}
+    try:
+        settings = {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo", "timeout_s": 120.0,
+            "checksums": True,
+        }  # fmt: skip
+        with trainer_process(staged_delta_trainer_main, str(tiny_llama_dir), settings, deadline=deadline) as conn:
+            rounds = _serve_staged(
+                llm,
+                conn,
+                deadline,
+                monkeypatch,
+                on_check=lambda k: prepared.update({k: llm.collective_rpc(_prepared_names)[0]}),
+                on_stage=on_stage,
+            )
+        layers = llm.collective_rpc(_weighted_layers)[0]
+    finally:
+        stop_llm(llm)
+
+    assert [r["round"] for r in rounds] == list(range(1, len(DELTA_PLAN) + 1))
+    served = None
+    for r in rounds:
+        k, m = r["round"], r["metrics"]
+        print(
+            f"round {k}: "
+            + (
+                f"base {m['base_round']} prepared {m.get('prepared_layers', 0)} layers in "
+                f"{m.get('prepare_seconds', 0):.3f}s, stage {m['stage_seconds']:.3f}s, pause {m['pause_seconds']:.4f}s "
+                f"(swap {m['swap_seconds']:.4f}s, reload {m['load_seconds']:.4f}s), fallback {m['fallback']}, "
+                f"log-prob diff {r['logprob_diff']:.2e}"
+                if m["applied"]
+                else f"not applied (log-prob diff to the trainer's {r['logprob_diff']:.2e}): {m['error']}"
+            )
+        )
+        if k == CORRUPT_ROUND:
+            assert m["applied"] is False and "verification" in m["error"], m
+            assert r["vllm"] == served and r["differ_from_before"] == [], r  # round 2's tokens and weights
+            assert r["weight_checker"] == r["previous_digests"], r
+            # The round changed gate_proj alone: the engine's log-probabilities are not those of its weights.
+            assert r["logprob_diff"] > 1e-4, f"round {k}: the corrupted round's log-probabilities are served: {r}"
+            continue
+        assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
+        assert m["base_round"] == (k - 1 if k in DELTA_LAYERS else 0), m
+        want = DELTA_LAYERS.get(k)
+        if k == BOUND_ROUND:  # over the bound: nothing prepared, the whole model reloaded in the pause
+            assert m["prepared"] is False and list(m["fallback"]) == ["*"] and "over 1" in m["fallback"]["*"], m
+            assert m["load_seconds"] > 0 and prepared[k] == [], m
+        elif k == REFUSED_ROUND:  # the refused layer reloaded in the pause, the others swapped in
+            refused = "model.layers.0.mlp.gate_up_proj"
+            assert m["fallback"] == {refused: REFUSAL} and m["load_seconds"] > 0, m
+            assert set(prepared[k]) == want - {refused} and m["prepared_layers"] == len(want) - 1, (m, prepared[k])
+        else:
+            assert m["fallback"] == {} and m["load_seconds"] == 0.0, m
+            if want is None:
+                assert m["prepared_layers"] == layers, m
+            else:
+                assert m["prepared_layers"] == len(want) and set(prepared[k]) == want, (m, prepared[k])
+        assert r["logprob_diff"] < 1e-4, f"round {k}: log-probabilities differ by {r['logprob_diff']}"
+        assert r["vllm"] == r["expected"], f"round {k}: vLLM {r['vllm']} vs transformers {r['expected']}"
+        assert r["differ"] == [] and r["weight_checker"] == r["trainer_digests"], r
+        assert r["cached"] == r["expected_cached"], f"round {k}: {r['cached']} vs {r['expected_cached']}"
+        served = r["vllm"]

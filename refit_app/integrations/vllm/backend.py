@@ -107,8 +107,8 @@ class RefitWorkerInitInfo:
     """A sharded refit's checkpoint tensors, ``[name, dtype, shape]`` each (the producers' agreement checks them)."""
     staged: bool = False
     """Rounds are staged beside generation and applied in a pause (:mod:`refit_app.integrations.vllm.staged`):
-    the worker's session keeps no mirror (it stages into a host copy of its own) and takes dense rounds only. Not
-    with ``producers`` (a sharded refit's rounds are not staged yet)."""
+    the worker's session keeps no mirror (it stages beside a host copy of its own, which a delta round's changes
+    apply to). Not with ``producers`` (a sharded refit's rounds are not staged yet)."""
     token: str | None = field(default=None, repr=False)
     """A sharded refit's shared secret (``group.token``): every rank proves it at the rendezvous
     (:mod:`refit_app.transport.auth`); None: each worker's own ``REFIT_APP_TOKEN`` (:func:`group_token`), and
