@@ -129,7 +129,7 @@ def _scribbling_rank(rank: int, world_size: int, port: int, s, scribble_rank: in
     slice through ``.data`` (as an engine's load may: torch's version counter does not see it) after round
     ``scribble_round``."""
     from refit_app.app.local import rank_settings
-    from refit_app.app.sharded import run_sharded
+    from refit_app.app.sharded_run import run_sharded
 
     s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
     seen: list[dict] = []
