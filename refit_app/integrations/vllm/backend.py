@@ -202,11 +202,12 @@ def worker_init_info(info: RefitTrainerInitInfo) -> RefitWorkerInitInfo:
     )
 
 
-def group_token() -> str | None:
-    """The refit group's token: ``REFIT_APP_TOKEN`` in this process's environment, the trainer's and every vLLM
-    worker's alike (set the same one on both sides). It never travels in an init info: vLLM sends those over its
-    control plane (HTTP for a server). Without it a group on a non-loopback address is refused in one line."""
-    return os.environ.get(TOKEN_ENV)
+def group_token(given: str | None = None) -> str | None:
+    """The refit group's token: ``given`` (an init info's ``token``), else ``REFIT_APP_TOKEN`` in this process's
+    environment, the trainer's and every vLLM worker's alike (set the same one on both sides): vLLM sends init infos
+    over its control plane (HTTP for a server), so the environment keeps the secret off it. Without a token a group
+    on a non-loopback address is refused in one line."""
+    return given if given is not None else os.environ.get(TOKEN_ENV)
 
 
 def _spec(info: RefitTrainerInitInfo | RefitWorkerInitInfo, rank: int) -> GroupSpec:
@@ -217,7 +218,7 @@ def _spec(info: RefitTrainerInitInfo | RefitWorkerInitInfo, rank: int) -> GroupS
         world_size=info.world_size,
         rank=rank,
         timeout_s=info.timeout_s,
-        token=group_token(),
+        token=group_token(getattr(info, "token", None)),  # the trainer's info has none: its environment's
     )
 
 

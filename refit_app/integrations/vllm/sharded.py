@@ -102,7 +102,7 @@ def _group(info: RefitWorkerInitInfo, rank: int) -> RefitGroup:
             world_size=info.world_size,
             rank=rank,
             timeout_s=info.timeout_s,
-            token=info.token if info.token is not None else group_token(),
+            token=group_token(info.token),
         )
     )
 
