@@ -12,7 +12,8 @@ before (generated from during the stage) gives the new weights' greedy tokens: t
 ``prefix_cache="keep"`` this fails: the cached blocks give the old weights' tokens). Round 3's staged copy is
 corrupted in the worker (a bit flipped in the session's staged copy, as tests/test_staging.py does): it fails the
 session's verification, is never applied and never pauses the engine, which keeps generating round 2's tokens; round 4
-comes dense and is applied. A second test SIGKILLs the trainer half-way through its round 2.
+comes dense and is applied. A second test SIGKILLs the trainer half-way through its round 2; another SIGKILLs the
+engine's process between rounds and starts a new one: a dense round, then delta rounds again.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def staged_trainer_main(conn: Any, model_dir: str, settings: dict, rounds: int =
         conn.send(("error", traceback.format_exc()))
 
 
-def _check(conn: Any, k: int, model: torch.nn.Module, *, logprobs: bool = False) -> None:
+def _check(conn: Any, k: int, model: torch.nn.Module, *, logprobs: bool = False) -> dict:
     """The trainer's side of round ``k``'s check: what the engine must now serve (transformers' greedy tokens, the
-    cached prompt's, the kept tensors, and its log-probabilities where asked); waits for the engine's answer."""
+    cached prompt's, the kept tensors, and its log-probabilities where asked); returns the engine's record of the
+    round (:func:`_serve_staged`)."""
     from harness import hf_greedy, hf_greedy_of, hf_logprobs
 
     kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in KEPT}
@@ -99,7 +101,7 @@ def _check(conn: Any, k: int, model: torch.nn.Module, *, logprobs: bool = False)
     conn.send(("check", k, hf_greedy(model), hf_greedy_of(model, CACHED_PROMPT), kept, *extra))
     if not conn.poll(RPC_TIMEOUT_S):
         raise TimeoutError("the engine process did not confirm the check")
-    conn.recv()
+    return conn.recv()[1]
 
 
 def _sha256(tensors: dict) -> dict[str, str]:
@@ -159,6 +161,7 @@ def _serve_staged(
     monkeypatch: pytest.MonkeyPatch,
     *,
     prepare: bool = True,
+    corrupt_round: int | None = CORRUPT_ROUND,
     on_check: Any = None,
     on_stage: Any = None,
 ) -> list[dict]:
@@ -244,7 +247,7 @@ def _serve_staged(
             try:
                 if method == "stage_weights":
                     k = kwargs["round"]
-                    corrupt = k == CORRUPT_ROUND
+                    corrupt = k == corrupt_round
                     monkeypatch.setattr(consumer_session, "stage_dense", corrupting if corrupt else original)
                     monkeypatch.setattr(
                         consumer_session, "stage_changes", corrupting_changes if corrupt else original_changes
@@ -281,7 +284,7 @@ def _serve_staged(
             _, k, expected, expected_cached, kept, *logprobs = message
             check(expected, expected_cached, kept, *logprobs)
             previous = kept
-            conn.send(("ok", None))
+            conn.send(("ok", rounds[-1]))
         elif kind == "done":
             return rounds
         else:
@@ -562,3 +565,135 @@ def test_staged_delta_rounds_prepare_only_the_layers_they_change(
         assert r["differ"] == [] and r["weight_checker"] == r["trainer_digests"], r
         assert r["cached"] == r["expected_cached"], f"round {k}: {r['cached']} vs {r['expected_cached']}"
         served = r["vllm"]
+
+
+def staged_engine_main(conn: Any, model_dir: str, deadline_s: float) -> None:
+    """An engine process: the tests' offline engine of ``model_dir`` serving staged rounds from the trainer at the
+    other end of ``conn`` (:func:`_serve_staged`, generation in flight throughout), until the trainer says done."""
+    from harness import start_llm, stop_llm
+
+    patch = pytest.MonkeyPatch()
+    llm = start_llm(Path(model_dir), block_size=BLOCK_SIZE)
+    try:
+        _serve_staged(llm, conn, time.monotonic() + deadline_s, patch, corrupt_round=None)
+    finally:
+        stop_llm(llm)
+        patch.undo()
+
+
+RESTART_PLAN: list[list[str] | None] = [
+    None,  # engine A, round 1: an AdamW step, dense
+    ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"],  # engine A, round 2: a delta round
+    # engine A SIGKILLed; engine B starts from the checkpoint in model_dir, not from round 2's weights
+    None,  # engine B, the new session's round 1: an AdamW step, dense
+    ["model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"],  # engine B, a delta round
+    ["model.layers.1.mlp.up_proj.weight"],  # engine B, a delta round
+]
+RESTART_AFTER = 2
+"""Steps of :data:`RESTART_PLAN` engine A serves before it is SIGKILLed."""
+
+
+def test_an_engine_restarted_between_rounds_gets_a_dense_round_then_deltas_again(tiny_llama_dir: Path) -> None:
+    """The engine's process is SIGKILLed between two staged rounds (after a delta round) and a new one starts from
+    the checkpoint on disk: the trainer (``delta="on"``) learns it from its next call, its shutdown returns within
+    the group's deadline, and a new trainer engine towards the new engine sends a dense round (the new worker holds
+    no base: a delta round would patch weights it does not hold), then delta rounds again. Every applied round:
+    vLLM's log-probabilities and greedy tokens are transformers' on the trainer's weights, the parameters kept in
+    the checkpoint's shape equal the trainer's by /weight_checker, the prefix cache was reset."""
+    import multiprocessing as mp
+
+    from harness import BUFFER_BYTES, SEED, TRAIN_LR, load_trainer_model, train_step
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from refit_app.integrations.vllm import backend as vllm_backend
+    from refit_app.integrations.vllm.staged import send_staged
+
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    ctx = mp.get_context("spawn")
+    torch.manual_seed(SEED + 1)
+    model = load_trainer_model(tiny_llama_dir)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+    g = torch.Generator().manual_seed(SEED + 2)
+    group_timeout_s = 30.0
+    engines: list[Any] = []
+    records: list[tuple[str, dict]] = []
+
+    def start_engine() -> tuple[Any, Any]:
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(
+            target=staged_engine_main, args=(theirs, str(tiny_llama_dir), TEST_DEADLINE_S), daemon=True
+        )
+        process.start()
+        theirs.close()
+        engines.append(process)
+        settings = {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
+            "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo",
+            "timeout_s": group_timeout_s, "checksums": True,
+        }  # fmt: skip
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            vllm_backend.RefitTrainerInitInfo(**settings, staged=True, delta="on", rank=0),
+            client=StagedPipeClient(ours),
+            source=ModuleSource(model),
+        )
+        return ours, trainer
+
+    def step(names: list[str] | None, n: int) -> None:
+        if names is None:
+            train_step(model, optimizer, n)
+            return
+        with torch.no_grad():
+            for name in names:
+                flat = params[name].data.view(-1)
+                flat[torch.randperm(flat.numel(), generator=g)[:8]] += NUDGE
+
+    vllm_backend.register()
+    try:
+        conn, trainer = start_engine()
+        for n, names in enumerate(RESTART_PLAN[:RESTART_AFTER]):
+            step(names, n)
+            send_staged(trainer, weight_version=f"A{n + 1}")
+            records.append(("A", _check(conn, n + 1, model, logprobs=True)))
+
+        engines[0].kill()  # the engine's process dies between rounds, its worker's copy of round 2 with it
+        engines[0].join(30)
+        step(RESTART_PLAN[RESTART_AFTER], RESTART_AFTER)
+        with pytest.raises((EOFError, BrokenPipeError, ConnectionError, OSError)):
+            send_staged(trainer, weight_version="A3")  # the engine is gone: the trainer's call fails
+        closed = time.monotonic()
+        trainer.shutdown()  # towards a dead group: bounded by the group's deadline, never a hang
+        assert time.monotonic() - closed < group_timeout_s + 15.0, "the trainer's shutdown waited on a dead engine"
+        conn.close()
+
+        conn, trainer = start_engine()  # engine B: the checkpoint's weights, a new worker, no base
+        for i, names in enumerate(RESTART_PLAN[RESTART_AFTER:]):
+            if i:
+                step(names, RESTART_AFTER + i)
+            send_staged(trainer, weight_version=f"B{i + 1}")
+            records.append(("B", _check(conn, i + 1, model, logprobs=True)))
+        trainer.shutdown()
+        conn.send(("done",))
+        engines[1].join(max(1.0, deadline - time.monotonic()))
+        assert engines[1].exitcode == 0, f"engine B exit code {engines[1].exitcode}"
+    finally:
+        for process in engines:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+
+    assert [(e, r["round"]) for e, r in records] == [("A", 1), ("A", 2), ("B", 1), ("B", 2), ("B", 3)]
+    for engine, r in records:
+        k, m = r["round"], r["metrics"]
+        print(
+            f"engine {engine} round {k}: base {m['base_round']} stage {m['stage_seconds']:.3f}s pause "
+            f"{m['pause_seconds']:.4f}s prepared {m.get('prepared_layers', 0)} layers, log-prob diff "
+            f"{r['logprob_diff']:.2e}"
+        )
+        assert m["applied"] is True and m["verified"] is True and m["version"] == k, m
+        assert m["base_round"] == k - 1, f"engine {engine} round {k}: built on round {m['base_round']}"
+        assert m["fallback"] == {} and m["load_seconds"] == 0.0, m
+        assert r["logprob_diff"] < 1e-4, f"engine {engine} round {k}: log-probabilities differ by {r['logprob_diff']}"
+        assert r["vllm"] == r["expected"], f"engine {engine} round {k}: vLLM {r['vllm']} vs {r['expected']}"
+        assert r["differ"] == [] and r["weight_checker"] == r["trainer_digests"], r
+        assert r["cached"] == r["expected_cached"], r
