@@ -298,10 +298,6 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
             ["group.producers=2", "source=model", "source.path=.", "source.device=cuda:0"],
             "source.device='cuda:0' is invalid: a sharded refit trains source=model on the CPU (FSDP2, gloo) so far",
         ),
-        (
-            ["group.producers=2", "source=model", "source.path=.", "refit.delta=auto"],
-            "refit.delta='auto' is invalid: a sharded refit runs refit.delta=on or off: each piece already goes whole",
-        ),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
         (["group.tp_size=2", "group.backend=shm"], "group.backend='shm' is invalid: a sharded refit runs over gloo"),
         (["group.producers=2", "role.num_consumers=2"], "role.num_consumers=2 is invalid: a sharded refit has"),
