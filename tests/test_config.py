@@ -277,10 +277,6 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.producers=2", "sink=vllm"], "a sharded refit into sink=vllm needs a trainer to build the engine's"),
         (["group.replicas=2", "sink=vllm"], "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one"),
         (
-            ["group.producers=2", "sink=vllm", "source=model", "source.path=.", "refit.delta=on"],
-            "refit.delta='on' is invalid: a sharded refit into sink=vllm sends dense rounds only so far",
-        ),
-        (
             ["group.producers=2", "role=ray", "sink=vllm"],
             "role='ray' is invalid: a sharded refit into sink=vllm runs under role=local, or role=producer and",
         ),

@@ -411,9 +411,6 @@ def _check_engine_sink(c: _Checker, role: Any, kind: str, spec: ShardedSpec) -> 
         c.fail("group.replicas", spec.replicas, f"{what} runs one engine (group.replicas=1) so far")
     if role == "local" and OmegaConf.select(c.cfg, "source.kind", default=None) != "model":
         c.errors.append(f"{what} needs a trainer to build the engine's model from: source=model")
-    delta = c.get("refit.delta")
-    if delta not in (_ABSENT, DEFAULT_DELTA):
-        c.fail("refit.delta", delta, f"{what} sends dense rounds only so far: leave it off")
     model = c.get("sink.model")
     if model not in (_ABSENT, None):
         c.fail("sink.model", model, f"{what} builds the engine from the trainer's config.json: leave it null")
