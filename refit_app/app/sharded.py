@@ -29,6 +29,9 @@ of the same box, a check that depends on neither the plan nor the transfer.
 ``refit.delta=on``: the plan is agreed with delta rounds: the first round dense, every later one per-pair delta
 records (:mod:`refit_app.core.reshard.delta`), each producer comparing only its own shards with what it sent last
 round, a replica's relay doing the same for the next replica; the checks above run every round as in dense rounds.
+``refit.delta=auto``: every rank chooses each round's kind alike in the collective that starts the round
+(:class:`~refit_app.protocol.delta.auto.AgreedAuto`): a delta round, a dense one into the producers' snapshots, or
+a plain one sent as with ``off``; each round's metrics say which and why (``auto_reason``).
 
 ``sink=save``: each consumer of replica 0 writes its slices into ``sink.path/tp<t>`` through the one-producer
 ``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
