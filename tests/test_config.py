@@ -291,10 +291,6 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (["group.producers=2", "sink=vllm"], "a sharded refit into sink=vllm needs a trainer to build the engine's"),
         (["group.replicas=2", "sink=vllm"], "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one"),
         (
-            ["group.producers=2", "sink=vllm", "source=model", "source.path=.", "refit.delta=on"],
-            "refit.delta='on' is invalid: a sharded refit into sink=vllm sends dense rounds only so far",
-        ),
-        (
             ["group.producers=2", "role=ray", "sink=vllm"],
             "role='ray' is invalid: a sharded refit into sink=vllm runs under role=local, or role=producer and",
         ),
@@ -311,10 +307,6 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         (
             ["group.producers=2", "source=model", "source.path=.", "source.device=cuda:0"],
             "source.device='cuda:0' is invalid: a sharded refit trains source=model on the CPU (FSDP2, gloo) so far",
-        ),
-        (
-            ["group.producers=2", "source=model", "source.path=.", "refit.delta=auto"],
-            "refit.delta='auto' is invalid: a sharded refit runs refit.delta=on or off: each piece already goes whole",
         ),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
         (["group.tp_size=2", "group.backend=shm"], "group.backend='shm' is invalid: a sharded refit runs over gloo"),

@@ -68,6 +68,44 @@ def test_a_local_sharded_refit_sends_delta_rounds_and_verifies_every_slice_every
     assert "on the wire" in result.stderr + result.stdout and "verified" in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("update", ["training", "shuffle"])
+def test_auto_sends_delta_rounds_while_few_elements_change_and_plain_rounds_where_all_do(cli, tmp_path, update):
+    rounds = 4
+    result = cli(
+        "group.producers=2",
+        "group.tp_size=2",
+        f"refit.rounds={rounds}",
+        "refit.delta=auto",
+        f"source.update={update}",  # training: about 1% of the bf16 elements change a round; shuffle: every one
+        COVER_STARTUP,
+    )
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    # sink=verify compared every consumer's slices with the source's whole tensors, sliced, after every round.
+    assert metrics["delta"] == "auto" and metrics["verified"] is True
+    assert all(r["verified"] for r in metrics["rounds"])
+    reasons = [r["auto_reason"] for r in metrics["rounds"]]
+    for rank in metrics["producers"] + metrics["consumers"]:  # one choice a round, the same on every rank
+        assert [r["auto_reason"] for r in rank["rounds"]] == reasons
+    kinds = [why.split(":")[0] for why in reasons]
+    first, second, *later = metrics["rounds"]
+    assert kinds[:2] == ["keep", "delta"], reasons  # the first fills the snapshots; nothing says deltas do not pay
+    assert first["changed_fraction"] == 1.0 and second["delta"] and second["base_round"] == 1
+    dense = first["bytes"]
+    if update == "training":
+        assert second["wire_bytes"] < dense / 10 and 0.002 < second["changed_fraction"] < 0.05, second
+        # A warm dense round to time the delta round against; then as the times measured say.
+        assert kinds[2] == "keep" and kinds[3] in ("delta", "plain"), reasons
+    else:
+        # The delta round's changes took all the dense bytes: plain rounds from then on, sent exactly as with
+        # refit.delta=off (the dense bytes, no records), the producers' samples estimating every element changed.
+        assert second["changed_fraction"] > 0.99 and second["wire_bytes"] >= dense, second
+        assert kinds[2:] == ["plain"] * (rounds - 2), reasons
+        assert all("of the dense bytes (50% or more)" in why for why in reasons[2:]), reasons
+        assert all(r["plain"] and not r["delta"] and r["wire_bytes"] == dense for r in later), later
+        assert later[-1]["changed_fraction"] > 0.99, later[-1]
+
+
 def test_ranks_started_apart_stop_together_where_one_producer_sends_dense_rounds(cli):
     port = free_port()
     common = ("group.producers=2", "group.world_size=3", f"group.port={port}", COVER_STARTUP)

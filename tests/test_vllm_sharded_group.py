@@ -19,6 +19,7 @@ from refit_app.common.errors import HandshakeError, PeerError
 from refit_app.core.reshard.plan import volume
 from refit_app.integrations.vllm.backend import RefitUpdateInfo
 from refit_app.integrations.vllm.sharded import ShardedProducer, ShardedWorker, sharded_init_info
+from refit_app.protocol.session import TensorDelta
 
 K, W, ROUNDS = 2, 2, 3
 SHAPES = {"up.weight": (33, 8), "down.weight": (8, 33), "norm.weight": (33,), "qkv.k.weight": (5, 8)}
@@ -41,6 +42,17 @@ def _weights(n: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
 
 
+def _few_changes(n: int) -> dict[str, torch.Tensor]:
+    """Round ``n``'s weights where few change: round 2 changes a row only tensor-parallel rank 0 loads (up's row 3),
+    round 3 a column only rank 1 loads (down's column 20)."""
+    weights = _weights(1)
+    if n >= 2:
+        weights["up.weight"][3, 1] += 1.0
+    if n >= 3:
+        weights["down.weight"][5, 20] += 1.0
+    return weights
+
+
 def _rank(rank: int, world: int, port: int, scenario: str) -> dict:
     dtypes = {"norm.weight": "bfloat16"} if scenario == "dtype" and rank == K + 1 else {}
     info = sharded_init_info(
@@ -53,14 +65,16 @@ def _rank(rank: int, world: int, port: int, scenario: str) -> dict:
         timeout_s=60.0,  # above run_ranks' 40 s: a rank that waited for the deadline is killed and fails the test
         checksums=True,
         token={"token": "s3cret", "wrong-token": "s3cret" if rank != K + 1 else "guess"}.get(scenario),
+        delta="on" if scenario == "delta" else "off",
     )
+    weigh = _few_changes if scenario == "delta" else _weights
     if rank < K:
         specs, _ = producer_shards(_weights(1).items(), rank, K)
         producer = ShardedProducer(info, rank, specs)
         for n in range(1, ROUNDS + 1):
             if scenario == "lost" and rank == 1 and n == 2:
                 os._exit(3)  # no word to anyone
-            _, shards = producer_shards(_weights(n).items(), rank, K)
+            _, shards = producer_shards(weigh(n).items(), rank, K)
             producer.send(shards)
         producer.close()
         return {}
@@ -70,8 +84,11 @@ def _rank(rank: int, world: int, port: int, scenario: str) -> dict:
     loaded: list[dict[str, str]] = []  # per round, what the loader got of each tensor: "exact", or what is wrong
 
     def load(items) -> None:  # the engine's loader: takes whole-shaped tensors, reads the boxes
-        weights, got = _weights(len(loaded) + 1), {}
+        weights, got = weigh(len(loaded) + 1), {}
         for name, t in items:
+            if isinstance(t, TensorDelta):  # a delta round's tensor that it wrote: reloaded from the worker's copy
+                assert t.positions is None and t.mirror is not None and set(t.mirror) == set(boxes), t
+                t = t.mirror[name]
             index = tuple(slice(a, b) for a, b in boxes[name])
             if tuple(t.shape) != SHAPES[name]:
                 got[name] = f"shape {list(t.shape)}"
@@ -97,6 +114,21 @@ def test_workers_receive_exactly_their_boxes_into_whole_shaped_tensors(scenario:
         want = sum(4 * volume(box) for box in boxes.values())  # float32
         assert facts["bytes"] == facts["slice_bytes"] == want, facts
         assert facts["rounds"] == ROUNDS and facts["rank"] == K + tp_rank
+
+
+def test_delta_rounds_patch_each_workers_slices_and_load_only_the_tensors_they_wrote() -> None:
+    results = run_ranks(_rank, K + W, "delta", timeout=40)
+    # Round 1 dense: every tensor loaded. Round 2 changed a row of up only worker 0 loads, round 3 a column of down
+    # only worker 1 loads: each worker loads again only what changed in its own slices, each exact.
+    want = [
+        [dict.fromkeys(SHAPES, "exact"), {"up.weight": "exact"}, {}],
+        [dict.fromkeys(SHAPES, "exact"), {}, {"down.weight": "exact"}],
+    ]
+    for tp_rank, result in enumerate(results[K:]):
+        assert result["loaded"] == want[tp_rank], (tp_rank, result["loaded"])
+        facts = result["facts"]
+        assert facts["delta"] is True and facts["loaded"] == len(want[tp_rank][2]), facts
+        assert facts["bytes"] < facts["slice_bytes"] / 4, facts  # the last round: its changes, not its slices
 
 
 @pytest.mark.parametrize(

@@ -142,11 +142,6 @@ class ShardedSpec:
 SHARDED_SOURCES = ("synthetic", "model")
 """The sources a sharded refit reads so far: synthetic (each producer takes its rows of every tensor) and model (the
 producers train it under FSDP2 and send their shards)."""
-SHARDED_DELTA_AUTO = (
-    "runs refit.delta=on or off: each piece already goes whole where its changes take more bytes, and auto's measured "
-    "switch to dense rounds is not built for it yet"
-)
-"""Why a sharded refit refuses ``refit.delta=auto`` (its producers compare their own shards with ``on``)."""
 SHARDED_SINKS = ("verify", "discard", "save", "model", "vllm")
 """The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
 a whole model, group.tp_size=1; vllm: one engine process whose tensor-parallel workers are the consumers;
@@ -387,7 +382,6 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
     if kind == "model" and role in ("local", "ray", "auto") and source_kind != "model":
         c.errors.append(f"{what} into sink=model needs a trainer to build the model from: source=model")
     for key, allowed, why in (
-        ("refit.delta", (DEFAULT_DELTA, "on"), SHARDED_DELTA_AUTO),
         ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),
         ("refit.use_legacy_packing", (False, None), "does not send vLLM's legacy chunks"),
         ("group.topology", ("tree",), "takes no topology (its replicas chain by themselves): leave it tree"),
@@ -418,9 +412,6 @@ def _check_engine_sink(c: _Checker, role: Any, kind: str, spec: ShardedSpec) -> 
         c.fail("group.replicas", spec.replicas, f"{what} runs one engine (group.replicas=1) so far")
     if role == "local" and OmegaConf.select(c.cfg, "source.kind", default=None) != "model":
         c.errors.append(f"{what} needs a trainer to build the engine's model from: source=model")
-    delta = c.get("refit.delta")
-    if delta not in (_ABSENT, DEFAULT_DELTA):
-        c.fail("refit.delta", delta, f"{what} sends dense rounds only so far: leave it off")
     model = c.get("sink.model")
     if model not in (_ABSENT, None):
         c.fail("sink.model", model, f"{what} builds the engine from the trainer's config.json: leave it null")

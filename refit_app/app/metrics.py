@@ -97,6 +97,13 @@ class RoundMetrics:
             "a dense round of refit.delta=auto sent as without deltas, the snapshot left alone (deltas did not pay)"
         ),
     )
+    auto_reason: str | None = field(
+        default=None,
+        metadata=_doc(
+            "a sharded refit with refit.delta=auto: the kind of round every rank chose (delta, keep: dense into "
+            "the snapshot, plain) and why, as `kind: reason`"
+        ),
+    )
     changed_elements: int | None = field(
         default=None,
         metadata=_doc(

@@ -29,6 +29,9 @@ of the same box, a check that depends on neither the plan nor the transfer.
 ``refit.delta=on``: the plan is agreed with delta rounds: the first round dense, every later one per-pair delta
 records (:mod:`refit_app.core.reshard.delta`), each producer comparing only its own shards with what it sent last
 round, a replica's relay doing the same for the next replica; the checks above run every round as in dense rounds.
+``refit.delta=auto``: every rank chooses each round's kind alike in the collective that starts the round
+(:class:`~refit_app.protocol.delta.auto.AgreedAuto`): a delta round, a dense one into the producers' snapshots, or
+a plain one sent as with ``off``; each round's metrics say which and why (``auto_reason``).
 
 ``sink=save``: each consumer of replica 0 writes its slices into ``sink.path/tp<t>`` through the one-producer
 ``sink=save`` (:class:`~refit_app.models.sinks.SaveSink`: a staging directory every round overwrites, swapped in
@@ -80,6 +83,7 @@ from refit_app.core.reshard.transfer import Held
 from refit_app.models.sinks import SaveSink, make_sink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.delta.auto import DELTA, KEEP, PLAIN, AgreedAuto
 from refit_app.protocol.manifest import Manifest
 from refit_app.protocol.sharded import (
     COLUMN,
@@ -90,6 +94,7 @@ from refit_app.protocol.sharded import (
     ShardedPlan,
     agree,
     allocate,
+    choose_round,
     from_tensors,
     receive,
     send,
@@ -225,10 +230,18 @@ class Agreed:
     probe_tokens: int
     """The most probe positions a consumer's sink=model asks for (0: none): the producers probe every round."""
     delta: bool
-    """Producer 0's ``refit.delta=on``: every round after the first a delta round (a consumer adopts it)."""
+    """Producer 0's ``refit.delta`` is on or auto: every round after the first a delta round (``on``) or of the
+    kind ``auto`` chooses (a consumer adopts it)."""
     engines: bool = False
     """The consumers are engine processes whose workers take the slices (sink=vllm,
     :mod:`refit_app.app.sharded_engine`)."""
+    auto: bool = False
+    """Producer 0's ``refit.delta=auto``: every rank chooses each round's kind together (the plan is agreed so)."""
+
+    @property
+    def delta_mode(self) -> bool | str:
+        """What :func:`~refit_app.protocol.sharded.agree` takes as ``delta``."""
+        return "auto" if self.auto else self.delta
 
 
 @dataclass(frozen=True)
@@ -256,7 +269,7 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
             expects=expected_tensors(source),
             trainer=is_trainer(source),
             source=source.describe(),
-            delta=s.refit.delta == "on",
+            delta=s.refit.delta,
             config=source.model_config() if is_trainer(source) else None,
         )
     else:
@@ -287,10 +300,8 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
                 f"ranks 0 and {other['rank']} disagree on refit.rounds: {first['rounds']} and {other['rounds']}"
             )
         if other.get("delta", first["delta"]) != first["delta"]:
-            said = {True: "on", False: "off"}
             raise HandshakeError(
-                f"producers 0 and {other['rank']} disagree on refit.delta: {said[first['delta']]} and "
-                f"{said[other['delta']]}"
+                f"producers 0 and {other['rank']} disagree on refit.delta: {first['delta']} and {other['delta']}"
             )
         if other.get("trainer", first["trainer"]) != first["trainer"]:
             kinds = {True: "a trainer (source=model)", False: "a source each takes its rows of"}
@@ -333,8 +344,9 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
         saves=any(e.get("saves") for e in every),
         model_config=first["config"],
         probe_tokens=max((e.get("probe", 0) for e in every), default=0),
-        delta=first["delta"],
+        delta=first["delta"] != "off",
         engines=bool(consumers) and consumers[0]["engine"],
+        auto=first["delta"] == "auto",
     )
 
 
@@ -473,7 +485,7 @@ def run_rounds(
         if agreed.trainer:
             source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
         specs, _ = _shards(source, rank, k, agreed.trainer)
-        plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta)
+        plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode)
         deltas, bases = ProducerDeltas() if agreed.delta else None, None
         expects = agreed.expects
     else:
@@ -482,7 +494,7 @@ def run_rounds(
         expects = expected_tensors(oracle) if oracle is not None else agreed.expects
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         plan = agree(
-            pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta
+            pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode
         )
         deltas, bases = None, ConsumerBases() if agreed.delta else None
         slices = allocate(expects, needs)
@@ -490,6 +502,7 @@ def run_rounds(
         model = _model_sink(s, agreed, slices)
         if saver is not None:
             stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
+    auto = AgreedAuto() if agreed.auto else None
     handshake_s = time.perf_counter() - started
     dense = _dense_bytes(plan, rank, producer) if agreed.delta else None
     faults = _fault_hooks(s, layout, pg)
@@ -501,16 +514,21 @@ def run_rounds(
         changing = source if producer else oracle  # a trainer's step, or the consumer's copy following it
         if n > 1 and changing is not None and hasattr(changing, "advance"):
             facts = changing.advance(n) or {}
-        dist.barrier(group=pg)  # every rank starts the round together: its seconds are the transfer's
+        # Every rank starts the round together: its seconds are the transfer's. Under refit.delta=auto the same
+        # collective carries every rank's facts about the last round, and every rank chooses this one's kind.
+        if auto is not None:
+            choose_round(pg, auto)
+        else:
+            dist.barrier(group=pg)
         if faults is not None:
             faults.start_round(n)
         with PeakMemory() as memory:
             t0 = time.perf_counter()
             if producer:
                 specs, shards = _shards(source, rank, k, agreed.trainer)  # this round's values, live
-                moved = send(wire, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas)
+                moved = send(wire, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas, auto=auto)
             else:
-                moved = receive(wire, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases)
+                moved = receive(wire, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases, auto=auto)
             seconds = time.perf_counter() - t0
         if faults is not None:
             faults.end_round()
@@ -547,7 +565,7 @@ def run_rounds(
         r = round_metrics(
             n, seconds, brought, moved, memory, verify, handshake_s if n == 1 else 0.0, facts.get("loss"), check
         )
-        done.append(_delta_figures(r, deltas if producer else bases) if agreed.delta else r)
+        done.append(delta_figures(r, deltas if producer else bases, auto) if agreed.delta else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s", n, agreed.rounds, seconds, loss)
@@ -638,11 +656,22 @@ def _dense_bytes(plan: ShardedPlan, rank: int, producer: bool) -> int:
     return sum(volume(t.box) * getattr(torch, t.dtype).itemsize for t in mine)
 
 
-def _delta_figures(r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None) -> RoundMetrics:
-    """A round of a plan agreed with delta rounds, with what this rank's side of it did: the first round is dense
-    (every piece whole), the later ones delta rounds."""
-    delta = r.round > 1
+def delta_figures(
+    r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None, auto: AgreedAuto | None = None
+) -> RoundMetrics:
+    """A round of a plan agreed with delta rounds, with what this rank's side of it did: with ``on`` the first round
+    is dense (every piece whole, each counted as changed), the later ones delta rounds; with ``auto`` the round is of
+    the kind every rank chose, with the reason (a plain round: sent as without deltas, its changes estimated from
+    the producer's sample of its shards where it has the last round's; a later dense round into the snapshot
+    counts none)."""
+    kind = (DELTA if r.round > 1 else KEEP) if auto is None else auto.last
+    delta = kind == DELTA
+    if auto is not None:
+        r = replace(r, plain=kind == PLAIN, auto_reason=f"{kind}: {auto.reason}")
     if isinstance(state, ProducerDeltas):
+        counted = kind == DELTA or r.round == 1 or (kind == PLAIN and auto is not None and auto.measured)
+        if not counted:
+            return r
         total = state.total_elements
         return replace(
             r,
@@ -653,6 +682,8 @@ def _delta_figures(r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None
             diff_seconds=state.compare_seconds,
         )
     assert isinstance(state, ConsumerBases)
+    if kind == PLAIN:
+        return r
     return replace(r, delta=delta, base_round=r.round - 1 if delta else None, apply_seconds=state.apply_seconds)
 
 

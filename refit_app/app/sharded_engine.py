@@ -41,7 +41,7 @@ import torch.distributed as dist
 from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics
 from refit_app.app.rank_harness import free_port
-from refit_app.app.sharded import Agreed, rank_metrics, round_metrics, trainer_mesh
+from refit_app.app.sharded import Agreed, delta_figures, rank_metrics, round_metrics, trainer_mesh
 from refit_app.common.errors import HandshakeError, SinkError, VerificationError, one_line
 from refit_app.core.meta import TensorMeta
 from refit_app.models.hf.spec import main_dtype
@@ -57,13 +57,11 @@ TP_DIVIDES = ("num_attention_heads", "intermediate_size")
 
 def check_engine_layout(agreed: Agreed, layout: ShardedSpec) -> None:
     """What the engine cannot run, raised alike on every rank (each holds the same settings): another number of
-    engines than one, delta rounds, a ``group.tp_size`` the model's heads or MLP do not divide."""
+    engines than one, a ``group.tp_size`` the model's heads or MLP do not divide."""
     if layout.replicas != 1:
         raise HandshakeError(
             f"a sharded refit into sink=vllm runs one engine (group.replicas=1), not {layout.replicas}"
         )
-    if agreed.delta:
-        raise HandshakeError("a sharded refit into sink=vllm sends dense rounds only so far: give refit.delta=off")
     config = json.loads(agreed.model_config or "{}")
     tp = layout.tp_size
     for key in TP_DIVIDES:
@@ -120,10 +118,16 @@ def engine_rounds(
         timeout_s=s.group.timeout_s,
         checksums=True,
         token=s.group.token,
+        delta=_delta_word(agreed),
     )
     if s.rank < layout.producers:
         return _produce(s, layout, agreed, rg, pg, side, info, started, stack)
     return _serve(s, agreed, pg, side, info, started, stack)
+
+
+def _delta_word(agreed: Agreed) -> str:
+    """Producer 0's ``refit.delta`` (which the engine process adopts), for the data group's every rank."""
+    return "auto" if agreed.auto else "on" if agreed.delta else "off"
 
 
 def _share(pg: Any, s: RunSettings, mine: Any) -> list[Any]:
@@ -182,7 +186,7 @@ def _produce(
         _share(pg, s, probe if rank == 0 else None)
         verdict = _verdict(pg, s, None)
         r = round_metrics(n, seconds, sent, sent, memory, False, handshake_s if n == 1 else 0.0, facts.get("loss"))
-        done.append(r)
+        done.append(delta_figures(r, producer.deltas, producer.auto) if producer.deltas is not None else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
             logger.info("round %d/%d: %.3f s%s; %s", n, agreed.rounds, seconds, loss, verdict["line"])
@@ -219,7 +223,7 @@ def _serve(
             llm.finish_weight_update()
             seconds = time.perf_counter() - t0
         workers = [
-            {"rank": w["rank"], "bytes": w["bytes"], "model_bytes": w["model_bytes"]}
+            {key: w[key] for key in ("rank", "bytes", "model_bytes", "delta", "loaded")}
             for w in llm.collective_rpc(sharded_facts)
         ]
         probe = _share(pg, s, None)[0]
@@ -234,7 +238,7 @@ def _serve(
         logger.info("round %d/%d: %.3f s; %s", n, agreed.rounds, seconds, line)
         moved = sum(w["bytes"] for w in workers)
         r = round_metrics(n, seconds, moved, moved, memory, False, handshake_s if n == 1 else 0.0, None, check)
-        done.append(replace(r, workers=workers))
+        done.append(replace(r, workers=workers, delta=all(w["delta"] for w in workers)))
     llm.shutdown_weight_transfer_engine()  # the workers leave the data group: the producers wait for them
     return rank_metrics(
         s, agreed.source, agreed.buffer_size_bytes, done, handshake_s, False, False, None, len(agreed.expects), {}
@@ -245,7 +249,7 @@ def _round_line(workers: list[dict[str, Any]], check: dict[str, Any] | None) -> 
     """What the engine took this round, for the log: each worker's bytes against the model's, and the probe."""
     got = ", ".join(
         f"worker {w['rank']} received {w['bytes']} of {w['model_bytes']} model bytes "
-        f"({w['bytes'] / w['model_bytes']:.0%})"
+        f"({w['bytes'] / w['model_bytes']:.0%}{_changes_loaded(w)})"
         for w in workers
     )
     if check is None:
@@ -254,6 +258,10 @@ def _round_line(workers: list[dict[str, Any]], check: dict[str, Any] | None) -> 
     return (
         f"{got}; vLLM's greedy tokens {same} the trainer's (max log-probability diff {check['max_abs_logit_diff']:.3g})"
     )
+
+
+def _changes_loaded(worker: dict[str, Any]) -> str:
+    return f", changes: loaded {worker['loaded']} tensor(s) again" if worker["delta"] else ""
 
 
 def _leave(llm: Any) -> None:

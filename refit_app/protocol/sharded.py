@@ -17,6 +17,7 @@ needs a tensor nobody has, or a rank with other settings, makes every rank raise
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,12 @@ from refit_app.core.reshard.plan import (
     held_boxes,
     plan,
     shard_box,
+    volume,
     whole,
 )
 from refit_app.core.reshard.transfer import Held, receive_regions, send_regions
 from refit_app.protocol.checksum import PIECED, checksum_function
+from refit_app.protocol.delta.auto import DELTA, FACTS, KEEP, PLAIN, AgreedAuto
 from refit_app.transport.pairs import TorchPairs
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -217,6 +220,9 @@ class ShardedPlan:
     """The checksum algorithm of plain rounds (:mod:`refit_app.protocol.checksum`), or None: not verified."""
     delta: bool
     digest: str
+    auto: bool = False
+    """Agreed with ``delta="auto"``: every round's kind chosen by all ranks together (:class:`AgreedAuto`), a delta
+    round while deltas pay, else a plain round exactly as without deltas (:attr:`delta` is then True as well)."""
 
     def checksum_function(self) -> Callable[[Any], int] | None:
         """The function of :attr:`checksum`, or None where plain rounds are not verified."""
@@ -240,19 +246,22 @@ def agree(
     chains: Sequence[Sequence[int]] = (),
     buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
     checksum: str | None = DEFAULT_CHECKSUM,
-    delta: bool = False,
+    delta: bool | str = False,
 ) -> ShardedPlan:
     """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
     (:func:`from_tensors`); a consumer passes ``needs`` (its own rank's) and, in ``expects``, the dtype and global
     shape it expects of each tensor it needs (the engine's model; the layout part is not compared). Every rank passes
     the same ``chains`` (replica chains, see :func:`refit_app.core.reshard.plan.plan`) and the same ``delta``
-    (whether its rounds will be delta rounds: ``send(delta=...)``/``receive(bases=...)``).
+    (whether its rounds will be delta rounds: ``send(delta=...)``/``receive(bases=...)``; ``"auto"``: each round's
+    kind chosen by every rank together, from what the producers measured, :class:`AgreedAuto`).
 
     ``buffer_size_bytes``, ``checksum`` (an algorithm of :mod:`refit_app.protocol.checksum`, or None) and ``delta``
     must be the same on every rank; the plan carries them to :func:`send` and :func:`receive`.
 
     Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
     _check_settings(buffer_size_bytes, checksum)
+    if delta not in (True, False, "auto"):
+        raise ValueError(f"delta={delta!r}: give True, False or 'auto'")
     for what, items, kind in (
         ("specs", specs or (), TensorSpec),
         ("needs", needs, Need),
@@ -267,7 +276,7 @@ def agree(
         "needs": list(needs),
         "expects": [(s.name, s.dtype, tuple(s.shape)) for s in expects],
         "chains": [list(c) for c in chains],
-        "settings": {"buffer_size_bytes": buffer_size_bytes, "checksum": checksum, "delta": bool(delta)},
+        "settings": {"buffer_size_bytes": buffer_size_bytes, "checksum": checksum, "delta": delta},
     }
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
@@ -283,7 +292,7 @@ def agree(
                 f"rank {other} made another plan from the same layouts (plan digest {theirs[:12]}, here "
                 f"{mine_digest[:12]}): run the same refit_app version on every rank"
             )
-    return ShardedPlan(transfers, buffer_size_bytes, checksum, bool(delta), mine_digest)
+    return ShardedPlan(transfers, buffer_size_bytes, checksum, bool(delta), mine_digest, auto=delta == "auto")
 
 
 def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
@@ -358,17 +367,25 @@ def send(
     *,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     delta: ProducerDeltas | None = None,
+    auto: AgreedAuto | None = None,
 ) -> int:
     """Send this producer's regions of ``plan``; the bytes sent. A plan agreed with ``delta=True`` takes the
     producer's state across rounds here (:class:`~refit_app.core.reshard.delta.ProducerDeltas`): only the changed
-    elements of each piece go, every piece is verified and any that differs is sent again whole."""
+    elements of each piece go, every piece is verified and any that differs is sent again whole. One agreed with
+    ``delta="auto"`` takes ``auto`` too (:class:`AgreedAuto`, kept across rounds like ``delta``): the round is of
+    the kind every rank chooses at its start (:func:`choose_round`, where a session's word did not already)."""
     _check_buffers(num_buffers)
     _check_mode(plan, delta, "send(delta=ProducerDeltas())")
+    _check_auto(plan, auto, "send(delta=ProducerDeltas(), auto=AgreedAuto())")
     group = TorchPairs(rank, pg)
+    if auto is not None and delta is not None:
+        return _send_auto(pg, group, plan, shards, num_buffers, delta, auto)
     if delta is not None:
-        return send_delta(
-            group, plan.transfers, shards, delta, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
-        )
+        return _send_deltas(group, plan, shards, num_buffers, delta)
+    return _send_plain(group, plan, shards, num_buffers)
+
+
+def _send_plain(group: TorchPairs, plan: ShardedPlan, shards: dict[str, Held], num_buffers: int) -> int:
     return send_regions(
         group,
         plan.transfers,
@@ -376,6 +393,14 @@ def send(
         buffer_size_bytes=plan.buffer_size_bytes,
         num_buffers=num_buffers,
         checksum=plan.checksum_function(),
+    )
+
+
+def _send_deltas(
+    group: TorchPairs, plan: ShardedPlan, shards: dict[str, Held], num_buffers: int, delta: ProducerDeltas
+) -> int:
+    return send_delta(
+        group, plan.transfers, shards, delta, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
     )
 
 
@@ -387,17 +412,36 @@ def receive(
     *,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     bases: ConsumerBases | None = None,
+    auto: AgreedAuto | None = None,
 ) -> int:
     """Receive this consumer's regions of ``plan`` into ``slices`` (and relay its replica's); the bytes received. A
     plan agreed with ``delta=True`` takes this consumer's state across rounds here
-    (:class:`~refit_app.core.reshard.delta.ConsumerBases`)."""
+    (:class:`~refit_app.core.reshard.delta.ConsumerBases`); one agreed with ``delta="auto"`` takes ``auto`` too."""
     _check_buffers(num_buffers)
     _check_mode(plan, bases, "receive(bases=ConsumerBases())")
+    _check_auto(plan, auto, "receive(bases=ConsumerBases(), auto=AgreedAuto())")
     group = TorchPairs(rank, pg)
+    if auto is not None and bases is not None:
+        kind = choose_round(pg, auto)
+        started = time.perf_counter()
+        if kind == PLAIN:
+            moved = _receive_plain(group, plan, slices, num_buffers)
+        else:
+            if kind == KEEP:  # a relay's snapshot of what it sent the next replica is stale after plain rounds
+                bases.relay.snapshots.clear()
+            moved = receive_delta(
+                group, plan.transfers, slices, bases, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
+            )
+        auto.done(time.perf_counter() - started)
+        return moved
     if bases is not None:
         return receive_delta(
             group, plan.transfers, slices, bases, buffer_size_bytes=plan.buffer_size_bytes, num_buffers=num_buffers
         )
+    return _receive_plain(group, plan, slices, num_buffers)
+
+
+def _receive_plain(group: TorchPairs, plan: ShardedPlan, slices: dict[str, Held], num_buffers: int) -> int:
     return receive_regions(
         group,
         plan.transfers,
@@ -406,6 +450,81 @@ def receive(
         num_buffers=num_buffers,
         checksum=plan.checksum_function(),
     )
+
+
+def choose_round(pg: Any, auto: AgreedAuto) -> str:
+    """This round's kind under ``delta="auto"``, the same on every rank of ``pg``: every rank's facts about the last
+    round gathered (one small all-gather, which every rank joins at the round's start) and decided on
+    (:meth:`AgreedAuto.decide`); the kind already decided this round where a session's word carried the facts."""
+    if auto.kind is None:
+        rows = [torch.zeros(FACTS, dtype=torch.int64) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(rows, torch.tensor(auto.facts(), dtype=torch.int64), group=pg)
+        auto.decide([r.tolist() for r in rows])
+    assert auto.kind is not None
+    return auto.kind
+
+
+def _send_auto(
+    pg: Any,
+    group: TorchPairs,
+    plan: ShardedPlan,
+    shards: dict[str, Held],
+    num_buffers: int,
+    delta: ProducerDeltas,
+    auto: AgreedAuto,
+) -> int:
+    """One round of ``delta="auto"`` on a producer: a plain round as without deltas (its changes estimated from a
+    sample of this producer's shards), or a delta round, or a dense round into the snapshot (``keep``: the snapshot
+    emptied first, so every piece goes whole and is copied into it); this producer's measures then go into the next
+    round's choice."""
+    kind = choose_round(pg, auto)
+    mine = [t for t in plan.transfers if t.src == group.rank]
+    dense = sum(volume(t.box) * shards[t.name].tensor.element_size() for t in mine)
+    started = time.perf_counter()
+    if kind == PLAIN:
+        sent = _send_plain(group, plan, shards, num_buffers)
+        sampling = time.perf_counter()
+        estimate = _sampled(auto, shards, sorted({t.name for t in mine}))
+        delta.compare_seconds = time.perf_counter() - sampling
+        elements = delta.total_elements  # this producer's distinct pieces, counted in the first round
+        if estimate is None:
+            auto.done(time.perf_counter() - started)
+        else:
+            changed, share = estimate
+            delta.changed_elements = round(changed * elements)
+            auto.done(
+                time.perf_counter() - started,
+                changes=round(share * dense),
+                dense=dense,
+                changed=delta.changed_elements,
+                elements=elements,
+            )
+        return sent
+    if kind == KEEP:
+        delta.snapshots.clear()  # every piece whole, into a fresh snapshot
+    sent = _send_deltas(group, plan, shards, num_buffers, delta)
+    measured = kind == DELTA
+    auto.done(
+        time.perf_counter() - started,
+        changes=sent if measured else 0,
+        dense=dense if measured else 0,
+        changed=delta.changed_elements if measured else 0,
+        elements=delta.total_elements if measured else 0,
+    )
+    return sent
+
+
+def _sampled(auto: AgreedAuto, shards: dict[str, Held], names: list[str]) -> tuple[float, float] | None:
+    """A plain round's sample of this producer's shards (every 32nd block, :class:`~refit_app.protocol.delta.auto.
+    Sampler`): the estimated share of changed elements and of the dense bytes a delta round would have taken, where
+    the sample holds the last round to compare with."""
+    sampler, k = auto.sampler, auto.rounds + 1
+    sampler.begin(k)
+    for name in names:
+        t = shards[name].tensor
+        flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        sampler.add(flat.numpy(), None, t.element_size())
+    return sampler.end(k)
 
 
 GOING = 1
@@ -419,7 +538,8 @@ class ShardedSession:
     :meth:`close` ends the session on every rank (a consumer's :meth:`receive` returns None); ranks at different
     rounds, a producer that ends while another sends, or a consumer that leaves while the producers send, make every
     rank raise in one line at that round's start, before its data. Delta state (a plan agreed with ``delta=True``)
-    is kept here across rounds::
+    is kept here across rounds; under ``delta="auto"`` the word also carries every rank's facts about the last
+    round, from which every rank chooses the round's kind alike (:class:`AgreedAuto`)::
 
         session = ShardedSession(pg, rank, plan, producer=rank < k)
         producer: for each step: session.send(shards)  ...  session.close()
@@ -439,11 +559,16 @@ class ShardedSession:
         self.closed = False
         self.deltas = ProducerDeltas() if plan.delta and producer else None
         self.bases = ConsumerBases() if plan.delta and not producer else None
+        self.auto = AgreedAuto() if plan.auto else None
+        """``delta="auto"``'s choice: :attr:`AgreedAuto.last` and :attr:`AgreedAuto.reason` say what the last round
+        was, and why."""
 
     def send(self, shards: dict[str, Held]) -> int:
         """One round of this producer's regions; the bytes sent."""
         self._opened("send", producer=True)
-        moved = send(self.pg, self.rank, self.plan, shards, num_buffers=self.num_buffers, delta=self.deltas)
+        moved = send(
+            self.pg, self.rank, self.plan, shards, num_buffers=self.num_buffers, delta=self.deltas, auto=self.auto
+        )
         self.rounds += 1
         return moved
 
@@ -451,7 +576,9 @@ class ShardedSession:
         """One round into ``slices``; the bytes received, or None once a producer ended the session."""
         if not self._opened("receive", producer=False):
             return None
-        moved = receive(self.pg, self.rank, self.plan, slices, num_buffers=self.num_buffers, bases=self.bases)
+        moved = receive(
+            self.pg, self.rank, self.plan, slices, num_buffers=self.num_buffers, bases=self.bases, auto=self.auto
+        )
         self.rounds += 1
         return moved
 
@@ -474,15 +601,18 @@ class ShardedSession:
     def _word(self, word: int) -> bool:
         """Every rank's word at round ``rounds + 1``; True where the round goes on."""
         k = self.rounds + 1
-        mine = torch.tensor([k, word, int(self.producer)], dtype=torch.int64)
-        words = [torch.zeros(3, dtype=torch.int64) for _ in range(dist.get_world_size(self.pg))]
+        facts = self.auto.facts() if self.auto is not None else []
+        mine = torch.tensor([k, word, int(self.producer), *facts], dtype=torch.int64)
+        words = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.pg))]
         dist.all_gather(words, mine, group=self.pg)
-        said = [(r, *(int(x) for x in w)) for r, w in enumerate(words)]
+        said = [(r, *(int(x) for x in w[:3])) for r, w in enumerate(words)]
         for r, at, _, _ in said:
             if at != k:
                 raise PeerError(f"rank {r} is at round {at} of the session, rank {self.rank} at round {k}")
         ending = [(r, is_producer) for r, _, w, is_producer in said if w == ENDING]
         if not ending:
+            if self.auto is not None:
+                self.auto.decide([w[3:].tolist() for w in words])
             return True
         self.closed = True
         going = [r for r, _, w, is_producer in said if w == GOING and is_producer]
@@ -494,6 +624,13 @@ class ShardedSession:
                 return False
             raise PeerError(f"consumer {ending[0][0]} left the session before round {k}")
         return False
+
+
+def _check_auto(plan: ShardedPlan, auto: AgreedAuto | None, how: str) -> None:
+    if plan.auto and auto is None:
+        raise ValueError(f"the plan was agreed with delta='auto': call {how}")
+    if not plan.auto and auto is not None:
+        raise ValueError("the plan was agreed without delta='auto': agree(..., delta='auto') on every rank first")
 
 
 def _check_mode(plan: ShardedPlan, state: Any, how: str) -> None:

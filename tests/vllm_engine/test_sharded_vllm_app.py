@@ -46,9 +46,13 @@ def tied_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sharded_trainer_refits_a_tensor_parallel_engine(cli, tied_llama_dir: Path) -> None:
+    # refit.delta=auto: its three rounds are the three kinds, each taken by the workers its own way: a dense round
+    # of records that fills the producers' snapshots, a delta round (the workers patch the slices they keep and load
+    # again only the tensors it wrote), then a plain round, sent as with refit.delta=off (the delta round's changes
+    # took most of the bytes: AdamW at this rate changes most float32 elements).
     result = cli(
         *LAYOUT, "source=model", f"source.path={tied_llama_dir}", LR, "sink=vllm", f"refit.rounds={ROUNDS}",
-        f"group.timeout_s={TIMEOUT_S}", timeout_s=APP_LIMIT_S,
+        "refit.delta=auto", f"group.timeout_s={TIMEOUT_S}", timeout_s=APP_LIMIT_S,
     )  # fmt: skip
     # Not assert_ok: vLLM logs a traceback of its own at start-up (its chat template warm-up without a tokenizer).
     assert result.returncode == 0, result.describe()
@@ -59,6 +63,9 @@ def test_sharded_trainer_refits_a_tensor_parallel_engine(cli, tied_llama_dir: Pa
     assert engine["sink"] == "vllm" and engine["rank"] == K
     losses = [r["loss"] for r in m["producers"][0]["rounds"][1:]]
     assert len(set(losses)) == ROUNDS - 1, losses  # real optimizer steps: the weights change every round
+    kinds = [r["auto_reason"].split(":")[0] for r in m["rounds"]]
+    assert kinds == ["keep", "delta", "plain"], [r["auto_reason"] for r in m["rounds"]]
+    loaded = {w["rank"]: w["loaded"] for w in engine["rounds"][0]["workers"]}
     tokens = []
     for n, (r, top) in enumerate(zip(engine["rounds"], m["rounds"]), start=1):
         check = r["model_check"]
@@ -67,7 +74,12 @@ def test_sharded_trainer_refits_a_tensor_parallel_engine(cli, tied_llama_dir: Pa
         workers = r["workers"]
         assert [w["rank"] for w in workers] == [K, K + 1], workers
         for w in workers:  # each worker receives only its part: about half of the tiny Llama (k, v, norms whole)
-            assert 0.5 < w["bytes"] / w["model_bytes"] < 0.6, (n, w)
+            if n == 2:  # changes: at most its part, and it loads again only the tensors they wrote
+                assert w["delta"] is True and 0 < w["bytes"] / w["model_bytes"] < 0.6, (n, w)
+                assert 0 < w["loaded"] <= loaded[w["rank"]], (n, w, loaded)
+            else:
+                assert w["delta"] is False and 0.5 < w["bytes"] / w["model_bytes"] < 0.6, (n, w)
+                assert w["loaded"] == loaded[w["rank"]], (n, w, loaded)
         assert sum(w["bytes"] for w in workers) == top["bytes"] == top["wire_bytes"], (n, workers, top)
         assert f"round {n}/{ROUNDS}: " in result.stdout
     assert tokens[0] != tokens[-1], "the trainer's greedy tokens never changed: the check proves nothing"

@@ -105,6 +105,9 @@ class ConsumerBases:
     """Last round: the time spent applying the records and hashing the pieces (repairs included)."""
     relay: ProducerDeltas = field(default_factory=ProducerDeltas)
     """A consumer that passes its pieces on to the next replica of its chain: what it sent that one last round."""
+    written: set[str] = field(default_factory=set)
+    """Last round: the tensors some record wrote into (changes, pieces whole, repairs); the others kept their bytes,
+    so an engine that loads from its slices need load only these again."""
 
 
 @dataclass
@@ -270,9 +273,10 @@ def receive_delta(
     blobs = _receive_blobs(group, pairs, slices, buffer_size_bytes, num_buffers)
     received, answers, bad = 0, [], {}
     bases.apply_seconds = 0.0
+    bases.written = set()
     for pair in pairs:
         started = time.perf_counter()
-        _apply_checked(group, pair, blobs[pair.peer], slices)
+        _apply_checked(group, pair, blobs[pair.peer], slices, bases.written)
         bases.apply_seconds += time.perf_counter() - started
         received += blobs[pair.peer].numel()
         theirs = torch.empty(len(pair.regions), dtype=torch.int64)
@@ -289,7 +293,7 @@ def receive_delta(
     repairs = _receive_blobs(group, again, slices, buffer_size_bytes, num_buffers)
     for pair in again:
         started = time.perf_counter()
-        _apply_checked(group, pair, repairs[pair.peer], slices)
+        _apply_checked(group, pair, repairs[pair.peer], slices, bases.written)
         received += repairs[pair.peer].numel()
         still = _differing(pair, bad[pair.peer][0], slices)
         bases.apply_seconds += time.perf_counter() - started
@@ -348,10 +352,12 @@ def _differing(pair: Pair, theirs: torch.Tensor, slices: Mapping[str, Held]) -> 
     ]
 
 
-def _apply_checked(group: PairGroup, pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
+def _apply_checked(
+    group: PairGroup, pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held], written: set[str]
+) -> None:
     """:func:`_apply`, a stream whose records cannot be read (bytes changed in transit) named as a mismatch."""
     try:
-        _apply(pair, blob, slices)
+        _apply(pair, blob, slices, written)
     except (ValueError, IndexError) as e:
         raise RegionMismatch(
             f"rank {group.rank}: the delta records from rank {pair.peer} arrived unreadable ({one_line(e)}): "
@@ -359,8 +365,8 @@ def _apply_checked(group: PairGroup, pair: Pair, blob: torch.Tensor, slices: Map
         ) from e
 
 
-def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
-    """Write a pair's records into the pieces they name."""
+def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held], written: set[str]) -> None:
+    """Write a pair's records into the pieces they name (their tensors' names added to ``written``)."""
     data, at = blob.numpy(), 0
     while True:
         if at + RECORD.size > data.size:
@@ -375,6 +381,7 @@ def _apply(pair: Pair, blob: torch.Tensor, slices: Mapping[str, Held]) -> None:
                 f"{len(pair.regions)}, flags {flags}, {positions_nbytes} + {values_nbytes} bytes)"
             )
         t = pair.regions[index]
+        written.add(t.name)
         view = slices[t.name].region(t.box)
         target, own = _bytes_of(view)
         section = data[at : at + positions_nbytes]

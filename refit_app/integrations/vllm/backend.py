@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 
 from refit_app.common.errors import HandshakeError, PeerError
 from refit_app.packed_tensor import get_num_buffers, get_target_packed_tensor_size
+from refit_app.protocol.defaults import DELTA_MODES
 from refit_app.protocol.session import ConsumerSession, ProducerSession, Round
 from refit_app.transport.auth import TOKEN_ENV
 from refit_app.transport.groups import GroupSpec, connect
@@ -109,12 +110,18 @@ class RefitWorkerInitInfo:
     """Rounds are staged beside generation and applied in a pause (:mod:`refit_app.integrations.vllm.staged`):
     the worker's session keeps no mirror (it stages beside a host copy of its own, which a delta round's changes
     apply to). Not with ``producers`` (a sharded refit's rounds are not staged yet)."""
+    delta: str = "off"
+    """A sharded refit's delta rounds, as the producers' ``agree`` takes them (``off``, ``on``, ``auto``;
+    :mod:`refit_app.protocol.sharded`): each worker keeps what it received as the base a delta round patches, and
+    loads again only the tensors the round wrote. A one-trainer refit learns it from the trainer's session instead."""
     token: str | None = field(default=None, repr=False)
     """A sharded refit's shared secret (``group.token``): every rank proves it at the rendezvous
     (:mod:`refit_app.transport.auth`); None: each worker's own ``REFIT_APP_TOKEN`` (:func:`group_token`), and
     without one only a loopback ``master_address`` is allowed. Never shown."""
 
     def __post_init__(self) -> None:
+        if self.delta not in DELTA_MODES:
+            raise ValueError(f"RefitWorkerInitInfo.delta={self.delta!r}: one of {', '.join(DELTA_MODES)}")
         if self.staged and self.producers:
             raise ValueError(
                 f"staged=True with producers={self.producers}: a sharded refit's rounds are not staged yet; "

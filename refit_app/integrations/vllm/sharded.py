@@ -41,10 +41,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refit_app.common.errors import HandshakeError, PeerError, VerificationError, one_line
+from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
 from refit_app.core.reshard.plan import Box, Need, TensorSpec, volume, whole
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.integrations.vllm.backend import RefitUpdateInfo, RefitWorkerInitInfo, group_token
 from refit_app.protocol.checksum import PIECED
+from refit_app.protocol.delta.auto import DELTA, AgreedAuto
+from refit_app.protocol.session import TensorDelta
 from refit_app.protocol.sharded import Expected, agree, receive, send
 from refit_app.transport.groups import GroupSpec, RefitGroup, connect
 
@@ -65,13 +68,16 @@ def sharded_init_info(
     timeout_s: float = 120.0,
     checksums: bool = True,
     token: str | None = None,
+    delta: str = "off",
 ) -> RefitWorkerInitInfo:
     """The settings of a sharded refit into a vLLM engine, for its workers (``init_weight_transfer_engine``'s
     ``init_info``) and for the trainer's :class:`ShardedProducer` ranks alike: ``producers`` trainer ranks, then the
     engine's ``workers`` (every worker of every data-parallel replica); ``tensors`` the checkpoint's names, dtypes
     and global shapes, which every worker's loaders are asked about (the producers' agreement checks them);
     ``token`` the secret every rank proves at the rendezvous (``group.token``; None: each process's own
-    ``REFIT_APP_TOKEN``, and without one a loopback address only)."""
+    ``REFIT_APP_TOKEN``, and without one a loopback address only); ``delta`` the rounds' kind (``off``; ``on``: every
+    round after the first a delta round, each producer comparing only its own shards; ``auto``: the kind every rank
+    chooses each round, :class:`~refit_app.protocol.delta.auto.AgreedAuto`)."""
     if not (isinstance(producers, int) and producers >= 1 and isinstance(workers, int) and workers >= 1):
         raise ValueError(f"producers={producers!r}, workers={workers!r}: give at least one of each")
     listed = [[name, str(dtype).removeprefix("torch."), [int(n) for n in shape]] for name, dtype, shape in tensors]
@@ -88,6 +94,7 @@ def sharded_init_info(
         producers=producers,
         tensors=listed,
         token=token,
+        delta=delta,
     )
 
 
@@ -105,6 +112,11 @@ def _group(info: RefitWorkerInitInfo, rank: int) -> RefitGroup:
             token=group_token(info.token),
         )
     )
+
+
+def _delta_mode(info: RefitWorkerInitInfo) -> bool | str:
+    """What :func:`~refit_app.protocol.sharded.agree` takes as ``delta``."""
+    return {"off": False, "on": True}.get(info.delta, info.delta)
 
 
 def _expected(info: RefitWorkerInitInfo) -> list[Expected]:
@@ -168,13 +180,26 @@ class ShardedProducer:
                 specs=specs,
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
+                delta=_delta_mode(info),
             )
         self.rounds = 0
+        self.deltas = ProducerDeltas() if self.plan.delta else None
+        """Delta rounds: this rank's snapshot of what it sent, and the last round's figures."""
+        self.auto = AgreedAuto() if self.plan.auto else None
+        """``delta="auto"``: the kind of the last round (``last``) and why (``reason``)."""
 
     def send(self, shards: Mapping[str, Held]) -> int:
         """Send this rank's regions of one round from ``shards`` (the live shards); the bytes sent."""
         with _failing_together(self.rg, self.rank, "trainer"):
-            sent = send(self.pg, self.rank, self.plan, dict(shards), num_buffers=self.num_buffers)
+            sent = send(
+                self.pg,
+                self.rank,
+                self.plan,
+                dict(shards),
+                num_buffers=self.num_buffers,
+                delta=self.deltas,
+                auto=self.auto,
+            )
         self.rounds += 1
         return sent
 
@@ -314,7 +339,12 @@ class ShardedWorker:
                 expects=expects,
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
+                delta=_delta_mode(info),
             )
+        self.bases = ConsumerBases() if self.plan.delta else None
+        """Delta rounds: what this worker had sent again whole, and which tensors the last round wrote; its base is
+        :attr:`tensors` itself, kept across rounds."""
+        self.auto = AgreedAuto() if self.plan.auto else None
         by_name = {e.name: e for e in expects}
         # Whole-shaped, written only in the boxes: what vLLM's loaders narrow (torch.empty touches no page).
         self.tensors = {
@@ -331,6 +361,10 @@ class ShardedWorker:
         self.rounds = 0
         self.last_bytes = 0
         self.last_seconds = 0.0
+        self.last_delta = False
+        """Whether the last round was a delta round (its changes patched into :attr:`tensors`)."""
+        self.last_loaded = 0
+        """The checkpoint tensors the last round loaded into the engine (a delta round: only those it wrote)."""
 
     def receive_round(
         self,
@@ -339,7 +373,13 @@ class ShardedWorker:
         complete: Callable[[], Any],
     ) -> int:
         """Receive round ``update.round`` (the next one) and load it: ``load`` gets ``(name, whole-shaped tensor)``
-        for every tensor this worker loads a part of, then ``complete`` finishes the reload. The bytes received."""
+        for every tensor this worker loads a part of, then ``complete`` finishes the reload. The bytes received.
+
+        A delta round patches this worker's own slices (its base: what it received, checked against the producers'
+        hashes of every piece, a piece that differs sent again whole) and ``load`` gets only the tensors the round
+        wrote, each as a :class:`~refit_app.protocol.session.TensorDelta` that came whole with :attr:`tensors` as
+        its mirror: the worker engine's loader reloads their layers through vLLM's ``load_weights`` (fused
+        parameters with their other parts from the mirror), the rest of the engine left as it is."""
         if update.round != self.rounds + 1:
             error = HandshakeError(
                 f"the trainer's update_weights says round {update.round}, this worker has received {self.rounds}; "
@@ -349,17 +389,47 @@ class ShardedWorker:
             raise error
         started = time.perf_counter()
         with _failing_together(self.rg, self.rank, "vLLM worker"):
-            moved = receive(self.pg, self.rank, self.plan, self.slices, num_buffers=self.num_buffers)
+            moved = receive(
+                self.pg,
+                self.rank,
+                self.plan,
+                self.slices,
+                num_buffers=self.num_buffers,
+                bases=self.bases,
+                auto=self.auto,
+            )
             self.last_seconds = time.perf_counter() - started
-            load(iter(self.tensors.items()))
+            self.last_delta = self._delta_round()
+            if self.last_delta:
+                assert self.bases is not None
+                written = [name for name in self.tensors if name in self.bases.written]
+                load(self._changes(written))
+                self.last_loaded = len(written)
+            else:
+                load(iter(self.tensors.items()))
+                self.last_loaded = len(self.tensors)
             complete()
         self.rounds += 1
         self.last_bytes = moved
         return moved
 
+    def _delta_round(self) -> bool:
+        """Whether the round just received was a delta round (the first of ``on`` and every ``keep`` or ``plain``
+        round of ``auto`` are dense: every tensor loaded again)."""
+        if self.auto is not None:
+            return self.auto.last == DELTA
+        return self.bases is not None and self.rounds >= 1
+
+    def _changes(self, names: Sequence[str]) -> Iterator[tuple[str, TensorDelta]]:
+        for name in names:
+            t = self.tensors[name]
+            yield name, TensorDelta(name, tuple(t.shape), t.dtype, None, t.reshape(-1), mirror=self.tensors)
+
     def facts(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "delta": self.last_delta,
+            "loaded": self.last_loaded,
             "rounds": self.rounds,
             "bytes": self.last_bytes,
             "slice_bytes": self.slice_bytes,
