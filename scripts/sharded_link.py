@@ -14,8 +14,9 @@ producers by rows (FSDP2's ``Shard(0)``, uneven where the rows do not divide); t
 tensor-parallel slices (q/k/v/gate/up, the embedding and the head by rows, o/down by columns, norms whole). Every
 round is verified (each region hashed by its source and checked where it lands). Prints, per mode, the steady round
 (median of rounds 2..N), the bytes all links transmitted in one round against the model's bytes S, and the round
-against S/R (the link's time for the model) and (S/K)/R (each producer's share); then removes the hosts, also on
-failure or Ctrl-C. Links use a 9000-byte MTU, so TCP/IP headers cost under 1% of the bytes.
+against S/R (the link's time for the model) and (S/K)/R (each producer's share), and for delta rounds where each
+rank's time went (until its call returned, its CPU seconds, its comparing or applying) with the load average; then
+removes the hosts, also on failure or Ctrl-C. Links use a 9000-byte MTU, so TCP/IP headers cost under 1% of the bytes.
 """
 
 from __future__ import annotations
