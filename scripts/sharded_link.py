@@ -14,8 +14,9 @@ producers by rows (FSDP2's ``Shard(0)``, uneven where the rows do not divide); t
 tensor-parallel slices (q/k/v/gate/up, the embedding and the head by rows, o/down by columns, norms whole). Every
 round is verified (each region hashed by its source and checked where it lands). Prints, per mode, the steady round
 (median of rounds 2..N), the bytes all links transmitted in one round against the model's bytes S, and the round
-against S/R (the link's time for the model) and (S/K)/R (each producer's share); then removes the hosts, also on
-failure or Ctrl-C. Links use a 9000-byte MTU, so TCP/IP headers cost under 1% of the bytes.
+against S/R (the link's time for the model) and (S/K)/R (each producer's share), and for delta rounds where each
+rank's time went (until its call returned, its CPU seconds, its comparing or applying) with the load average; then
+removes the hosts, also on failure or Ctrl-C. Links use a 9000-byte MTU, so TCP/IP headers cost under 1% of the bytes.
 """
 
 from __future__ import annotations
@@ -175,12 +176,12 @@ def _worker(args: argparse.Namespace) -> None:
             delta_plan = agreed(transfers.transfers, delta=True)
         if mode == "one-producer" and whole_model is None:
             whole_model = gather_to_0()  # made once, outside the timed rounds
-        times, wire = [], []
+        times, wire, ranks = [], [], []  # ranks: per round, each rank's (own seconds, CPU seconds, work seconds)
         for step in range(args.rounds):
             if mode == "sharded-delta" and rank < k and step:
                 train_step(step)
             dist.barrier()
-            tx0, t0 = _tx_bytes(), time.perf_counter()
+            tx0, t0, cpu0 = _tx_bytes(), time.perf_counter(), time.process_time()
             if mode == "sharded-delta":
                 if rank < k:
                     send(dist.group.WORLD, rank, delta_plan, shards, delta=deltas, **options)
@@ -198,13 +199,16 @@ def _worker(args: argparse.Namespace) -> None:
                 one_producer_round(whole_model)
             else:
                 one_producer_round(gather_to_0())
+            own, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             dist.barrier()
             elapsed, sent = time.perf_counter() - t0, _tx_bytes() - tx0
-            totals = [None] * world
-            dist.all_gather_object(totals, (elapsed, sent))
-            times.append(max(t for t, _ in totals))
-            wire.append(sum(b for _, b in totals))
-        results[mode] = {"times": times, "wire": wire}
+            work = (deltas.compare_seconds if rank < k else bases.apply_seconds) if mode == "sharded-delta" else 0.0
+            totals: list = [None] * world
+            dist.all_gather_object(totals, (elapsed, sent, own, cpu, work))
+            times.append(max(t[0] for t in totals))
+            wire.append(sum(t[1] for t in totals))
+            ranks.append([[round(x, 4) for x in t[2:]] for t in totals])
+        results[mode] = {"times": times, "wire": wire, "ranks": ranks}
     if rank == 0:
         print("RESULT " + json.dumps({"results": results, "model_bytes": sum(2 * _numel(s) for _, s in shapes)}))
     dist.destroy_process_group()
@@ -238,6 +242,23 @@ def _report(args: argparse.Namespace, result: dict) -> None:
         faster = f"{t / steady['sharded']:.2f}x" if "sharded" in steady and mode != "sharded" else ""
         print(f"| {mode} | {t:.2f} | {t / (link_s / args.k):.2f} | {t / link_s:.2f} | {wire:.3f} | {faster} |")
     print(f"\nrounds (s): {json.dumps({m: [round(t, 2) for t in r['times']] for m, r in result['results'].items()})}")
+    delta = result["results"].get("sharded-delta")
+    if delta is not None and len(delta["ranks"]) > 1:
+        k, steady = args.k, delta["ranks"][1:]
+
+        def median(rank: int, field: int) -> float:
+            return statistics.median(r[rank][field] for r in steady)
+
+        print(
+            "steady delta round, per rank (median of rounds 2..N): until its send or receive returned / CPU in it / "
+            "comparing and encoding (a producer) or applying and hashing (a consumer), seconds"
+        )
+        for rank in range(len(steady[0])):
+            role = f"producer {rank}" if rank < k else f"consumer {rank}"
+            print(f"  {role}: {median(rank, 0):.3f} / {median(rank, 1):.3f} / {median(rank, 2):.3f}")
+        load = os.getloadavg()[0]
+        cpu = sum(median(rank, 1) for rank in range(len(steady[0])))
+        print(f"  all ranks' CPU in a round: {cpu:.3f} s on {os.cpu_count()} cores; load average (1 min) {load:.2f}")
 
 
 def main() -> int:
@@ -252,6 +273,9 @@ def main() -> int:
     parser.add_argument("--buffer", type=int, default=32 << 20, help="bytes of one buffer")
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     parser.add_argument("--change", type=float, default=0.01, help="sharded-delta: share of elements changed a round")
+    parser.add_argument(
+        "--hosts", default=PREFIX, help="the hosts' namespace prefix (another one lets two runs share a machine)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,7 +290,7 @@ def main() -> int:
     world = args.k + args.m * args.d
     _parse_rate(args.rate)
     env = {**os.environ, "NETNS_MTU": "9000"}
-    subprocess.run(["bash", str(HOSTS_SCRIPT), "up", str(world), args.rate, PREFIX], check=True, env=env)
+    subprocess.run(["bash", str(HOSTS_SCRIPT), "up", str(world), args.rate, args.hosts], check=True, env=env)
     procs = []
     try:
         base = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rate", args.rate]
@@ -275,7 +299,7 @@ def main() -> int:
         base += ["--change", str(args.change)]
         worker_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         for rank in range(world):
-            cmd = ["ip", "netns", "exec", f"{PREFIX}{rank + 1}", *base, "--rank", str(rank)]
+            cmd = ["ip", "netns", "exec", f"{args.hosts}{rank + 1}", *base, "--rank", str(rank)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=worker_env))
         deadline = time.monotonic() + RUN_TIMEOUT_S
         outputs = []
@@ -292,7 +316,7 @@ def main() -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        subprocess.run(["bash", str(HOSTS_SCRIPT), "down", PREFIX], check=False)
+        subprocess.run(["bash", str(HOSTS_SCRIPT), "down", args.hosts], check=False)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from mp_utils import init_gloo, run_ranks
 
-from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas
+from refit_app.core.reshard.delta import ConsumerBases, ProducerDeltas, receive_delta
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
 from refit_app.core.reshard.transfer import Held
 from refit_app.protocol.sharded import ShardedPlan, receive, send
+from refit_app.transport.pairs import TorchPairs
 
 ROUNDS = 5
 SHAPES = [(33, 17), (5, 40), (7,), (), (130, 3), (64, 64)]
@@ -44,9 +45,19 @@ def _full(i: int, round_: int) -> torch.Tensor:
     return t
 
 
-def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int, d: int = 1, scribbler: int = -1):
+def _rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    k: int,
+    scribble_round: int,
+    d: int = 1,
+    scribbler: int = -1,
+    threads: int | None = None,
+):
     """Producers ``0..k-1`` and ``d`` replicas of ``m`` tensor-parallel consumers (chained where ``d`` > 1);
-    consumer ``scribbler`` (default: the last rank) writes over its slice of t5 before round ``scribble_round``."""
+    consumer ``scribbler`` (default: the last rank) writes over its slice of t5 before round ``scribble_round``;
+    the consumers apply and hash their pairs on ``threads`` threads (None: the default)."""
     init_gloo(rank, world_size, port, timeout_s=30)
     try:
         m = (world_size - k) // d
@@ -83,7 +94,13 @@ def _rank(rank: int, world_size: int, port: int, k: int, scribble_round: int, d:
             if round_ == scribble_round and rank == (scribbler if scribbler >= 0 else world_size - 1):
                 # an engine's load wrote its weights behind torch's back
                 slices["t5"].tensor.data.copy_(torch.full_like(slices["t5"].tensor, 7.0))
-            got = receive(dist.group.WORLD, rank, agreed, slices, bases=bases, **options)
+            if threads is None:
+                got = receive(dist.group.WORLD, rank, agreed, slices, bases=bases, **options)
+            else:
+                pairs = TorchPairs(rank, dist.group.WORLD)
+                got = receive_delta(
+                    pairs, agreed.transfers, slices, bases, buffer_size_bytes=1024, threads=threads, **options
+                )
             exact = all(
                 torch.equal(h.tensor, Held(_full(int(name[1:]), round_), whole(SHAPES[int(name[1:])])).region(h.box))
                 for name, h in slices.items()
@@ -128,3 +145,16 @@ def test_replica_chains_relay_delta_rounds_and_a_replica_written_since_is_repair
             assert repaired == [0, 16, 0, 0] and later[1] > 3 * max(later[0], later[2]), (rank, consumer)
         else:
             assert repaired == [0] * (ROUNDS - 1) and all(got < first / 3 for got in later), (rank, consumer)
+
+
+def test_the_consumers_threads_change_nothing_it_receives_or_repairs():
+    # Three producers: the consumer applies and hashes three pairs at once on three threads, or one after the other
+    # on one; a base written since (t5, round 3) is caught either way. The same bytes arrive, the same pieces go again.
+    k = 3
+    one, three = (run_ranks(_rank, k + 1, k, 3, 1, -1, threads, timeout=120)[k] for threads in (1, 3))
+    assert all(exact for _, exact, _ in one) and all(exact for _, exact, _ in three), (one, three)
+    assert one == three, (one, three)
+    repaired = [n for _, _, n in three[1:]]
+    assert repaired[1] > 0 and repaired[:1] + repaired[2:] == [0, 0, 0], (
+        three
+    )  # round 3: t5's pieces, from all three producers
