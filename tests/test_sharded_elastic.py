@@ -175,3 +175,24 @@ def test_a_lost_producer_stops_every_rank_in_one_line_within_the_deadline():
         assert "\n" not in said and "lost producer rank 1" in said, (r, said)
         assert "its shards exist nowhere else" in said, (r, said)
         assert at - killed_at.value < deadline_budget(TIMEOUT_S), (r, at - killed_at.value)
+
+
+def test_a_generation_renumbers_the_layouts_and_replans_a_chain_through_a_lost_rank():
+    from refit_app.core.reshard.plan import Layout, Need, Shard, plan
+    from refit_app.protocol.sharded_elastic import renumbered
+
+    specs, _ = _shards(1, 0)
+    expects = expected_of(_model(1).items())
+    # Ranks 0-1 produce; 2, 4, 6 are three replicas of tensor-parallel rank 0 (a chain), 3, 5, 7 of rank 1. Rank 4,
+    # the middle of the first chain, and rank 3, the head of the second, are lost.
+    chains = [[2, 4, 6], [3, 5, 7]]
+    ranks = [0, 1, 2, 5, 6, 7]
+    needs = [n for r in ranks[2:] for n in tp_needs(expects, r, (r - K) % M, M, _rule)]
+    out_specs, out_needs, out_chains = renumbered(ranks, specs, needs, chains)
+    assert out_chains == [[2, 4], [3, 5]]  # 6 now after 2; 5 heads the second chain, 7 after it
+    assert all(s.layout == Layout.one_dim((0, 1), Shard(0)) for s in out_specs)
+    assert [n for n in out_needs if n.rank == 4] == [Need(4, n.name, n.box) for n in needs if n.rank == 6]
+    transfers = plan(out_specs, out_needs, chains=out_chains)
+    relayed = {(t.src, t.dst) for t in transfers if t.relayed}
+    direct = {t.dst for t in transfers if not t.relayed}
+    assert relayed == {(2, 4), (3, 5)} and direct == {2, 3}  # each chain's head from the producers, then relayed
