@@ -309,6 +309,26 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
             "source.device='cuda:0' is invalid: a sharded refit trains source=model on the CPU (FSDP2, gloo) so far",
         ),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
+        (
+            ["group.producers=2", "refit.on_consumer_loss=continue", "role=ray"],
+            "role='ray' is invalid: a sharded refit with refit.on_consumer_loss=continue runs under role=local,",
+        ),
+        (
+            ["group.producers=2", "refit.on_consumer_loss=continue", "source=model", "source.path=."],
+            "a sharded refit with refit.on_consumer_loss=continue reads source=synthetic only so far, not source=model",
+        ),
+        (
+            ["group.producers=2", "refit.on_consumer_loss=continue", "sink=save", "sink.path=/tmp/x"],
+            "a sharded refit with refit.on_consumer_loss=continue feeds sink=verify or discard only so far, not sink=",
+        ),
+        (
+            ["group.producers=2", "refit.on_consumer_loss=continue", "refit.delta=on"],
+            "refit.delta='on' is invalid: a sharded refit with refit.on_consumer_loss=continue sends dense rounds only",
+        ),
+        (
+            ["role=producer", "group.producers=2", "group.world_size=3", "refit.on_consumer_loss=continue"],
+            "refit.on_consumer_loss=continue needs group.token",
+        ),
         (["group.tp_size=2", "group.backend=shm"], "group.backend='shm' is invalid: a sharded refit runs over gloo"),
         (["group.producers=2", "role.num_consumers=2"], "role.num_consumers=2 is invalid: a sharded refit has"),
         (["group.producers=2", "group.world_size=4"], "group.world_size=4 is invalid: role=local runs group.producers"),
@@ -330,6 +350,11 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
 )
 def test_bad_values_are_refused(overrides: list[str], message: str) -> None:
     assert message in refused(*overrides)
+
+
+def test_a_sharded_refit_goes_on_without_a_lost_consumer_where_asked() -> None:
+    s = settings("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.on_consumer_loss=continue")
+    assert s.refit.elastic and s.sharded is not None and s.group.world_size == 6
 
 
 @pytest.mark.parametrize(

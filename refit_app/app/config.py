@@ -146,6 +146,9 @@ SHARDED_SINKS = ("verify", "discard", "save", "model", "vllm")
 """The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
 a whole model, group.tp_size=1; vllm: one engine process whose tensor-parallel workers are the consumers;
 docs/sharded.md)."""
+SHARDED_ELASTIC_SINKS = ("verify", "discard")
+"""The sinks a sharded refit with ``refit.on_consumer_loss=continue`` feeds so far (each checks or drops every round
+it received, whatever round it joined at)."""
 ENGINE_SINKS = ("vllm",)
 """Sinks whose consumers are an engine's workers: one process per replica (:attr:`ShardedSpec.engines`)."""
 
@@ -382,7 +385,6 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
     if kind == "model" and role in ("local", "ray", "auto") and source_kind != "model":
         c.errors.append(f"{what} into sink=model needs a trainer to build the model from: source=model")
     for key, allowed, why in (
-        ("refit.on_consumer_loss", (DEFAULT_ON_CONSUMER_LOSS,), "does not go on without a lost consumer yet"),
         ("refit.use_legacy_packing", (False, None), "does not send vLLM's legacy chunks"),
         ("group.topology", ("tree",), "takes no topology (its replicas chain by themselves): leave it tree"),
         ("group.backend", ("auto", "gloo"), "runs over gloo: leave it auto or give gloo"),
@@ -390,7 +392,25 @@ def _check_sharded(c: _Checker, role: Any, num_consumers: Any) -> ShardedSpec | 
         value = c.get(key)
         if value is not _ABSENT and value not in allowed:
             c.fail(key, value, f"{what} {why}")
+    if c.get("refit.on_consumer_loss") == "continue":
+        _check_sharded_elastic(c, role)
     return spec
+
+
+def _check_sharded_elastic(c: _Checker, role: Any) -> None:
+    """What a sharded refit with refit.on_consumer_loss=continue runs so far (:mod:`refit_app.app.sharded_elastic`),
+    every other setting refused in one line naming it."""
+    what = "a sharded refit with refit.on_consumer_loss=continue"
+    if role in ("ray", "auto"):
+        c.fail("role", role, f"{what} runs under role=local, producer or consumer so far")
+    source, sink = (OmegaConf.select(c.cfg, f"{key}.kind", default=None) for key in ("source", "sink"))
+    if source != "synthetic":
+        c.errors.append(f"{what} reads source=synthetic only so far, not source={source or 'custom'}")
+    if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
+        c.errors.append(f"{what} feeds sink=verify or discard only so far, not sink={sink or 'custom'}")
+    delta = c.get("refit.delta")
+    if delta not in (_ABSENT, DEFAULT_DELTA):
+        c.fail("refit.delta", delta, f"{what} sends dense rounds only so far: leave it off")
 
 
 def _engines(c: _Checker, role: Any, sink_kind: Any, layout: ShardedSpec) -> bool:

@@ -213,6 +213,19 @@ def _sharded_delta_figures(
     }
 
 
+def _rounds_by_number(
+    producers: Sequence[Mapping[str, Any]], consumers: Sequence[Mapping[str, Any]]
+) -> list[list[Mapping[str, Any]]]:
+    """Each of the producers' rounds with every producer's and consumer's entry of that round: a consumer that
+    joined later, or was lost, has no entry for some (with refit.on_consumer_loss=continue), and each consumer has
+    at most one per round (a round cut by a lost peer returns once, when it completed)."""
+    by_round = [{r["round"]: r for r in c["rounds"]} for c in consumers]
+    return [
+        [*entries, *(b[entries[0]["round"]] for b in by_round if entries[0]["round"] in b)]
+        for entries in zip(*(p["rounds"] for p in producers))
+    ]
+
+
 def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
     """A sharded refit's metrics from its ranks': each producer's under ``producers``, each consumer's under
     ``consumers``, and the run's at the top level. A round's ``seconds`` is its slowest rank's (every rank starts
@@ -228,10 +241,17 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
     producers, consumers = metrics[:k], metrics[k:]
     combined: dict[str, Any] = {"role": role, "rank": 0, "producers": producers, "consumers": consumers}
     failures = [o for o in outcomes if not o.ok]
+    if failures and s.refit.elastic and all(o.ok for o in outcomes[:k]):
+        # The producers completed every round with the consumers there: the lost ones' entries say what became of
+        # them, and each round's members who took part (the others' rounds are counted below).
+        for o in failures:
+            logger.warning("%s lost during the run: %s", rank_label(o.rank, k), o.error)
+        failures = []
     _raise_if_failed(failures, outcomes, s, combined)
+    consumers = [c for c in consumers if c.get("status") != "failed"]
     verifies = any(c["verified"] is not None for c in consumers)  # sink=verify, or sink=model's sink.verify
     rounds = []
-    for entries in zip(*(m["rounds"] for m in metrics)):
+    for entries in _rounds_by_number(producers, consumers):
         seconds = max(e["seconds"] for e in entries)
         sent = sum(e["bytes"] for e in entries[:k])
         received = sum(e["wire_bytes"] for e in entries[k:])
@@ -256,8 +276,8 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
         bytes=total,
         wire_bytes=sum(r["wire_bytes"] for r in rounds),
         gb_per_s=gb_per_s(total, times["seconds"]),
-        peak_rss_bytes=max((m["peak_rss_bytes"] or 0 for m in metrics), default=None),
-        peak_extra_bytes=max((m["peak_extra_bytes"] or 0 for m in metrics), default=None),
+        peak_rss_bytes=max((m["peak_rss_bytes"] or 0 for m in [*producers, *consumers]), default=None),
+        peak_extra_bytes=max((m["peak_extra_bytes"] or 0 for m in [*producers, *consumers]), default=None),
         verified=all(c["verified"] for c in consumers) if verifies else None,
         verified_tensors=None,
         sink=s.sink_name,

@@ -180,8 +180,10 @@ class Refit:
     on_consumer_loss: str = field(default=DEFAULT_ON_CONSUMER_LOSS, metadata={CHOICES: ON_CONSUMER_LOSS})
     """When a consumer dies or misses a deadline: fail, every rank stops with the reason; continue, the producer and
     the other consumers go on without it (the cut round again, in full), and a consumer that starts later or is
-    restarted with the run's group.run_id and token joins at a round boundary. continue needs group.token, gloo and
-    group.topology=tree; same on every rank (docs/elastic.md)."""
+    restarted with the run's group.run_id and token joins at a round boundary. In a sharded refit the producers and
+    the other consumers go on, the plan made anew for the ranks there; a lost producer still stops every rank
+    (docs/sharded.md). continue needs group.token, gloo and group.topology=tree; same on every rank
+    (docs/elastic.md)."""
     debug: RefitDebug = field(default_factory=RefitDebug)
     """Fault hooks for tests and demonstrations of the failure paths; never set in a real run."""
 

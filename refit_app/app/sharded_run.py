@@ -15,6 +15,7 @@ from refit_app.app.sharded import RoundView, agree_settings, run_rounds
 from refit_app.common.errors import PeerError, VerificationError
 from refit_app.core.reshard.transfer import RegionMismatch
 from refit_app.models.sources import make_source
+from refit_app.transport.backends import masked_gloo_error
 from refit_app.transport.groups import connect
 
 
@@ -24,6 +25,10 @@ def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | No
     values there)."""
     layout = s.sharded
     assert layout is not None, "run_sharded needs a sharded layout (group.producers, tp_size, replicas)"
+    if s.refit.elastic:  # refit.on_consumer_loss=continue: a group per generation of the ranks there
+        from refit_app.app.sharded_elastic import run_elastic
+
+        return run_elastic(s)
     producer = s.rank < layout.producers
     source = make_source(s.source.target, s.source.params) if producer else None
     engine = None
@@ -53,12 +58,3 @@ def run_sharded(s: RunSettings, *, after_round: Callable[[RoundView], None] | No
             raise PeerError(rg.control.explain(lost)) from lost
         finally:
             del pg
-
-
-def masked_gloo_error(e: ValueError) -> RuntimeError | None:
-    """gloo's error where torch's exception logger replaced it: a collective over our unregistered process group
-    (``all_gather_object``, ``barrier``) that fails raises, from the logger's own look-up of the group, a ValueError
-    that it "is not initialized in the world group map", with gloo's RuntimeError (the lost peer) as its context."""
-    if "world group map" in str(e) and isinstance(e.__context__, RuntimeError):
-        return e.__context__
-    return None

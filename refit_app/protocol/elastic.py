@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -65,6 +65,214 @@ missed its deadline or a consumer published its failure; a HandshakeError: a con
 producer's own failures (its source, say) are other errors, and end the session."""
 
 
+S = TypeVar("S")
+
+
+class ProducerGenerations(Generic[S]):
+    """Rank 0's side of the generations, whatever session runs inside each (a one-producer
+    :class:`ProducerSession`, a sharded plan's rounds: :mod:`refit_app.protocol.sharded_elastic`): it forms each
+    generation from the ranks that ask, starts its session with ``start(group, first_round)``, and decides who is
+    lost. ``required`` ranks (a sharded refit's other producers, whose shards exist nowhere else) must be in every
+    generation: one that does not ask within ``group.timeout_s`` ends the session with ``missing(k, ranks, cause)``.
+    """
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        start: Callable[[RefitGroup, int], S],
+        *,
+        required: Sequence[int] = (),
+        missing: Callable[[int, list[int], BaseException | None], PeerError] | None = None,
+    ) -> None:
+        self.spec = spec
+        self._start = start
+        self._required = sorted(required)
+        self._missing = missing
+        self.membership = ProducerMembership(spec)
+        self.session: S | None = None
+        self._established: dict[int, str] = {}
+        """The members of the last generation that formed and started (rank -> incarnation): what a joiner is told
+        apart from when a generation with it in does not form."""
+        self._stuck = 0
+        """Generations in a row that did not form although every member asked again."""
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks of the current generation but rank 0."""
+        return self.membership.members
+
+    def first(self) -> None:
+        """Wait up to ``group.timeout_s`` for every rank, then form the first generation from those that joined."""
+        self.membership.gather(list(range(1, self.spec.world_size)), self.spec.timeout_s)
+        self._check_required(1, list(range(1, self.spec.world_size)), None)
+        self._next_generation(1, None)
+
+    def admit(self, k: int, close: Callable[[], None]) -> None:
+        """A round boundary with ranks asking to join: ``close()`` ends the generation with a word that says so (the
+        members then ask for the next one); the next forms with everyone who asked."""
+        previous = self.members
+        try:
+            close()
+        except PeerError as e:
+            logger.warning("round %d: a member was lost before the round (%s)", k, one_line(e))
+        self.membership.gather(previous, self.spec.timeout_s)
+        self._check_required(k, previous, None)
+        self._next_generation(k, None)
+
+    def lost(self, k: int, e: BaseException, *, release: Callable[[], None] | None = None) -> None:
+        """Round ``k`` failed on a member: drop the generation at once (members still blocked in it fail now, not at
+        their deadline), wait for the survivors to ask again, and form the next generation from them. ``release``
+        frees what else of the generation's group the caller held, once it is dropped here."""
+        previous = self.members
+        logger.warning("round %d failed (%s); going on without the consumers that do not ask to", k, one_line(e))
+        abandon(self.membership.group)
+        self.membership.group = None
+        self.session = None
+        if release is not None:
+            release()
+        self.membership.gather(previous, self.spec.timeout_s)
+        self._check_required(k, previous, e)
+        self._next_generation(k, (previous, e))
+
+    def _check_required(self, k: int, expected: list[int], cause: BaseException | None) -> None:
+        gone = [r for r in self._required if r in expected and not self.membership.asking([r])]
+        if gone and self._missing is not None:
+            abandon(self.membership.group)
+            self.membership.group = None
+            raise self._missing(k, gone, cause)
+
+    def _next_generation(self, k: int, lost: tuple[list[int], BaseException] | None) -> None:
+        while True:
+            self.session = None
+            try:
+                rg = self.membership.form(k)
+            except FormError as e:  # a member (a joiner, mostly) did not form the group: once more without it
+                lost = self._not_formed(k, e)
+                continue
+            if rg is None:
+                if lost is None:
+                    raise PeerError(
+                        f"no consumer joined the producer at {self.spec.address} within "
+                        f"{self.spec.timeout_s:g}s; start the consumers with this group.host/group.port, "
+                        f"group.world_size={self.spec.world_size} and refit.on_consumer_loss=continue"
+                    )
+                previous, e = lost
+                raise PeerError(
+                    f"round {k}: every consumer was lost ({ranks_text(previous)}: {one_line(e)}); none asked to go on "
+                    f"within group.timeout_s={self.spec.timeout_s:g}s"
+                )
+            if lost is not None:
+                gone = [r for r in lost[0] if r not in self.members]
+                if gone:
+                    logger.warning("round %d: lost %s; going on with %s", k, ranks_text(gone), ranks_text(self.members))
+            try:
+                session = self._start(rg, k)
+            except PeerError as e:  # a member lost while the generation formed: once more without it
+                lost = self._not_formed(k, e)
+                continue
+            self.session = session
+            self._established = dict(self.membership.holders)
+            self._stuck = 0
+            return
+
+    def _not_formed(self, k: int, e: BaseException) -> tuple[list[int], BaseException]:
+        """The generation just formed for round ``k`` did not start (its group or its handshake failed): drop it,
+        wait up to ``group.timeout_s`` for its members to ask again, and drop those the failure is put down to.
+        Returns the attempt's members and the cause, for the next attempt to report."""
+        gen, attempt = self.membership.gen, dict(self.membership.holders)
+        ranks = sorted(attempt)
+        logger.warning("generation %d did not start (%s)", gen, one_line(e))
+        abandon(self.membership.group)
+        self.membership.group = None
+        self.membership.gather(ranks, self.spec.timeout_s)
+        self._check_required(k, ranks, e)
+        if len(self.membership.asking(ranks)) < len(ranks):
+            return ranks, e  # those that did not ask are lost, as in a round: the rest go on
+        # Everyone asked again. Members new to this generation are what changed since a group last formed.
+        joiners = [r for r in ranks if self._established.get(r) != attempt[r]]
+        if joiners and len(joiners) < len(ranks):
+            self.membership.drop(
+                joiners,
+                f"generation {gen} could not form its group with consumer {ranks_text(joiners)} new in it "
+                f"({one_line(e)}); it is dropped from the session and may ask again with a new process",
+            )
+            return ranks, e
+        self._stuck += 1
+        if self._stuck >= MAX_STUCK_FORMS:
+            why = (
+                f"round {k}: generation {gen} ({ranks_text(ranks)}) could not form its group {self._stuck} times in "
+                f"a row with every member present ({one_line(e)})"
+            )
+            self.membership.drop(ranks, f"{why}; every consumer is dropped from the session")
+            raise PeerError(f"{why}; ending the session")
+        return ranks, e
+
+    def end(self, rounds: int, error: str | None) -> None:
+        """The session is over: a rank still waiting for an answer learns it; the store stops."""
+        self.membership.end(rounds, error)
+        self.membership.release()
+
+
+class MemberGenerations(Generic[S]):
+    """The side of every other rank (a consumer; a sharded refit's other producers too): it asks for a place in
+    each generation and starts that generation's session with ``start(group, plan)``."""
+
+    def __init__(self, spec: GroupSpec, start: Callable[[RefitGroup, dict[str, Any]], S]) -> None:
+        self.spec = spec
+        self._start = start
+        self.membership = ConsumerMembership(spec)
+        self.rg: RefitGroup | None = None
+        self.session: S | None = None
+        self.ended = False
+        """The session ended normally (no generation to join)."""
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks of the current generation but rank 0."""
+        plan = self.membership.plan
+        return [] if plan is None else list(plan["members"][1:])
+
+    def join(self) -> bool:
+        """Ask for a place in the next generation and start its session; False where the session has ended."""
+        while True:
+            self.rg = self.session = None
+            try:
+                rg = self.membership.join()
+            except FormError as e:  # a peer did not form the generation: ask for the next (the producer bounds it)
+                self.drop(e)
+                continue
+            if rg is None:
+                self.ended = True
+                return False
+            self.rg = rg
+            plan = self.membership.plan
+            assert plan is not None
+            try:
+                self.session = self._start(rg, plan)
+            except PeerError as e:
+                self.drop(e)
+                continue
+            return True
+
+    def drop(self, e: BaseException) -> None:
+        """Leave the current generation after ``e``: its group goes at once; :meth:`join` asks for the next."""
+        logger.warning(
+            "rank %d: generation %d ended (%s); asking the producer at %s to go on",
+            self.spec.rank,
+            (self.membership.plan or {}).get("gen", 0),
+            one_line(e),
+            self.spec.address,
+        )
+        abandon(self.rg)
+        self.rg = self.session = None
+
+    def close(self) -> None:
+        if self.rg is not None:
+            self.rg.close()
+            self.rg = None
+        self.membership.release()
+
+
 class ElasticProducerSession:
     """The trainer's side of an elastic session: connects as the producer of ``spec`` and waits up to
     ``group.timeout_s`` for the consumers (it starts with those that joined by then, at least one).
@@ -75,22 +283,21 @@ class ElasticProducerSession:
     def __init__(self, spec: GroupSpec, **session_options: Any) -> None:
         self._spec = spec
         self._options = session_options
-        self._membership = ProducerMembership(spec)
-        self._session: ProducerSession | None = None
+        self._generations: ProducerGenerations[ProducerSession] = ProducerGenerations(spec, self._start)
+        self._membership = self._generations.membership
         self.rounds = 0
         """Rounds completed."""
         self.closed = False
-        self._established: dict[int, str] = {}
-        """The members of the last generation that formed and started (rank -> incarnation): what a joiner is told
-        apart from when a generation with it in does not form."""
-        self._stuck = 0
-        """Generations in a row that did not form although every member asked again."""
         try:
-            self._membership.gather(list(range(1, spec.world_size)), spec.timeout_s)
-            self._next_generation(1, None)
+            self._generations.first()
         except BaseException as e:
             self._end(one_line(e))
             raise
+
+    def _start(self, rg: RefitGroup, k: int) -> ProducerSession:
+        session = ProducerSession(rg, **self._options)
+        session.rounds = k - 1
+        return session
 
     @property
     def members(self) -> list[int]:
@@ -100,8 +307,8 @@ class ElasticProducerSession:
     @property
     def session(self) -> ProducerSession:
         """The current generation's session."""
-        assert self._session is not None
-        return self._session
+        assert self._generations.session is not None
+        return self._generations.session
 
     @property
     def group(self) -> RefitGroup:
@@ -164,7 +371,7 @@ class ElasticProducerSession:
         k = self.rounds + 1
         try:
             if self._membership.newcomers():
-                self._admit(k)
+                self._generations.admit(k, lambda: self.session.close(regroup_to=self._membership.gen + 1))
             while True:
                 tensors = named_tensors() if callable(named_tensors) else named_tensors
                 payload = extra() if callable(extra) else extra
@@ -174,7 +381,7 @@ class ElasticProducerSession:
                     )
                     break
                 except _LOST as e:
-                    self._lost(k, e)
+                    self._generations.lost(k, e)
         except BaseException as e:
             self._end(one_line(e))
             raise
@@ -182,93 +389,6 @@ class ElasticProducerSession:
         self.rounds = k
         self._membership.refuse_taken()
         return result
-
-    def _admit(self, k: int) -> None:
-        """A round boundary with consumers asking to join: end the generation with a header that says so (the
-        members then ask for the next one) and form the next with everyone who asked."""
-        previous = self.members
-        try:
-            self.session.close(regroup_to=self._membership.gen + 1)
-        except PeerError as e:
-            logger.warning("round %d: a consumer was lost before the round (%s)", k, one_line(e))
-        self._membership.gather(previous, self._spec.timeout_s)
-        self._next_generation(k, None)
-
-    def _lost(self, k: int, e: BaseException) -> None:
-        """Round ``k`` failed on a consumer: drop the generation at once (members still blocked in it fail now,
-        not at their deadline), wait for the survivors to ask again, and form the next generation from them."""
-        previous = self.members
-        logger.warning("round %d failed (%s); going on without the consumers that do not ask to", k, one_line(e))
-        abandon(self._membership.group)
-        self._membership.group = None
-        self._membership.gather(previous, self._spec.timeout_s)
-        self._next_generation(k, (previous, e))
-
-    def _next_generation(self, k: int, lost: tuple[list[int], BaseException] | None) -> None:
-        while True:
-            self._session = None
-            try:
-                rg = self._membership.form(k)
-            except FormError as e:  # a member (a joiner, mostly) did not form the group: once more without it
-                lost = self._not_formed(k, e)
-                continue
-            if rg is None:
-                if lost is None:
-                    raise PeerError(
-                        f"no consumer joined the producer at {self._spec.address} within "
-                        f"{self._spec.timeout_s:g}s; start the consumers with this group.host/group.port, "
-                        f"group.world_size={self._spec.world_size} and refit.on_consumer_loss=continue"
-                    )
-                previous, e = lost
-                raise PeerError(
-                    f"round {k}: every consumer was lost ({ranks_text(previous)}: {one_line(e)}); none asked to go on "
-                    f"within group.timeout_s={self._spec.timeout_s:g}s"
-                )
-            if lost is not None:
-                gone = [r for r in lost[0] if r not in self.members]
-                if gone:
-                    logger.warning("round %d: lost %s; going on with %s", k, ranks_text(gone), ranks_text(self.members))
-            try:
-                session = ProducerSession(rg, **self._options)
-            except PeerError as e:  # a member lost while the generation formed: once more without it
-                lost = self._not_formed(k, e)
-                continue
-            session.rounds = k - 1
-            self._session = session
-            self._established = dict(self._membership.holders)
-            self._stuck = 0
-            return
-
-    def _not_formed(self, k: int, e: BaseException) -> tuple[list[int], BaseException]:
-        """The generation just formed for round ``k`` did not start (its group or its handshake failed): drop it,
-        wait up to ``group.timeout_s`` for its members to ask again, and drop those the failure is put down to.
-        Returns the attempt's members and the cause, for the next attempt to report."""
-        gen, attempt = self._membership.gen, dict(self._membership.holders)
-        ranks = sorted(attempt)
-        logger.warning("generation %d did not start (%s)", gen, one_line(e))
-        abandon(self._membership.group)
-        self._membership.group = None
-        self._membership.gather(ranks, self._spec.timeout_s)
-        if len(self._membership.asking(ranks)) < len(ranks):
-            return ranks, e  # those that did not ask are lost, as in a round: the rest go on
-        # Everyone asked again. Members new to this generation are what changed since a group last formed.
-        joiners = [r for r in ranks if self._established.get(r) != attempt[r]]
-        if joiners and len(joiners) < len(ranks):
-            self._membership.drop(
-                joiners,
-                f"generation {gen} could not form its group with consumer {ranks_text(joiners)} new in it "
-                f"({one_line(e)}); it is dropped from the session and may ask again with a new process",
-            )
-            return ranks, e
-        self._stuck += 1
-        if self._stuck >= MAX_STUCK_FORMS:
-            why = (
-                f"round {k}: generation {gen} ({ranks_text(ranks)}) could not form its group {self._stuck} times in "
-                f"a row with every member present ({one_line(e)})"
-            )
-            self._membership.drop(ranks, f"{why}; every consumer is dropped from the session")
-            raise PeerError(f"{why}; ending the session")
-        return ranks, e
 
     def close(self) -> None:
         """End the session: every member's :meth:`ElasticConsumerSession.receive` returns None, and a consumer
@@ -286,8 +406,7 @@ class ElasticProducerSession:
         if self.closed:
             return
         self.closed = True
-        self._membership.end(self.rounds, error)
-        self._membership.release()
+        self._generations.end(self.rounds, error)
 
     def __enter__(self) -> ElasticProducerSession:
         return self
@@ -310,9 +429,7 @@ class ElasticConsumerSession:
     def __init__(self, spec: GroupSpec, **session_options: Any) -> None:
         self._spec = spec
         self._options = session_options
-        self._membership = ConsumerMembership(spec)
-        self._rg: RefitGroup | None = None
-        self._session: ConsumerSession | None = None
+        self._generations: MemberGenerations[ConsumerSession] = MemberGenerations(spec, self._start)
         self.rounds = 0
         """Rounds received."""
         self._manifest: Manifest | None = None
@@ -324,20 +441,25 @@ class ElasticConsumerSession:
             self.close()
             raise
 
+    def _start(self, rg: RefitGroup, plan: dict[str, Any]) -> ConsumerSession:
+        session = ConsumerSession(rg, **self._options)
+        session.rounds = plan["round"] - 1
+        return session
+
     @property
     def members(self) -> list[int]:
-        plan = self._membership.plan
-        return [] if plan is None else list(plan["members"][1:])
+        return self._generations.members
 
     @property
     def session(self) -> ConsumerSession:
-        assert self._session is not None
-        return self._session
+        assert self._generations.session is not None
+        return self._generations.session
 
     @property
     def manifest(self) -> Manifest | None:
         """The manifest in force: the current generation's, else the last round's (None before any)."""
-        return self._session.manifest if self._session is not None and self._session.manifest else self._manifest
+        session = self._generations.session
+        return session.manifest if session is not None and session.manifest else self._manifest
 
     @property
     def num_chunks(self) -> int:
@@ -346,38 +468,8 @@ class ElasticConsumerSession:
         return self.session.num_chunks
 
     def _join(self) -> None:
-        while True:
-            self._rg = self._session = None
-            try:
-                rg = self._membership.join()
-            except FormError as e:  # a peer did not form the generation: ask for the next (the producer bounds it)
-                self._rejoin(e)
-                continue
-            if rg is None:
-                self.closed = True
-                return
-            self._rg = rg
-            try:
-                session = ConsumerSession(rg, **self._options)
-            except PeerError as e:
-                self._rejoin(e)
-                continue
-            plan = self._membership.plan
-            assert plan is not None
-            session.rounds = plan["round"] - 1
-            self._session = session
-            return
-
-    def _rejoin(self, e: BaseException) -> None:
-        logger.warning(
-            "rank %d: generation %d ended (%s); asking the producer at %s to go on",
-            self._spec.rank,
-            (self._membership.plan or {}).get("gen", 0),
-            one_line(e),
-            self._spec.address,
-        )
-        abandon(self._rg)
-        self._rg = self._session = None
+        if not self._generations.join():
+            self.closed = True
 
     def receive(
         self,
@@ -395,7 +487,7 @@ class ElasticConsumerSession:
         if return_iterator:
             raise ValueError("an elastic session receives with callbacks only (a round cut by a lost peer comes again)")
         while not self.closed:
-            rg = self._rg
+            rg = self._generations.rg
             try:
                 result = self.session.receive(
                     post_unpack_func, on_manifest=on_manifest, on_round_end=on_round_end, targets=targets
@@ -404,10 +496,10 @@ class ElasticConsumerSession:
                 assert rg is not None
                 if not isinstance(e, PeerError) and rg.control.failed_rank() == self._spec.rank:
                     abandon(rg)  # this consumer's own failure: it leaves the session with it
-                    self._rg = self._session = None
+                    self._generations.rg = self._generations.session = None
                     self.closed = True
                     raise
-                self._rejoin(e)
+                self._generations.drop(e)
                 self._join()
                 continue
             if result is None:
@@ -427,10 +519,7 @@ class ElasticConsumerSession:
     def close(self) -> None:
         """Leave the session (after its end, or to stop receiving)."""
         self.closed = True
-        if self._rg is not None:
-            self._rg.close()
-            self._rg = None
-        self._membership.release()
+        self._generations.close()
 
     def __iter__(self) -> Iterator[Round]:
         while (r := self.receive()) is not None:

@@ -97,15 +97,13 @@ def from_tensors(
     ``ranks`` maps a DTensor mesh's ranks (the trainer's) to refit ranks; by default they are the same. Its checks
     are this rank's own (a shard of the wrong size, a plain tensor): they raise here, before :func:`agree`, and the
     other ranks then see this one lost."""
-    from torch.distributed.tensor import DTensor
-
     specs, shards = [], {}
     for name, t in tensors:
-        if isinstance(t, DTensor):
+        if isinstance(t, Declared):
+            local, shape, layout = t.local, t.shape, t.layout
+        elif _is_dtensor(t):
             local, shape, layout = t.to_local(), tuple(t.shape), _layout_of(name, t, ranks)
             _check_coordinate(name, t, layout, rank)
-        elif isinstance(t, Declared):
-            local, shape, layout = t.local, t.shape, t.layout
         else:
             raise LayoutError(
                 f"tensor {name!r} is a plain tensor: give a DTensor, or Declared(local, shape, layout) saying which "
@@ -125,6 +123,14 @@ def from_tensors(
         specs.append(spec)
         shards[name] = Held(local, box)
     return specs, shards
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor; imports DTensor only for a tensor that is not :class:`Declared` (seconds on a busy
+    host, which a producer of declared shards would spend while its peers' rendezvous deadline runs)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,8 @@ class ShardedPlan:
 
 
 def _check_settings(buffer_size_bytes: Any, checksum: Any) -> None:
+    if buffer_size_bytes is None:
+        return  # a consumer's: it takes the producers' (checked there)
     if not (isinstance(buffer_size_bytes, int) and 1 <= buffer_size_bytes <= 1 << 40):
         raise ValueError(f"buffer_size_bytes={buffer_size_bytes!r}: give a number of bytes from 1 to 1 TiB")
     if checksum is not None:
@@ -244,9 +252,9 @@ def agree(
     needs: Sequence[Need] = (),
     expects: Sequence[Expected] = (),
     chains: Sequence[Sequence[int]] = (),
-    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
+    buffer_size_bytes: int | None = DEFAULT_BUFFER_BYTES,
     checksum: str | None = DEFAULT_CHECKSUM,
-    delta: bool | str = False,
+    delta: bool | str | None = False,
 ) -> ShardedPlan:
     """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
     (:func:`from_tensors`); a consumer passes ``needs`` (its own rank's) and, in ``expects``, the dtype and global
@@ -256,12 +264,15 @@ def agree(
     kind chosen by every rank together, from what the producers measured, :class:`AgreedAuto`).
 
     ``buffer_size_bytes``, ``checksum`` (an algorithm of :mod:`refit_app.protocol.checksum`, or None) and ``delta``
-    must be the same on every rank; the plan carries them to :func:`send` and :func:`receive`.
+    must be the same on every rank; the plan carries them to :func:`send` and :func:`receive`. A consumer may pass
+    ``buffer_size_bytes=None`` and ``delta=None``: it takes the producers'.
 
     Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
+    if specs is not None and (buffer_size_bytes is None or delta is None):
+        raise ValueError("a producer gives its buffer_size_bytes and delta; only a consumer may leave them None")
     _check_settings(buffer_size_bytes, checksum)
-    if delta not in (True, False, "auto"):
-        raise ValueError(f"delta={delta!r}: give True, False or 'auto'")
+    if delta not in (True, False, "auto", None):
+        raise ValueError(f"delta={delta!r}: give True, False or 'auto' (a consumer: None, the producers')")
     for what, items, kind in (
         ("specs", specs or (), TensorSpec),
         ("needs", needs, Need),
@@ -276,7 +287,11 @@ def agree(
         "needs": list(needs),
         "expects": [(s.name, s.dtype, tuple(s.shape)) for s in expects],
         "chains": [list(c) for c in chains],
-        "settings": {"buffer_size_bytes": buffer_size_bytes, "checksum": checksum, "delta": delta},
+        "settings": {
+            "buffer_size_bytes": buffer_size_bytes,
+            "checksum": checksum,
+            "delta": delta if delta in (None, "auto") else bool(delta),
+        },
     }
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
@@ -292,7 +307,11 @@ def agree(
                 f"rank {other} made another plan from the same layouts (plan digest {theirs[:12]}, here "
                 f"{mine_digest[:12]}): run the same refit_app version on every rank"
             )
-    return ShardedPlan(transfers, buffer_size_bytes, checksum, bool(delta), mine_digest, auto=delta == "auto")
+    settings = producers[0]["settings"]  # the same on every rank, where a consumer did not leave it None
+    delta = settings["delta"]
+    return ShardedPlan(
+        transfers, settings["buffer_size_bytes"], checksum, bool(delta), mine_digest, auto=delta == "auto"
+    )
 
 
 def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
@@ -317,7 +336,7 @@ def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
             )
     for g in gathered:
         for key, value in g["settings"].items():
-            if value != first["settings"][key]:
+            if value != first["settings"][key] and not (value is None and key != "checksum" and g["specs"] is None):
                 raise HandshakeError(
                     f"ranks {first['rank']} and {g['rank']} disagree on {key}: {first['settings'][key]!r} and "
                     f"{value!r}; pass the same {key}= to agree() on every rank"
@@ -529,7 +548,9 @@ def _sampled(auto: AgreedAuto, shards: dict[str, Held], names: list[str]) -> tup
 
 GOING = 1
 ENDING = 2
-"""A rank's word at the start of a :class:`ShardedSession` round: it takes part in the round, or ends the session."""
+REGROUP = 3
+"""A rank's word at the start of a :class:`ShardedSession` round: it takes part in the round, ends the session, or
+ends it for the ranks to form another group (an elastic session's round boundary with ranks asking to join)."""
 
 
 class ShardedSession:
@@ -553,21 +574,28 @@ class ShardedSession:
     ):
         _check_buffers(num_buffers)
         self.pg, self.rank, self.plan, self.producer = pg, rank, plan, producer
+        self.wire = pg
+        """What the rounds' transfers go over: ``pg``, or a wrapper of its ``send``/``recv`` (a test's fault hooks);
+        the words go over ``pg``."""
         self.num_buffers = num_buffers
         self.rounds = 0
         """Rounds done."""
         self.closed = False
+        self.regrouping = False
+        """The session ended at a producer's :meth:`regroup`, not for good."""
         self.deltas = ProducerDeltas() if plan.delta and producer else None
         self.bases = ConsumerBases() if plan.delta and not producer else None
         self.auto = AgreedAuto() if plan.auto else None
         """``delta="auto"``'s choice: :attr:`AgreedAuto.last` and :attr:`AgreedAuto.reason` say what the last round
         was, and why."""
 
-    def send(self, shards: dict[str, Held]) -> int:
-        """One round of this producer's regions; the bytes sent."""
-        self._opened("send", producer=True)
+    def send(self, shards: dict[str, Held]) -> int | None:
+        """One round of this producer's regions; the bytes sent, or None where a producer ended the session to
+        regroup (:meth:`regroup`) at its start."""
+        if not self._opened("send", producer=True):
+            return None
         moved = send(
-            self.pg, self.rank, self.plan, shards, num_buffers=self.num_buffers, delta=self.deltas, auto=self.auto
+            self.wire, self.rank, self.plan, shards, num_buffers=self.num_buffers, delta=self.deltas, auto=self.auto
         )
         self.rounds += 1
         return moved
@@ -577,10 +605,20 @@ class ShardedSession:
         if not self._opened("receive", producer=False):
             return None
         moved = receive(
-            self.pg, self.rank, self.plan, slices, num_buffers=self.num_buffers, bases=self.bases, auto=self.auto
+            self.wire, self.rank, self.plan, slices, num_buffers=self.num_buffers, bases=self.bases, auto=self.auto
         )
         self.rounds += 1
         return moved
+
+    def regroup(self) -> None:
+        """End the session at this round boundary for every rank to form another group (a producer's call, in an
+        elastic session: :mod:`refit_app.protocol.sharded_elastic`): every rank's next ``send``/``receive`` returns
+        None with :attr:`regrouping` set."""
+        if not self.producer:
+            raise ValueError(f"rank {self.rank}: regroup() is a producer's call")
+        if not self.closed:
+            self._word(REGROUP)
+            self.closed = self.regrouping = True
 
     def close(self) -> None:
         """End the session on every rank (a producer's, called by every producer together; a consumer's: it
@@ -609,6 +647,9 @@ class ShardedSession:
         for r, at, _, _ in said:
             if at != k:
                 raise PeerError(f"rank {r} is at round {at} of the session, rank {self.rank} at round {k}")
+        if any(w == REGROUP for _, _, w, _ in said):
+            self.closed = self.regrouping = True
+            return False
         ending = [(r, is_producer) for r, _, w, is_producer in said if w == ENDING]
         if not ending:
             if self.auto is not None:

@@ -372,3 +372,13 @@ def make_group(
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("refit/nccl", store), spec.rank, spec.world_size, options)
         return TorchBroadcastGroup(pg, torch.device("cuda", torch.cuda.current_device()), control)
     return _make_pynccl_group(store, spec, control)
+
+
+def masked_gloo_error(e: ValueError) -> RuntimeError | None:
+    """gloo's error where torch's exception logger replaced it: a collective over an unregistered process group
+    (:meth:`TorchBroadcastGroup.process_group`: ``all_gather_object``, ``barrier``) that fails raises, from the
+    logger's own look-up of the group, a ValueError that it "is not initialized in the world group map", with gloo's
+    RuntimeError (the lost peer) as its context."""
+    if "world group map" in str(e) and isinstance(e.__context__, RuntimeError):
+        return e.__context__
+    return None

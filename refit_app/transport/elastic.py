@@ -41,7 +41,7 @@ from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.transport.auth import new_secret
 from refit_app.transport.backends import gloo_devices, make_group
 from refit_app.transport.control import Control, DeadlineStore, Poller, ranks_text
-from refit_app.transport.groups import RefitGroup
+from refit_app.transport.groups import ERROR_LINGER_S, RefitGroup
 from refit_app.transport.records import RecordError, RecordKind, RunStore, need
 from refit_app.transport.rendezvous import (
     announce,
@@ -284,6 +284,12 @@ class ProducerMembership:
             self._records.put(_K_ENDED, _ENDED, {"rounds": rounds, "error": error})
         except dist.DistError as e:  # the store is this process's own; only a stranger's flood gets here
             logger.warning("rank 0: could not record the end of the session: %s", one_line(e))
+        if error is not None and any(self._requests.values()):
+            # Ranks waiting for an answer poll for the end: keep the store up a moment, so that they read why
+            # rather than find the producer gone.
+            deadline, poller = time.monotonic() + ERROR_LINGER_S, Poller()
+            while time.monotonic() < deadline:
+                poller.sleep(deadline)
         if self.group is not None:
             if error is not None:
                 self.group.control.failed = True

@@ -1,0 +1,121 @@
+"""One rank of a sharded refit that goes on without a lost consumer (``refit.on_consumer_loss=continue``;
+docs/sharded.md): the layouts of :mod:`refit_app.app.sharded` (each producer its rows, each consumer
+:func:`~refit_app.app.sharded.tp_rule`'s slices, the replicas chained) over an
+:class:`~refit_app.protocol.sharded_elastic.ElasticShardedSession`, which forms a group per generation of the ranks
+there and makes the plan anew for each.
+
+The producers send ``refit.rounds`` rounds and end the session; a consumer receives until they do, from the round it
+joined at (a restarted one: the next round boundary, densely), and with ``sink=verify`` compares every slice of every
+round it received bit for bit with its own copy of the synthetic source at that round. A consumer lost mid-round is
+left out and the round sent again to the others; a producer lost ends every rank in one line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from refit_app.app.config import RunSettings
+from refit_app.app.metrics import PeakMemory, RoundMetrics
+from refit_app.app.sharded import (
+    FaultyGroup,
+    check_slices,
+    expected_tensors,
+    producer_shards,
+    rank_metrics,
+    round_metrics,
+    tp_rule,
+)
+from refit_app.models.sources import make_source
+from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.sharded import allocate, tp_needs
+from refit_app.protocol.sharded_elastic import ElasticShardedSession
+
+
+def _fault_wire(s: RunSettings) -> Any:
+    """``refit.debug.die_in_round`` on ``refit.debug.die_rank``: the transfers of that round go over a
+    :class:`~refit_app.app.sharded.FaultyGroup` that SIGKILLs this rank once its first send or receive completed."""
+    if s.refit.die_in_round is None or s.rank != s.refit.die_rank:
+        return None
+    die = s.refit.die_in_round
+
+    def wire(pg: Any, k: int) -> Any:
+        if k != die:
+            return pg
+        faulty = FaultyGroup(pg, corrupt_chunk=None, die_in_round=die)
+        faulty.start_round(k)
+        return faulty
+
+    return wire
+
+
+def run_elastic(s: RunSettings) -> dict[str, Any]:
+    """This rank's part of an elastic sharded refit; its metrics (each round with the consumers that took part)."""
+    layout = s.sharded
+    assert layout is not None and s.source is not None
+    rank, k, m = s.rank, layout.producers, layout.tp_size
+    producer = rank < k
+    chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
+    # A consumer's copy of the synthetic source: what its engine expects, and what it verifies against.
+    source = make_source(s.source.target, s.source.params)
+    spec = replace(s.group, backend="gloo")
+    options: dict[str, Any] = {"chains": chains, "num_buffers": s.refit.num_buffers, "wire": _fault_wire(s)}
+    started = time.perf_counter()
+    if producer:
+        specs, _ = producer_shards(source.tensors(), rank, k)
+        buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
+        session = ElasticShardedSession(spec, producers=k, specs=specs, buffer_size_bytes=buffer, **options)
+    else:
+        expects = expected_tensors(source)
+        needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
+        # Null takes the producers' buffer size, as in any refit.
+        session = ElasticShardedSession(
+            spec, producers=k, needs=needs, expects=expects, buffer_size_bytes=s.refit.buffer_size_bytes, **options
+        )
+        slices = allocate(expects, needs)
+    handshake_s = time.perf_counter() - started
+    # The buffer size every rank agreed on (a consumer's null took the producers'); 0: joined after the last round.
+    agreed_buffer = session.generation.session.plan.buffer_size_bytes if session.generation is not None else 0
+    verify = not producer and s.sink_name == "verify"
+    done: list[RoundMetrics] = []
+    checked = None
+    with session:
+        n = 0
+        while True:
+            if producer:
+                if n == s.refit.rounds:
+                    break
+                n += 1
+                if n > 1:
+                    source.advance(n)
+                _, shards = producer_shards(source.tensors(), rank, k)  # this round's values, views
+                with PeakMemory() as memory:
+                    t0 = time.perf_counter()
+                    moved = session.send(shards)
+                    seconds = time.perf_counter() - t0
+            else:
+                with PeakMemory() as memory:
+                    t0 = time.perf_counter()
+                    got = session.receive(slices)
+                    seconds = time.perf_counter() - t0
+                if got is None:
+                    break
+                moved, n = got, session.rounds
+                if verify:
+                    source.advance(n)
+                    checked = check_slices(slices, source.tensors(), rank, n)
+            r = round_metrics(n, seconds, moved, moved, memory, verify, handshake_s if not done else 0.0, None)
+            done.append(replace(r, members=session.members))
+    return rank_metrics(
+        s,
+        source.describe(),
+        agreed_buffer,
+        done,
+        handshake_s,
+        producer,
+        verify,
+        checked,
+        len(list(source.tensors())),
+        {},
+    )

@@ -1,0 +1,412 @@
+"""Sharded refits that go on when consumers come and go (``refit.on_consumer_loss=continue``).
+
+:class:`ElasticShardedSession` runs a :class:`~refit_app.protocol.sharded.ShardedSession` per **generation** of
+members, as the one-producer elastic session runs a session per generation (:mod:`refit_app.protocol.elastic`, whose
+generations it shares: :class:`~refit_app.protocol.elastic.ProducerGenerations` on producer 0, which hosts the
+run's store, :class:`~refit_app.protocol.elastic.MemberGenerations` on every other rank, producers included)::
+
+    generation g: a gloo group of producer 0, every other producer and the consumers that asked
+      agree: the plan for the ranks present (each numbered by its place among the members), its digest compared
+      round k: every rank's word, the transfers, then every rank's "done" (a round counts once all completed it)
+    a consumer lost in round k (killed, past a deadline, failed on its own)
+      -> every rank drops generation g and asks again; producer 0 forms g + 1 from those that asked within
+         group.timeout_s; the plan is made anew without the lost rank (a replica chain through it re-planned: the
+         next replica takes its slices from the one before the lost rank, or from the producers), round k again,
+         dense
+    a consumer asks to join (restarted with the run's group.run_id and token) -> producer 0 ends the generation at
+      the next round boundary (the word REGROUP), the next forms with it, its first round dense
+    a producer lost -> producer 0 ends the session with one line, which every rank waiting for a place reads; its
+      shards exist nowhere else
+
+Every generation starts with a fresh plan and a dense round (a delta plan's state is per pair and per generation:
+a round cut midway leaves some pieces new and some old, and a joiner holds nothing). Every wait is bounded by the
+group's deadline, and so is the number of generations tried without progress (``MAX_STUCK_FORMS``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from refit_app.common.errors import ConfigError, PeerError, RefitError, VerificationError, one_line
+from refit_app.core.reshard.plan import Layout, Need, TensorSpec
+from refit_app.core.reshard.transfer import Held, RegionMismatch
+from refit_app.protocol.elastic import MemberGenerations, ProducerGenerations
+from refit_app.protocol.sharded import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_CHECKSUM,
+    DEFAULT_NUM_BUFFERS,
+    Expected,
+    ShardedSession,
+    agree,
+)
+from refit_app.transport.backends import masked_gloo_error
+from refit_app.transport.control import Poller, ranks_text
+from refit_app.transport.elastic import abandon
+from refit_app.transport.groups import RefitGroup
+from refit_app.transport.spec import PRODUCER_RANK, GroupSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """One generation as a rank runs it: its group, the process group the plan runs over, the ranks in it (refit
+    ranks, in the order of their places) and the session over its plan."""
+
+    rg: RefitGroup
+    pg: Any
+    ranks: list[int]
+    session: ShardedSession
+
+
+def _gloo_lost(e: BaseException) -> BaseException | None:
+    """The lost peer behind ``e``, where ``e`` says a peer of the generation was lost (its group is then unusable);
+    None for anything else."""
+    if isinstance(e, RegionMismatch):
+        return None  # bytes that arrived wrong: this rank's own finding, not a lost peer
+    if isinstance(e, (PeerError, RuntimeError, dist.DistError)):
+        return e
+    if isinstance(e, ValueError):
+        return masked_gloo_error(e)
+    return None
+
+
+def _release() -> None:
+    """Free what is left of a dropped generation's gloo group: only destroying its backend closes its sockets, and
+    until they close, a peer blocked on this rank waits out its deadline instead of failing at once (and then asks
+    for the next generation too late to be in it). The process group over it lives in reference cycles (frames of
+    the round that failed); collect them now."""
+    gc.collect()
+
+
+def renumbered(
+    ranks: Sequence[int],
+    specs: Sequence[TensorSpec] | None,
+    needs: Sequence[Need],
+    chains: Sequence[Sequence[int]],
+) -> tuple[list[TensorSpec] | None, list[Need], list[list[int]]]:
+    """The layouts with every refit rank replaced by its place in a generation of ``ranks``: the producers' meshes,
+    a consumer's needs, and the replica chains without the ranks that are not there (a chain through a lost rank
+    goes on from the one before it; one without its head starts from the producers)."""
+    place = {r: i for i, r in enumerate(ranks)}
+    out_specs = None
+    if specs is not None:
+        out_specs = [
+            TensorSpec(
+                s.name,
+                s.dtype,
+                s.shape,
+                s.itemsize,
+                Layout(s.layout.mesh, tuple(place[r] for r in s.layout.ranks), s.layout.placements),
+            )
+            for s in specs
+        ]
+    out_needs = [Need(place[n.rank], n.name, n.box) for n in needs]
+    out_chains = [[place[r] for r in chain if r in place] for chain in chains]
+    return out_specs, out_needs, [c for c in out_chains if len(c) > 1]
+
+
+class ElasticShardedSession:
+    """One rank of a sharded refit that goes on without a lost consumer: ranks ``[0, producers)`` of ``spec`` are
+    the producers (producer 0 hosts the run's store), the others consumers. Connects itself from ``spec``
+    (``group.token`` required, gloo, no topology), agrees the plan with the ranks there (at most
+    ``group.timeout_s`` for the others to join) and then, per round, :meth:`send` (every producer) or
+    :meth:`receive` (every consumer) as :class:`~refit_app.protocol.sharded.ShardedSession` does.
+
+    ``specs`` (a producer's, :func:`~refit_app.protocol.sharded.from_tensors`), ``needs`` and ``expects`` (a
+    consumer's own), ``chains``, ``buffer_size_bytes``, ``checksum`` and ``delta`` are those of
+    :func:`~refit_app.protocol.sharded.agree`, in refit ranks (``spec.rank``): each generation renumbers them for
+    the ranks present (:func:`renumbered`). ``wire(pg, round)``, where given, wraps a generation's process group for
+    one round's transfers (a test's fault hooks)."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        *,
+        producers: int,
+        specs: Sequence[TensorSpec] | None = None,
+        needs: Sequence[Need] = (),
+        expects: Sequence[Expected] = (),
+        chains: Sequence[Sequence[int]] = (),
+        buffer_size_bytes: int | None = DEFAULT_BUFFER_BYTES,
+        checksum: str | None = DEFAULT_CHECKSUM,
+        delta: bool | None = False,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        wire: Callable[[Any, int], Any] | None = None,
+    ) -> None:
+        if not (isinstance(producers, int) and 1 <= producers < spec.world_size):
+            raise ValueError(f"producers={producers!r}: give 1 to group.world_size - 1 ({spec.world_size - 1})")
+        self.rank = spec.rank
+        self.producer = spec.rank < producers
+        if self.producer != (specs is not None):
+            raise ValueError(f"rank {spec.rank}: a producer (rank < {producers}) gives specs=, a consumer needs=")
+        self.spec, self.producers = spec, producers
+        self._layouts = (list(specs) if specs is not None else None, list(needs), [list(c) for c in chains])
+        self._agree = {
+            "expects": list(expects),
+            "buffer_size_bytes": buffer_size_bytes,
+            "checksum": checksum,
+            "delta": delta,
+        }
+        self._num_buffers = num_buffers
+        self._wire = wire
+        self.rounds = 0
+        """Rounds completed (a consumer: the last round it received)."""
+        self.generation: Generation | None = None
+        self.closed = False
+        self._host: ProducerGenerations[Generation] | None = None
+        self._member: MemberGenerations[Generation] | None = None
+        try:
+            if spec.rank == PRODUCER_RANK:
+                self._host = ProducerGenerations(
+                    spec, self._start_host, required=range(1, producers), missing=self._lost_producers
+                )
+                self._host.first()
+                self.generation = self._host.session
+            else:
+                self._member = MemberGenerations(spec, self._start_member)
+                self._join()
+        except BaseException as e:
+            self._end(one_line(e))
+            raise
+
+    @property
+    def members(self) -> list[int]:
+        """The consumer ranks of the current generation."""
+        return [] if self.generation is None else [r for r in self.generation.ranks if r >= self.producers]
+
+    def wait_for_joiners(self, ranks: Sequence[int], timeout_s: float) -> bool:
+        """Producer 0's: wait up to ``timeout_s`` until each of ``ranks`` is a member or has asked to join (it is
+        then admitted at the next :meth:`send`); whether they all did. For a loop that would rather wait for an
+        engine rank it knows is restarting than send a round without it."""
+        if self._host is None:
+            raise ValueError(f"rank {self.rank}: wait_for_joiners() is producer 0's call")
+        wanted, membership = set(ranks), self._host.membership
+        deadline = time.monotonic() + timeout_s
+        poller = Poller()
+        while not wanted <= set(self.members) | set(membership.newcomers()):
+            if time.monotonic() >= deadline:
+                return False
+            poller.sleep(deadline)
+        return True
+
+    def _lost_producers(self, k: int, ranks: list[int], cause: BaseException | None) -> PeerError:
+        why = f" ({one_line(cause)})" if cause is not None else ""
+        return PeerError(
+            f"round {k}: lost producer {ranks_text(ranks)}{why}: it did not ask to go on within "
+            f"group.timeout_s={self.spec.timeout_s:g}s, and a sharded refit cannot go on without a producer (its "
+            "shards exist nowhere else)"
+        )
+
+    def _start_host(self, rg: RefitGroup, k: int) -> Generation:
+        assert self._host is not None
+        ranks = [PRODUCER_RANK, *self._host.members]
+        if all(r < self.producers for r in ranks):  # the producers alone: nobody to send to
+            raise RefitError(
+                f"round {k}: no consumer {'joined' if k == 1 and self.generation is None else 'is left'} (none asked "
+                f"to {'join' if k == 1 and self.generation is None else 'go on'} within "
+                f"group.timeout_s={self.spec.timeout_s:g}s); the producers stop"
+            )
+        return self._start(rg, ranks, k)
+
+    def _start_member(self, rg: RefitGroup, plan: dict[str, Any]) -> Generation:
+        k = int(plan["round"])
+        if self.producer and k != self.rounds + 1:
+            # Its trainer has moved on (or not): it cannot send producer 0's round. Not a lost peer: this producer
+            # leaves, and producer 0 ends the session for everyone, naming it.
+            raise ConfigError(
+                f"producer {self.rank}: generation {plan['gen']} starts at round {k}, but this producer's next round "
+                f"is {self.rounds + 1}"
+            )
+        return self._start(rg, list(plan["members"]), k)
+
+    def _start(self, rg: RefitGroup, ranks: list[int], k: int) -> Generation:
+        """Agree the plan for ``ranks`` over the generation's group (its digest compared on every rank, as at any
+        start) and open the session at round ``k``. A member lost meanwhile is a PeerError: the generation did not
+        form, and the next is tried."""
+        pg = rg.group.process_group()
+        place = ranks.index(self.rank)
+        specs, needs, chains = renumbered(ranks, *self._layouts)
+        try:
+            plan = agree(pg, place, specs=specs, needs=needs, chains=chains, **self._agree)
+        except (RuntimeError, dist.DistError, ValueError) as e:
+            lost = _gloo_lost(e)
+            if lost is None:
+                raise
+            raise PeerError(f"rank {self.rank}: a member was lost while the plan was agreed ({one_line(lost)})") from e
+        session = ShardedSession(pg, place, plan, producer=self.producer, num_buffers=self._num_buffers)
+        session.rounds = k - 1
+        logger.info(
+            "rank %d: generation of %s from round %d, plan %s (%d transfers)",
+            self.rank,
+            ranks_text(ranks),
+            k,
+            plan.digest[:12],
+            len(plan.transfers),
+        )
+        return Generation(rg, pg, ranks, session)
+
+    def _join(self) -> None:
+        assert self._member is not None
+        if self._member.join():
+            self.generation = self._member.session
+        else:
+            self.generation = None
+            self.closed = True
+
+    def send(self, shards: dict[str, Held]) -> int:
+        """One round of this producer's regions to the consumers there; the bytes sent (of the last try: a round a
+        consumer was lost in is sent again, dense, to the others). Consumers that asked to join are admitted first
+        (producer 0 decides; every producer follows)."""
+        if not self.producer:
+            raise ValueError(f"rank {self.rank}: send() is a producer's call")
+        if self.closed:
+            raise RuntimeError("send() after close()")
+        k = self.rounds + 1
+        try:
+            while True:
+                if self._host is not None and self._host.membership.newcomers():
+                    self._host.admit(k, self._say_regroup)
+                    self.generation = self._host.session
+                moved = self._round(k, lambda s: s.send(shards))
+                if moved is not None:
+                    break
+        except BaseException as e:
+            self._end(one_line(e))
+            raise
+        self.rounds = k
+        if self._host is not None:
+            self._host.membership.refuse_taken()
+        return moved
+
+    def receive(self, slices: dict[str, Held]) -> int | None:
+        """One round into ``slices``; the bytes received, or None once the producers ended the session. A round cut
+        by a lost peer is received again, in full, from the next generation: only a round that every rank of its
+        generation completed returns. A consumer's own failure (bytes that arrived other than their source hashed
+        them) raises here, and the others go on without it."""
+        if self.producer:
+            raise ValueError(f"rank {self.rank}: receive() is a consumer's call")
+        while not self.closed:
+            k = self._session().rounds + 1
+            moved = self._round(k, lambda s: s.receive(slices))
+            if moved is not None:
+                self.rounds = k
+                return moved
+        return None
+
+    def _say_regroup(self) -> None:
+        """Producer 0's word at a round boundary with ranks asking to join: every rank leaves the generation."""
+        try:
+            self._session().regroup()
+        except (RuntimeError, dist.DistError, ValueError) as e:
+            lost = _gloo_lost(e)
+            if lost is None:
+                raise
+            raise PeerError(one_line(lost)) from e
+
+    def _session(self) -> ShardedSession:
+        assert self.generation is not None
+        return self.generation.session
+
+    def _round(self, k: int, run: Callable[[ShardedSession], int | None]) -> int | None:
+        """Round ``k`` over the current generation: its bytes, once every rank of the generation completed it;
+        None where the generation ended (a regroup, a lost peer: the caller tries again in the next) or the session
+        did (:attr:`closed`)."""
+        gen = self.generation
+        assert gen is not None
+        gen.session.wire = self._wire(gen.pg, k) if self._wire is not None else gen.pg
+        try:
+            moved = run(gen.session)
+            if moved is not None:
+                dist.barrier(group=gen.pg)  # every rank completed the round: only then does it count
+                return moved
+            if not gen.session.regrouping:
+                self.closed = True  # the producers ended the session
+                return None
+            why = None  # producer 0 admits a rank at this boundary
+        except RegionMismatch as e:
+            abandon(gen.rg)  # this rank's own failure: it leaves, and the others go on without it
+            self.generation = None
+            self.closed = True
+            raise VerificationError(str(e)) from e
+        except (RuntimeError, dist.DistError, PeerError, ValueError) as e:
+            lost = _gloo_lost(e)
+            if lost is None:
+                raise
+            why = PeerError(one_line(lost))  # its message alone: the traceback would keep the generation's group
+        del gen, run
+        self._next(k, why)
+        return None
+
+    def _next(self, k: int, why: BaseException | None) -> None:
+        """The generation ended in round ``k`` (``why``: a lost peer; None: producer 0 regroups, a member's word):
+        on to the next."""
+        self.generation = None  # the last reference to its process group: see _release
+        if self._host is not None:
+            assert why is not None  # producer 0 regroups before a round, in send()
+            self._host.lost(k, why, release=_release)
+            self.generation = self._host.session
+            return
+        assert self._member is not None
+        if why is None:
+            abandon(self._member.rg)
+            self._member.rg = self._member.session = None
+        else:
+            self._member.drop(why)
+        _release()
+        self._join()
+        if self.closed and self.producer:
+            raise PeerError(f"producer {self.rank}: the session ended while round {k} was cut")
+
+    def close(self) -> None:
+        """End the session (every producer together: each consumer's next :meth:`receive` returns None), or leave
+        it (a consumer: the others go on without it). A no-op after the first call."""
+        if self.closed:
+            self._end(None)
+            return
+        self.closed = True
+        if self.producer and self.generation is not None:
+            try:
+                self.generation.session.close()
+            except (RuntimeError, dist.DistError, PeerError, ValueError) as e:
+                if _gloo_lost(e) is None:
+                    raise
+                # The rounds are done; a consumer lost now changes nothing they delivered.
+                logger.warning("rank %d: a member was lost at the end of the session (%s)", self.rank, one_line(e))
+                self.generation.rg.control.failed = True
+        self._end(None)
+
+    def _end(self, error: str | None) -> None:
+        self.closed = True
+        if self._host is not None:
+            host, self._host = self._host, None
+            host.end(self.rounds, error)
+        if self._member is not None:
+            member, self._member = self._member, None
+            if error is not None and member.rg is not None:
+                abandon(member.rg)
+                member.rg = None
+            member.close()
+        self.generation = None
+
+    def __enter__(self) -> ElasticShardedSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._end(one_line(exc))
+
+
+__all__ = ["ElasticShardedSession", "Generation", "renumbered"]

@@ -1,0 +1,75 @@
+"""``refit.on_consumer_loss=continue`` in sharded refits from the command line, as a user runs them: a consumer
+SIGKILLed mid-round (``refit.debug.die_in_round``) is left out and every other rank goes on, each round verified bit
+for bit by the consumers there; a producer SIGKILLed mid-round stops every rank in one line; with the ranks started
+one by one, the killed consumer started again with the run's token joins and verifies every round it receives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from cli_utils import assert_ok, assert_one_line_error, local_metrics
+from mp_utils import free_port
+
+TOKEN = {"REFIT_APP_TOKEN": "sharded-elastic-app-test-token"}
+LOCAL = ("refit.on_consumer_loss=continue", "group.timeout_s=6")
+"""role=local starts its ranks together: the deadline never covers their start-up."""
+
+
+def test_a_consumer_killed_mid_round_is_left_out_and_the_others_verify_every_round(cli, tmp_path):
+    # Rank 2 heads the chain of tensor-parallel rank 0 (replica 1's rank 4 took its slices from it): rank 4 is
+    # re-planned to take them from the producers.
+    result = cli("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.rounds=4",
+                 "refit.debug.die_in_round=2", "refit.debug.die_rank=2", *LOCAL)  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True, metrics
+    lost, *survivors = metrics["consumers"]
+    assert lost["rank"] == 2 and lost["status"] == "failed" and "died" in lost["error"], lost
+    for c in survivors:  # every round once, each verified bit for bit against the source
+        assert [(r["round"], r["verified"]) for r in c["rounds"]] == [(n, True) for n in range(1, 5)], c
+    members = [r["members"] for r in metrics["rounds"]]
+    assert members == [[2, 3, 4, 5], [3, 4, 5], [3, 4, 5], [3, 4, 5]], members
+    assert "(consumer 2 lost)" in result.stderr + result.stdout
+
+
+def test_a_producer_killed_mid_round_stops_every_rank_in_one_line(cli, tmp_path):
+    result = cli("group.producers=2", "group.tp_size=2", "refit.rounds=3", "refit.debug.die_in_round=2",
+                 "refit.debug.die_rank=1", *LOCAL)  # fmt: skip
+    # role=local names the root cause, the rank that died; every other rank said why it stopped.
+    assert_one_line_error(result, "rank 1 died (exit code -9)")
+    others = [
+        r for r in (*local_metrics(tmp_path)["producers"], *local_metrics(tmp_path)["consumers"]) if r["rank"] != 1
+    ]
+    for r in others:
+        assert "lost producer rank 1" in r["error"] and "its shards exist nowhere else" in r["error"], r
+
+
+def _metrics(result) -> dict:
+    found = re.findall(r"metrics: (\S+metrics\.json)", result.stdout + result.stderr)
+    assert found, result.describe()
+    return json.loads(Path(found[-1]).read_text())
+
+
+def test_ranks_started_apart_go_on_without_a_killed_consumer_and_take_it_back_restarted(cli):
+    port = free_port()
+    # Started one by one, the ranks' start-up is inside the rendezvous deadline: 20 s covers it on a busy machine.
+    common = ("group.producers=2", "group.tp_size=2", "group.world_size=4", f"group.port={port}",
+              "refit.on_consumer_loss=continue", "group.timeout_s=20", "source.size=2MiB")  # fmt: skip
+    producers = [cli.start("role=producer", f"group.rank={p}", *common, "refit.rounds=40", env=TOKEN) for p in range(2)]
+    survivor = cli.start("role=consumer", "group.rank=2", *common, env=TOKEN)
+    killed = cli.start("role=consumer", "group.rank=3", *common, "refit.debug.die_in_round=2",
+                       "refit.debug.die_rank=3", env=TOKEN).wait()  # fmt: skip
+    assert killed.returncode == -9, killed.describe()
+    restarted = cli.start("role=consumer", "group.rank=3", *common, env=TOKEN).wait()
+    survived = survivor.wait()
+    for run in (*(p.wait() for p in producers), survived, restarted):
+        assert_ok(run)
+    survived, back = _metrics(survived), _metrics(restarted)
+    assert [(r["round"], r["verified"]) for r in survived["rounds"]] == [(n, True) for n in range(1, 41)]
+    # The restarted consumer joined at a round boundary (or the cut round's repeat) and verified every round after.
+    first = back["rounds"][0]["round"]
+    assert 2 <= first <= 40 and 3 in back["rounds"][0]["members"], back["rounds"][0]
+    assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, 41)]

@@ -1,0 +1,198 @@
+"""Sharded refits that go on without a lost consumer (``ElasticShardedSession``, ``refit.on_consumer_loss=continue``)
+over real gloo groups: two producers and two replicas of two tensor-parallel consumers; a consumer SIGKILLed mid-round
+(the head of a replica chain: the next replica is re-planned to take its slices from the producers), the others
+finish every round bit for bit the producers' tensors sliced, and the consumer restarted with the run's token and id
+joins at a round boundary with a dense round, exact; a producer SIGKILLed mid-round stops every rank in one line
+within the deadline budget.
+
+Every rank is a spawned process (tests/mp_utils.py: started together, OS-assigned port); the restarted consumer is
+one more process, released by an event the producer sets, never by a sleep.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+import torch.distributed.tensor  # from_tensors imports it: seconds under load, here in start-up
+from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
+from test_sharded_session import K, M, _model, _rule, _shards  # the same trainer and engine
+
+from refit_app.common.errors import RefitError
+from refit_app.protocol.sharded import allocate, expected_of, tp_needs
+from refit_app.protocol.sharded_elastic import ElasticShardedSession
+
+TIMEOUT_S = 6.0
+TOKEN = "sharded-elastic-test-token-0123456789"
+D = 2
+WORLD = K + M * D
+CHAINS = [[K + r * M + c for r in range(D)] for c in range(M)]
+ROUNDS = 5
+KILLED = K  # replica 0's tensor-parallel rank 0: the head of a chain
+KILLED_IN = 2
+RESTARTED_AT = 4
+BUFFER = 64
+"""Bytes a buffer: every tensor goes in several pieces, so a kill after the first lands mid-round."""
+EVENT_WAIT_S = 120.0
+"""A hang limit for the events between processes, not a deadline under test."""
+
+
+def _spec(rank: int, port: int):
+    return gloo_spec(rank, WORLD, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-elastic")
+
+
+class _Work:
+    def __init__(self, work, killed_at) -> None:
+        self._work, self._killed_at = work, killed_at
+
+    def wait(self, *args):
+        done = self._work.wait(*args)
+        self._killed_at.value = time.monotonic()  # system-wide: comparable across the processes
+        os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+
+class _DieAfterFirst:
+    """A generation's process group whose first send or receive, once completed, SIGKILLs this process."""
+
+    def __init__(self, pg, killed_at) -> None:
+        self._pg, self._killed_at = pg, killed_at
+
+    def send(self, tensors, dst, tag):
+        return _Work(self._pg.send(tensors, dst, tag), self._killed_at)
+
+    def recv(self, tensors, src, tag):
+        return _Work(self._pg.recv(tensors, src, tag), self._killed_at)
+
+
+def _dies_in(rank: int, killed_at):
+    return lambda pg, k: _DieAfterFirst(pg, killed_at) if k == KILLED_IN else pg
+
+
+def _consume(session: ElasticShardedSession, rank: int) -> list[dict]:
+    expects = expected_of(_model(1).items())
+    needs = {n.name: n.box for n in tp_needs(expects, rank, (rank - K) % M, M, _rule)}
+    slices = allocate(expects, [n for n in tp_needs(expects, rank, (rank - K) % M, M, _rule)])
+    rounds = []
+    while session.receive(slices) is not None:
+        k = session.rounds
+        exact = all(
+            torch.equal(slices[name].tensor, full[tuple(slice(a, b) for a, b in needs[name])])
+            for name, full in _model(k).items()
+        )
+        rounds.append({"round": k, "members": session.members, "exact": exact, "at": time.monotonic()})
+    return rounds
+
+
+def _loss_and_restart(rank: int, world_size: int, port: int, restart, killed_at) -> object:
+    expects = expected_of(_model(1).items())
+    if rank < K:
+        specs, shards = _shards(1, rank)
+        with ElasticShardedSession(
+            _spec(rank, port), producers=K, specs=specs, chains=CHAINS, buffer_size_bytes=BUFFER
+        ) as s:
+            sent = []
+            for k in range(1, ROUNDS + 1):
+                if k == RESTARTED_AT and rank == 0:
+                    restart.set()
+                    assert s.wait_for_joiners([KILLED], EVENT_WAIT_S), "the restarted consumer never asked to join"
+                for name, held in _shards(k, rank)[1].items():
+                    shards[name].tensor.copy_(held.tensor)  # the trainer's step, in place
+                s.send(shards)
+                sent.append({"round": k, "members": s.members})
+            return sent
+    as_rank = rank if rank < WORLD else KILLED  # the last process is the killed consumer, restarted
+    if rank == WORLD:
+        assert restart.wait(EVENT_WAIT_S)
+    needs = tp_needs(expects, as_rank, (as_rank - K) % M, M, _rule)
+    wire = _dies_in(rank, killed_at) if rank == KILLED else None
+    with ElasticShardedSession(
+        _spec(as_rank, port),
+        producers=K,
+        needs=needs,
+        expects=expects,
+        chains=CHAINS,
+        buffer_size_bytes=None,
+        wire=wire,
+    ) as s:
+        return _consume(s, as_rank)
+
+
+def test_a_consumer_lost_mid_round_leaves_the_others_exact_every_round_and_rejoins_densely():
+    restart = mp.get_context("spawn").Event()
+    killed_at = mp.get_context("spawn").Value("d", 0.0)
+    results = run_ranks(_loss_and_restart, WORLD + 1, restart, killed_at, timeout=150, return_exceptions=True)
+    assert isinstance(results[KILLED], RankFailure) and results[KILLED].exc_type == "Died", results
+    everyone, without = list(range(K, WORLD)), [r for r in range(K, WORLD) if r != KILLED]
+    for p in range(K):  # the producers sent every round once, to those there
+        assert [r["round"] for r in results[p]] == list(range(1, ROUNDS + 1)), results[p]
+        assert [r["members"] for r in results[p]] == [
+            everyone if k < KILLED_IN or k >= RESTARTED_AT else without for k in range(1, ROUNDS + 1)
+        ], results[p]
+    for c in without:  # every round, once, exact: round 2 was cut and came again without the killed one
+        assert [(r["round"], r["exact"]) for r in results[c]] == [(k, True) for k in range(1, ROUNDS + 1)], results[c]
+    redone = next(r for r in results[KILLED + M] if r["round"] == KILLED_IN)  # the chain's next replica
+    assert redone["members"] == without
+    assert redone["at"] - killed_at.value < deadline_budget(TIMEOUT_S), redone["at"] - killed_at.value
+    restarted = results[WORLD]
+    assert [(r["round"], r["exact"]) for r in restarted] == [(k, True) for k in range(RESTARTED_AT, ROUNDS + 1)]
+    assert restarted[0]["members"] == everyone
+
+
+def _producer_lost(rank: int, world_size: int, port: int, killed_at) -> object:
+    expects = expected_of(_model(1).items())
+    try:
+        if rank < K:
+            specs, shards = _shards(1, rank)
+            wire = _dies_in(rank, killed_at) if rank == 1 else None
+            with ElasticShardedSession(
+                _spec(rank, port), producers=K, specs=specs, buffer_size_bytes=BUFFER, wire=wire
+            ) as s:
+                for _ in range(ROUNDS):
+                    s.send(shards)
+            return "completed"
+        needs = tp_needs(expects, rank, rank - K, M, _rule)
+        with ElasticShardedSession(
+            _spec(rank, port), producers=K, needs=needs, expects=expects, buffer_size_bytes=None
+        ) as s:
+            slices = allocate(expects, needs)
+            while s.receive(slices) is not None:
+                pass
+        return "completed"
+    except RefitError as e:
+        return (str(e), time.monotonic())
+
+
+def test_a_lost_producer_stops_every_rank_in_one_line_within_the_deadline():
+    killed_at = mp.get_context("spawn").Value("d", 0.0)
+    results = run_ranks(_producer_lost, K + M, killed_at, timeout=120, return_exceptions=True)
+    assert isinstance(results[1], RankFailure) and results[1].exc_type == "Died", results[1]
+    for r in (0, *range(K, K + M)):
+        said, at = results[r]
+        assert "\n" not in said and "lost producer rank 1" in said, (r, said)
+        assert "its shards exist nowhere else" in said, (r, said)
+        assert at - killed_at.value < deadline_budget(TIMEOUT_S), (r, at - killed_at.value)
+
+
+def test_a_generation_renumbers_the_layouts_and_replans_a_chain_through_a_lost_rank():
+    from refit_app.core.reshard.plan import Layout, Need, Shard, plan
+    from refit_app.protocol.sharded_elastic import renumbered
+
+    specs, _ = _shards(1, 0)
+    expects = expected_of(_model(1).items())
+    # Ranks 0-1 produce; 2, 4, 6 are three replicas of tensor-parallel rank 0 (a chain), 3, 5, 7 of rank 1. Rank 4,
+    # the middle of the first chain, and rank 3, the head of the second, are lost.
+    chains = [[2, 4, 6], [3, 5, 7]]
+    ranks = [0, 1, 2, 5, 6, 7]
+    needs = [n for r in ranks[2:] for n in tp_needs(expects, r, (r - K) % M, M, _rule)]
+    out_specs, out_needs, out_chains = renumbered(ranks, specs, needs, chains)
+    assert out_chains == [[2, 4], [3, 5]]  # 6 now after 2; 5 heads the second chain, 7 after it
+    assert all(s.layout == Layout.one_dim((0, 1), Shard(0)) for s in out_specs)
+    assert [n for n in out_needs if n.rank == 4] == [Need(4, n.name, n.box) for n in needs if n.rank == 6]
+    transfers = plan(out_specs, out_needs, chains=out_chains)
+    relayed = {(t.src, t.dst) for t in transfers if t.relayed}
+    direct = {t.dst for t in transfers if not t.relayed}
+    assert relayed == {(2, 4), (3, 5)} and direct == {2, 3}  # each chain's head from the producers, then relayed
