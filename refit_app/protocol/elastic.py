@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 
@@ -273,7 +273,29 @@ class MemberGenerations(Generic[S]):
         self.membership.release()
 
 
-class ElasticProducerSession:
+class EndsOnError:
+    """A session whose ``with`` block closes it where the block ends cleanly, and otherwise ends it with the error
+    that left the block (``_end(error)``: every rank told why)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._end(one_line(exc))
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _end(self, error: str | None) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class ElasticProducerSession(EndsOnError):
     """The trainer's side of an elastic session: connects as the producer of ``spec`` and waits up to
     ``group.timeout_s`` for the consumers (it starts with those that joined by then, at least one).
 
@@ -407,17 +429,6 @@ class ElasticProducerSession:
             return
         self.closed = True
         self._generations.end(self.rounds, error)
-
-    def __enter__(self) -> ElasticProducerSession:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self._end(one_line(exc))
 
 
 class ElasticConsumerSession:

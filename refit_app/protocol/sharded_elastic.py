@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from refit_app.common.errors import ConfigError, PeerError, RefitError, VerificationError, one_line
 from refit_app.core.reshard.plan import Layout, Need, TensorSpec
 from refit_app.core.reshard.transfer import Held, RegionMismatch
-from refit_app.protocol.elastic import MemberGenerations, ProducerGenerations
+from refit_app.protocol.elastic import EndsOnError, MemberGenerations, ProducerGenerations
 from refit_app.protocol.sharded import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_CHECKSUM,
@@ -114,7 +113,7 @@ def renumbered(
     return out_specs, out_needs, [c for c in out_chains if len(c) > 1]
 
 
-class ElasticShardedSession:
+class ElasticShardedSession(EndsOnError):
     """One rank of a sharded refit that goes on without a lost consumer: ranks ``[0, producers)`` of ``spec`` are
     the producers (producer 0 hosts the run's store), the others consumers. Connects itself from ``spec``
     (``group.token`` required, gloo, no topology), agrees the plan with the ranks there (at most
@@ -396,17 +395,6 @@ class ElasticShardedSession:
                 member.rg = None
             member.close()
         self.generation = None
-
-    def __enter__(self) -> ElasticShardedSession:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self._end(one_line(exc))
 
 
 __all__ = ["ElasticShardedSession", "Generation", "renumbered"]
