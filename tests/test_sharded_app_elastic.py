@@ -1,7 +1,8 @@
 """``refit.on_consumer_loss=continue`` in sharded refits from the command line, as a user runs them: a consumer
-SIGKILLed mid-round (``refit.debug.die_in_round``) is left out and every other rank goes on, each round verified bit
-for bit by the consumers there; a producer SIGKILLed mid-round stops every rank in one line; with the ranks started
-one by one, the killed consumer started again with the run's token joins and verifies every round it receives.
+SIGKILLed mid-way through a delta round (``refit.debug.die_in_round``) is left out and every other rank goes on, the
+cut round sent again dense, each round verified bit for bit by the consumers there; a producer SIGKILLed mid-round
+stops every rank in one line; with the ranks started one by one, the killed consumer started again with the run's
+token joins and verifies every round it receives.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ LOCAL = ("refit.on_consumer_loss=continue", "group.timeout_s=6")
 """role=local starts its ranks together: the deadline never covers their start-up."""
 
 
-def test_a_consumer_killed_mid_round_is_left_out_and_the_others_verify_every_round(cli, tmp_path):
+def test_a_consumer_killed_mid_delta_round_is_left_out_and_the_others_verify_every_round(cli, tmp_path):
     # Rank 2 heads the chain of tensor-parallel rank 0 (replica 1's rank 4 took its slices from it): rank 4 is
-    # re-planned to take them from the producers.
-    result = cli("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.rounds=4",
-                 "refit.debug.die_in_round=2", "refit.debug.die_rank=2", *LOCAL)  # fmt: skip
+    # re-planned to take them from the producers. Round 2 is a delta round; sent again without rank 2, dense.
+    result = cli("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.rounds=4", "refit.delta=on",
+                 "source.update=training", "refit.debug.die_in_round=2", "refit.debug.die_rank=2", *LOCAL)  # fmt: skip
     assert_ok(result)
     metrics = local_metrics(tmp_path)
     assert metrics["status"] == "ok" and metrics["verified"] is True, metrics
@@ -32,7 +33,32 @@ def test_a_consumer_killed_mid_round_is_left_out_and_the_others_verify_every_rou
         assert [(r["round"], r["verified"]) for r in c["rounds"]] == [(n, True) for n in range(1, 5)], c
     members = [r["members"] for r in metrics["rounds"]]
     assert members == [[2, 3, 4, 5], [3, 4, 5], [3, 4, 5], [3, 4, 5]], members
+    # Every generation starts dense (round 1; round 2 again); then delta rounds, a small share of the elements each.
+    for rank in (*metrics["producers"], *survivors):
+        assert [r["delta"] for r in rank["rounds"]] == [False, False, True, True], rank
+    for p in metrics["producers"]:
+        shares = [r["changed_fraction"] for r in p["rounds"]]
+        assert shares[:2] == [1.0, 1.0] and all(0 < f < 0.05 for f in shares[2:]), shares
     assert "(consumer 2 lost)" in result.stderr + result.stdout
+
+
+def test_a_consumer_that_answers_a_producer_fails_at_once_when_the_round_is_cut(cli, tmp_path):
+    # In a delta round each consumer answers every producer (its verdict on its bases). Rank 2 dies mid-round; rank 3,
+    # blocked answering producer 0, must see producer 0 drop the generation at once: waiting out its own deadline, it
+    # would ask to go on after producer 0 stopped waiting (both wait group.timeout_s), and be left out.
+    result = cli("group.producers=2", "group.tp_size=2", "refit.rounds=4", "refit.delta=on", "source.update=training",
+                 "refit.debug.die_in_round=3", "refit.debug.die_rank=2", *LOCAL)  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert [r["members"] for r in metrics["rounds"]] == [[2, 3], [2, 3], [3], [3]], metrics["rounds"]
+    lost, survivor = metrics["consumers"]
+    assert lost["status"] == "failed" and survivor["status"] == "ok", metrics["consumers"]
+    assert [(r["round"], r["verified"], r["delta"]) for r in survivor["rounds"]] == [
+        (1, True, False),
+        (2, True, True),
+        (3, True, False),
+        (4, True, True),
+    ], survivor
 
 
 def test_a_producer_killed_mid_round_stops_every_rank_in_one_line(cli, tmp_path):

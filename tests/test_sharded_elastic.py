@@ -1,9 +1,10 @@
 """Sharded refits that go on without a lost consumer (``ElasticShardedSession``, ``refit.on_consumer_loss=continue``)
-over real gloo groups: two producers and two replicas of two tensor-parallel consumers; a consumer SIGKILLed mid-round
-(the head of a replica chain: the next replica is re-planned to take its slices from the producers), the others
-finish every round bit for bit the producers' tensors sliced, and the consumer restarted with the run's token and id
-joins at a round boundary with a dense round, exact; a producer SIGKILLed mid-round stops every rank in one line
-within the deadline budget.
+over real gloo groups: two producers and two replicas of two tensor-parallel consumers, with delta rounds; a consumer
+SIGKILLed mid-way through a delta round (the head of a replica chain: the next replica is re-planned to take its
+slices from the producers), the others finish every round bit for bit the producers' tensors sliced (the cut round
+again, dense, then delta rounds), and the consumer restarted with the run's token and id joins at a round boundary
+with a dense round, exact, then delta rounds; a producer SIGKILLed mid-round stops every rank in one line within the
+deadline budget.
 
 Every rank is a spawned process (tests/mp_utils.py: started together, OS-assigned port); the restarted consumer is
 one more process, released by an event the producer sets, never by a sleep.
@@ -83,7 +84,15 @@ def _consume(session: ElasticShardedSession, rank: int) -> list[dict]:
             torch.equal(slices[name].tensor, full[tuple(slice(a, b) for a, b in needs[name])])
             for name, full in _model(k).items()
         )
-        rounds.append({"round": k, "members": session.members, "exact": exact, "at": time.monotonic()})
+        rounds.append(
+            {
+                "round": k,
+                "members": session.members,
+                "exact": exact,
+                "at": time.monotonic(),
+                "delta": session.delta_round,
+            }
+        )
     return rounds
 
 
@@ -92,7 +101,7 @@ def _loss_and_restart(rank: int, world_size: int, port: int, restart, killed_at)
     if rank < K:
         specs, shards = _shards(1, rank)
         with ElasticShardedSession(
-            _spec(rank, port), producers=K, specs=specs, chains=CHAINS, buffer_size_bytes=BUFFER
+            _spec(rank, port), producers=K, specs=specs, chains=CHAINS, buffer_size_bytes=BUFFER, delta=True
         ) as s:
             sent = []
             for k in range(1, ROUNDS + 1):
@@ -102,7 +111,9 @@ def _loss_and_restart(rank: int, world_size: int, port: int, restart, killed_at)
                 for name, held in _shards(k, rank)[1].items():
                     shards[name].tensor.copy_(held.tensor)  # the trainer's step, in place
                 s.send(shards)
-                sent.append({"round": k, "members": s.members})
+                deltas = s.generation.session.deltas
+                changed = (deltas.changed_elements, deltas.total_elements)
+                sent.append({"round": k, "members": s.members, "delta": s.delta_round, "changed": changed})
             return sent
     as_rank = rank if rank < WORLD else KILLED  # the last process is the killed consumer, restarted
     if rank == WORLD:
@@ -116,29 +127,40 @@ def _loss_and_restart(rank: int, world_size: int, port: int, restart, killed_at)
         expects=expects,
         chains=CHAINS,
         buffer_size_bytes=None,
+        delta=None,  # the producers'
         wire=wire,
     ) as s:
         return _consume(s, as_rank)
 
 
-def test_a_consumer_lost_mid_round_leaves_the_others_exact_every_round_and_rejoins_densely():
+def test_a_consumer_lost_mid_delta_round_leaves_the_others_exact_every_round_and_rejoins_densely():
     restart = mp.get_context("spawn").Event()
     killed_at = mp.get_context("spawn").Value("d", 0.0)
     results = run_ranks(_loss_and_restart, WORLD + 1, restart, killed_at, timeout=150, return_exceptions=True)
     assert isinstance(results[KILLED], RankFailure) and results[KILLED].exc_type == "Died", results
     everyone, without = list(range(K, WORLD)), [r for r in range(K, WORLD) if r != KILLED]
+    # Every generation starts with a dense round: the first, the cut round again, the round the restarted joined at.
+    dense = {1, KILLED_IN, RESTARTED_AT}
+    kinds = [k not in dense for k in range(1, ROUNDS + 1)]
     for p in range(K):  # the producers sent every round once, to those there
         assert [r["round"] for r in results[p]] == list(range(1, ROUNDS + 1)), results[p]
         assert [r["members"] for r in results[p]] == [
             everyone if k < KILLED_IN or k >= RESTARTED_AT else without for k in range(1, ROUNDS + 1)
         ], results[p]
+        assert [r["delta"] for r in results[p]] == kinds, results[p]
+        assert all(r["changed"][0] == r["changed"][1] for r in results[p] if not r["delta"]), results[p]
+    for k in range(2, ROUNDS + 1):  # a dense round sends every element; a delta round one changed a tensor, of 3
+        if k not in dense:
+            assert sum(results[p][k - 1]["changed"][0] for p in range(K)) == 3, [results[p] for p in range(K)]
     for c in without:  # every round, once, exact: round 2 was cut and came again without the killed one
         assert [(r["round"], r["exact"]) for r in results[c]] == [(k, True) for k in range(1, ROUNDS + 1)], results[c]
+        assert [r["delta"] for r in results[c]] == kinds, results[c]
     redone = next(r for r in results[KILLED + M] if r["round"] == KILLED_IN)  # the chain's next replica
     assert redone["members"] == without
     assert redone["at"] - killed_at.value < deadline_budget(TIMEOUT_S), redone["at"] - killed_at.value
     restarted = results[WORLD]
     assert [(r["round"], r["exact"]) for r in restarted] == [(k, True) for k in range(RESTARTED_AT, ROUNDS + 1)]
+    assert [r["delta"] for r in restarted] == kinds[RESTARTED_AT - 1 :]
     assert restarted[0]["members"] == everyone
 
 

@@ -408,9 +408,6 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
         c.errors.append(f"{what} reads source=synthetic only so far, not source={source or 'custom'}")
     if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
         c.errors.append(f"{what} feeds sink=verify or discard only so far, not sink={sink or 'custom'}")
-    delta = c.get("refit.delta")
-    if delta not in (_ABSENT, DEFAULT_DELTA):
-        c.fail("refit.delta", delta, f"{what} sends dense rounds only so far: leave it off")
 
 
 def _engines(c: _Checker, role: Any, sink_kind: Any, layout: ShardedSpec) -> bool:

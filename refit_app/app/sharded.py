@@ -504,7 +504,7 @@ def run_rounds(
             stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
     auto = AgreedAuto() if agreed.auto else None
     handshake_s = time.perf_counter() - started
-    dense = _dense_bytes(plan, rank, producer) if agreed.delta else None
+    dense = dense_bytes(plan, rank, producer) if agreed.delta else None
     faults = _fault_hooks(s, layout, pg)
     wire = pg if faults is None else faults  # what the transfers go over
     done: list[RoundMetrics] = []
@@ -649,7 +649,7 @@ def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorS
     return producer_shards(source.tensors(), rank, k)
 
 
-def _dense_bytes(plan: ShardedPlan, rank: int, producer: bool) -> int:
+def dense_bytes(plan: ShardedPlan, rank: int, producer: bool) -> int:
     """The bytes of the regions of ``plan`` that this producer sends or this consumer receives: what a round brings
     up to date, whether it goes dense or as deltas."""
     mine = [t for t in plan.transfers if (t.src if producer else t.dst) == rank]
@@ -657,19 +657,19 @@ def _dense_bytes(plan: ShardedPlan, rank: int, producer: bool) -> int:
 
 
 def delta_figures(
-    r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None, auto: AgreedAuto | None = None
+    r: RoundMetrics, state: ProducerDeltas | ConsumerBases | None, auto: AgreedAuto | None = None, *, first: int = 1
 ) -> RoundMetrics:
     """A round of a plan agreed with delta rounds, with what this rank's side of it did: with ``on`` the first round
-    is dense (every piece whole, each counted as changed), the later ones delta rounds; with ``auto`` the round is of
-    the kind every rank chose, with the reason (a plain round: sent as without deltas, its changes estimated from
-    the producer's sample of its shards where it has the last round's; a later dense round into the snapshot
-    counts none)."""
-    kind = (DELTA if r.round > 1 else KEEP) if auto is None else auto.last
+    (``first``: a later one where the session started again, :mod:`refit_app.app.sharded_elastic`) is dense (every
+    piece whole, each counted as changed), the later ones delta rounds; with ``auto`` the round is of the kind every
+    rank chose, with the reason (a plain round: sent as without deltas, its changes estimated from the producer's
+    sample of its shards where it has the last round's; a later dense round into the snapshot counts none)."""
+    kind = (DELTA if r.round > first else KEEP) if auto is None else auto.last
     delta = kind == DELTA
     if auto is not None:
         r = replace(r, plain=kind == PLAIN, auto_reason=f"{kind}: {auto.reason}")
     if isinstance(state, ProducerDeltas):
-        counted = kind == DELTA or r.round == 1 or (kind == PLAIN and auto is not None and auto.measured)
+        counted = kind == DELTA or r.round == first or (kind == PLAIN and auto is not None and auto.measured)
         if not counted:
             return r
         total = state.total_elements

@@ -7,7 +7,9 @@ there and makes the plan anew for each.
 The producers send ``refit.rounds`` rounds and end the session; a consumer receives until they do, from the round it
 joined at (a restarted one: the next round boundary, densely), and with ``sink=verify`` compares every slice of every
 round it received bit for bit with its own copy of the synthetic source at that round. A consumer lost mid-round is
-left out and the round sent again to the others; a producer lost ends every rank in one line.
+left out and the round sent again to the others; a producer lost ends every rank in one line. With ``refit.delta=on``
+or ``auto`` every generation's first round is dense (the cut round sent again, the round a consumer joins at) and
+the later ones are delta rounds (``on``) or of the kind every rank chooses (``auto``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from refit_app.app.metrics import PeakMemory, RoundMetrics
 from refit_app.app.sharded import (
     FaultyGroup,
     check_slices,
+    delta_figures,
+    dense_bytes,
     expected_tensors,
     producer_shards,
     rank_metrics,
@@ -50,6 +54,30 @@ def _fault_wire(s: RunSettings) -> Any:
     return wire
 
 
+def _figures(
+    session: ElasticShardedSession,
+    rank: int,
+    n: int,
+    seconds: float,
+    moved: int,
+    memory: PeakMemory,
+    verify: bool,
+    handshake_s: float,
+) -> RoundMetrics:
+    """Round ``n``'s metrics, from the generation that completed it. A function of its own: a reference to the
+    generation left in the rounds' loop would keep its group's sockets open once it is dropped, and a member blocked
+    on this rank would wait out its deadline instead of failing at once."""
+    gen = session.generation
+    assert gen is not None
+    plan = gen.session.plan
+    brought = dense_bytes(plan, gen.ranks.index(rank), session.producer) if plan.delta else moved
+    r = round_metrics(n, seconds, brought, moved, memory, verify, handshake_s, None)
+    if plan.delta:
+        state = gen.session.deltas if session.producer else gen.session.bases
+        r = delta_figures(r, state, gen.session.auto, first=gen.first)
+    return replace(r, members=session.members)
+
+
 def run_elastic(s: RunSettings) -> dict[str, Any]:
     """This rank's part of an elastic sharded refit; its metrics (each round with the consumers that took part)."""
     layout = s.sharded
@@ -61,17 +89,27 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
     source = make_source(s.source.target, s.source.params)
     spec = replace(s.group, backend="gloo")
     options: dict[str, Any] = {"chains": chains, "num_buffers": s.refit.num_buffers, "wire": _fault_wire(s)}
+    # A consumer takes the producers' refit.delta, as in any refit.
+    delta = {"off": False, "on": True, "auto": "auto"}[s.refit.delta] if producer else None
     started = time.perf_counter()
     if producer:
         specs, _ = producer_shards(source.tensors(), rank, k)
         buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
-        session = ElasticShardedSession(spec, producers=k, specs=specs, buffer_size_bytes=buffer, **options)
+        session = ElasticShardedSession(
+            spec, producers=k, specs=specs, buffer_size_bytes=buffer, delta=delta, **options
+        )
     else:
         expects = expected_tensors(source)
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         # Null takes the producers' buffer size, as in any refit.
         session = ElasticShardedSession(
-            spec, producers=k, needs=needs, expects=expects, buffer_size_bytes=s.refit.buffer_size_bytes, **options
+            spec,
+            producers=k,
+            needs=needs,
+            expects=expects,
+            buffer_size_bytes=s.refit.buffer_size_bytes,
+            delta=delta,
+            **options,
         )
         slices = allocate(expects, needs)
     handshake_s = time.perf_counter() - started
@@ -105,8 +143,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 if verify:
                     source.advance(n)
                     checked = check_slices(slices, source.tensors(), rank, n)
-            r = round_metrics(n, seconds, moved, moved, memory, verify, handshake_s if not done else 0.0, None)
-            done.append(replace(r, members=session.members))
+            done.append(_figures(session, rank, n, seconds, moved, memory, verify, handshake_s if not done else 0.0))
     return rank_metrics(
         s,
         source.describe(),

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from refit_app.common.errors import ConfigError, PeerError, RefitError, VerificationError, one_line
 from refit_app.core.reshard.plan import Layout, Need, TensorSpec
 from refit_app.core.reshard.transfer import Held, RegionMismatch
+from refit_app.protocol.delta.auto import DELTA
 from refit_app.protocol.elastic import EndsOnError, MemberGenerations, ProducerGenerations
 from refit_app.protocol.sharded import (
     DEFAULT_BUFFER_BYTES,
@@ -58,12 +59,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Generation:
     """One generation as a rank runs it: its group, the process group the plan runs over, the ranks in it (refit
-    ranks, in the order of their places) and the session over its plan."""
+    ranks, in the order of their places), the session over its plan and the round it started at (with delta rounds,
+    a dense one)."""
 
     rg: RefitGroup
     pg: Any
     ranks: list[int]
     session: ShardedSession
+    first: int
 
 
 def _gloo_lost(e: BaseException) -> BaseException | None:
@@ -178,6 +181,15 @@ class ElasticShardedSession(EndsOnError):
             raise
 
     @property
+    def delta_round(self) -> bool:
+        """Whether the last round went as delta records: a plan agreed with ``delta=True`` past its generation's
+        first round (every generation starts dense), or the kind ``delta="auto"`` chose."""
+        gen = self.generation
+        if gen is None or not gen.session.plan.delta or self.rounds <= gen.first:
+            return False
+        return gen.session.auto is None or gen.session.auto.last == DELTA
+
+    @property
     def members(self) -> list[int]:
         """The consumer ranks of the current generation."""
         return [] if self.generation is None else [r for r in self.generation.ranks if r >= self.producers]
@@ -251,7 +263,7 @@ class ElasticShardedSession(EndsOnError):
             plan.digest[:12],
             len(plan.transfers),
         )
-        return Generation(rg, pg, ranks, session)
+        return Generation(rg, pg, ranks, session, k)
 
     def _join(self) -> None:
         assert self._member is not None
@@ -341,6 +353,7 @@ class ElasticShardedSession(EndsOnError):
             if lost is None:
                 raise
             why = PeerError(one_line(lost))  # its message alone: the traceback would keep the generation's group
+            del lost  # ``e`` or made from it: its traceback's frames hold the session, and so the group (_release)
         del gen, run
         self._next(k, why)
         return None
