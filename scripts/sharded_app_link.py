@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace, name: str, ranks: list[list[str]], out: Path)
     procs = []
     try:
         for rank, settings in enumerate(ranks):
-            command = ["ip", "netns", "exec", f"{PREFIX}{rank + 1}", sys.executable, "-m", "refit_app"]
+            command = ["ip", "netns", "exec", f"{args.hosts}{rank + 1}", sys.executable, "-m", "refit_app"]
             command += [*settings, *common, f"hydra.run.dir={out}/{name}/{rank}"]
             log = open(out / f"{name}.{rank}.log", "w")  # noqa: SIM115 (closed with the process below)
             procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         help="OMP_NUM_THREADS of every rank (0: torch's default); the ranks' hosts share this machine's cores",
     )
     parser.add_argument("--out", default=None, help="where the runs' directories go (default: a temporary one)")
+    parser.add_argument(
+        "--hosts", default=PREFIX, help="the hosts' namespace prefix (another one lets two runs share a machine)"
+    )
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("sharded_app_link: needs root (network namespaces)")
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     k = args.k
     env = {**os.environ, "NETNS_MTU": "9000"}
-    subprocess.run(["bash", str(HOSTS_SCRIPT), "up", str(k + 1), args.rate, PREFIX], check=True, env=env)
+    subprocess.run(["bash", str(HOSTS_SCRIPT), "up", str(k + 1), args.rate, args.hosts], check=True, env=env)
     try:
         dense = _run(
             args,
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             out,
         )
     finally:
-        subprocess.run(["bash", str(HOSTS_SCRIPT), "down", PREFIX], check=False)
+        subprocess.run(["bash", str(HOSTS_SCRIPT), "down", args.hosts], check=False)
     dense_rounds, delta_rounds = _rounds(dense, "seconds"), _rounds(delta, "seconds")
     dense_steady, delta_steady = statistics.median(dense_rounds[1:]), statistics.median(delta_rounds[1:])
     model = sum(m["rounds"][0]["bytes"] for m in delta[:k])
