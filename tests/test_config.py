@@ -310,8 +310,8 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         ),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
         (
-            ["group.producers=2", "refit.on_consumer_loss=continue", "role=ray"],
-            "role='ray' is invalid: a sharded refit with refit.on_consumer_loss=continue runs under role=local,",
+            ["group.producers=2", "refit.on_consumer_loss=continue", "role=auto"],
+            "role='auto' is invalid: a sharded refit with refit.on_consumer_loss=continue runs under role=local, ray,",
         ),
         (
             ["group.producers=2", "refit.on_consumer_loss=continue", "source=model", "source.path=."],

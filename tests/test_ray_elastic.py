@@ -2,8 +2,8 @@
 no_restart=False)`` in the middle of round 3 is left out, Ray restarts it, and it rejoins with a dense round (at
 round 5 at the latest); the
 other engines verify every round. And ``role=ray refit.on_consumer_loss=continue``: a consumer's actor that dies
-mid-transfer is restarted by Ray and run again, rejoining the run. Both ask a lost actor back through
-:class:`refit_app.integrations.ray.restarts.ActorRestarts`, tested on its own here too.
+mid-transfer is restarted by Ray and run again, rejoining the run, one producer's or a sharded refit's. Both ask a
+lost actor back through :class:`refit_app.integrations.ray.restarts.ActorRestarts`, tested on its own here too.
 
 A local Ray cluster for the module, as tests/test_ray.py does; every wait has a deadline.
 """
@@ -332,6 +332,29 @@ def test_role_ray_with_continue_runs_a_restarted_consumer_again(ray_cluster, cli
     assert [r["delta"] for r in consumers[2]["rounds"]] == [False, True, True, True]
     assert [r["delta"] for r in consumers[1]["rounds"]] == [False, True, False, True, True, True]
     assert [r["round"] for r in consumers[1]["rounds"]] == list(range(1, 7))
+    assert all(r["verified"] for c in consumers.values() for r in c["rounds"])
+    _all_cpus_back(ray_cluster)
+
+
+def test_role_ray_with_continue_runs_a_sharded_refits_restarted_consumer_again(ray_cluster, cli, tmp_path):
+    address = ray_cluster.get_runtime_context().gcs_address
+    # Two producers, two tensor-parallel consumers; consumer 2 dies mid-way through delta round 3 (as above: the
+    # producers wait up to group.timeout_s for the members, time for Ray to restart its actor).
+    result = cli(f"ray.address={address}", "role=ray", "group.producers=2", "group.tp_size=2", "refit.rounds=5",
+                 "refit.on_consumer_loss=continue", f"group.timeout_s={RESTART_S:g}", "ray.cpus_per_rank=0.5",
+                 "refit.debug.die_in_round=3", "refit.debug.die_rank=2", "refit.delta=on", "source.update=training",
+                 timeout_s=WAIT_S + 2 * RESTART_S)  # fmt: skip
+    assert_ok(result)
+    assert "consumer 2: its actor died" in result.stdout + result.stderr, result.describe()
+    metrics = load_metrics(run_dir(tmp_path, "ray"))
+    assert metrics["status"] == "ok" and metrics["verified"] is True, metrics
+    assert [r["members"] for r in metrics["rounds"]] == [[2, 3]] * 5, metrics["rounds"]
+    consumers = {c["rank"]: c for c in metrics["consumers"]}
+    assert [consumers[r]["restarts"] for r in (2, 3)] == [1, 0], consumers
+    assert [p.get("restarts") for p in metrics["producers"]] == [None, None], metrics["producers"]
+    # The restarted consumer from the cut round on; every generation starts dense, each slice verified bit for bit.
+    assert [(r["round"], r["delta"]) for r in consumers[2]["rounds"]] == [(3, False), (4, True), (5, True)]
+    assert [r["delta"] for r in consumers[3]["rounds"]] == [False, True, False, True, True]
     assert all(r["verified"] for c in consumers.values() for r in c["rounds"])
     _all_cpus_back(ray_cluster)
 

@@ -401,8 +401,8 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
     """What a sharded refit with refit.on_consumer_loss=continue runs so far (:mod:`refit_app.app.sharded_elastic`),
     every other setting refused in one line naming it."""
     what = "a sharded refit with refit.on_consumer_loss=continue"
-    if role in ("ray", "auto"):
-        c.fail("role", role, f"{what} runs under role=local, producer or consumer so far")
+    if role == "auto":
+        c.fail("role", role, f"{what} runs under role=local, ray, producer or consumer so far")
     source, sink = (OmegaConf.select(c.cfg, f"{key}.kind", default=None) for key in ("source", "sink"))
     if source != "synthetic":
         c.errors.append(f"{what} reads source=synthetic only so far, not source={source or 'custom'}")

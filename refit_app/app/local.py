@@ -150,7 +150,7 @@ def combine_outcomes(
     ``consumers`` (with ``per_rank``'s entries added); raises :class:`LocalRunError` with them, naming the root
     cause, if any rank failed. A sharded refit's: :func:`combine_sharded`."""
     if s.sharded is not None:
-        return combine_sharded(outcomes, s, role)
+        return combine_sharded(outcomes, s, role, per_rank)
     role_of = ["producer"] + ["consumer"] * (len(outcomes) - 1)
     if s.refit.elastic and outcomes[0].ok:
         outcomes = [_no_round_is_lost(o) for o in outcomes]
@@ -226,11 +226,13 @@ def _rounds_by_number(
     ]
 
 
-def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> dict[str, Any]:
+def combine_sharded(
+    outcomes: list[RankOutcome], s: RunSettings, role: str, per_rank: Mapping[int, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """A sharded refit's metrics from its ranks': each producer's under ``producers``, each consumer's under
-    ``consumers``, and the run's at the top level. A round's ``seconds`` is its slowest rank's (every rank starts
-    it together), its ``bytes`` what the producers sent, its ``wire_bytes`` what every consumer received (with
-    replicas, the relayed bytes too)."""
+    ``consumers`` (with ``per_rank``'s entries added), and the run's at the top level. A round's ``seconds`` is its
+    slowest rank's (every rank starts it together), its ``bytes`` what the producers sent, its ``wire_bytes`` what
+    every consumer received (with replicas, the relayed bytes too)."""
     k = num_producers(s)
     metrics = [
         o.value
@@ -238,6 +240,8 @@ def combine_sharded(outcomes: list[RankOutcome], s: RunSettings, role: str) -> d
         else {"role": "producer" if o.rank < k else "consumer", "rank": o.rank, "status": "failed", "error": o.error}
         for o in outcomes
     ]
+    for rank, extra in (per_rank or {}).items():
+        metrics[rank].update(extra)
     producers, consumers = metrics[:k], metrics[k:]
     combined: dict[str, Any] = {"role": role, "rank": 0, "producers": producers, "consumers": consumers}
     failures = [o for o in outcomes if not o.ok]

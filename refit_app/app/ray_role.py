@@ -77,7 +77,11 @@ def run_ray(s: RunSettings) -> dict[str, Any]:
         cluster.stop()
         signals.restore()
     signals.check()  # a signal that came during the clean-up
-    restarts = {rank: {"restarts": n} for rank, n in enumerate(cluster.restarts) if rank} if s.refit.elastic else None
+    restarts = (
+        {rank: {"restarts": n} for rank, n in enumerate(cluster.restarts) if rank >= cluster.producers}
+        if s.refit.elastic
+        else None
+    )
     return combine_outcomes(outcomes, s, "ray", restarts)
 
 
@@ -99,6 +103,7 @@ class _Cluster:
         self.ray = ray
         self.spec = spec
         self.world_size = world_size
+        self.producers = producers
         self.labels = [rank_label(r, producers) for r in range(world_size)]
         """Each rank's name in lines: ``producer``, ``producer 1`` (a sharded refit's), ``consumer 3``."""
         self.local = spec.address is None
@@ -190,8 +195,9 @@ class _Cluster:
                 remote.options(
                     num_cpus=self.spec.cpus_per_rank,
                     num_gpus=self.gpus_per_rank,
-                    # A consumer restarted by Ray rejoins an elastic run; the run cannot go on without the producer.
-                    max_restarts=0 if rank == 0 else self.spec.max_restarts,
+                    # A consumer restarted by Ray rejoins an elastic run; the run cannot go on without a producer
+                    # (a sharded refit's producers hold shards that exist nowhere else).
+                    max_restarts=0 if rank < self.producers else self.spec.max_restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement, placement_group_bundle_index=rank
                     ),
@@ -266,7 +272,8 @@ class _Cluster:
                 rank = pending.pop(ref)
                 outcome = ended_call(ref, labels[rank])
                 died = not outcome.ok and outcome.exc_type == DIED
-                if rank and died and producer_ended is None and back.ask_back(rank, self.actors[rank].start):
+                consumer = rank >= self.producers
+                if consumer and died and producer_ended is None and back.ask_back(rank, self.actors[rank].start):
                     logger.warning(
                         "%s: its actor died (%s); Ray restarts it (%d of ray.max_restarts=%d), and it rejoins the run",
                         labels[rank],
