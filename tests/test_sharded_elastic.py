@@ -218,3 +218,63 @@ def test_a_generation_renumbers_the_layouts_and_replans_a_chain_through_a_lost_r
     relayed = {(t.src, t.dst) for t in transfers if t.relayed}
     direct = {t.dst for t in transfers if not t.relayed}
     assert relayed == {(2, 4), (3, 5)} and direct == {2, 3}  # each chain's head from the producers, then relayed
+
+
+JOINS_AT = 3
+
+
+def _joiner_disagrees(rank: int, world_size: int, port: int, restart) -> object:
+    """Ranks 0..K+M-1, but the last consumer starts only once producer 0 is at round JOINS_AT, with another buffer
+    size than the producers'."""
+    expects = expected_of(_model(1).items())
+    if rank < K:
+        specs, shards = _shards(1, rank)
+        with ElasticShardedSession(
+            gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-elastic-late"),
+            producers=K,
+            specs=specs,
+            buffer_size_bytes=BUFFER,
+            delta=True,
+        ) as s:
+            sent = []
+            for k in range(1, ROUNDS + 1):
+                if k == JOINS_AT and rank == 0:
+                    restart.set()
+                    assert s.wait_for_joiners([world_size - 1], EVENT_WAIT_S), "the late consumer never asked"
+                for name, held in _shards(k, rank)[1].items():
+                    shards[name].tensor.copy_(held.tensor)
+                s.send(shards)
+                sent.append((k, s.members))
+            return sent
+    late = rank == world_size - 1
+    if late:
+        assert restart.wait(EVENT_WAIT_S)
+    needs = tp_needs(expects, rank, (rank - K) % M, M, _rule)
+    try:
+        with ElasticShardedSession(
+            gloo_spec(rank, world_size, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-elastic-late"),
+            producers=K,
+            needs=needs,
+            expects=expects,
+            buffer_size_bytes=2 * BUFFER if late else None,
+            delta=None,
+        ) as s:
+            return _consume(s, rank)
+    except RefitError as e:
+        return str(e)
+
+
+def test_a_consumer_that_joins_with_other_settings_is_dropped_in_one_line_and_the_others_go_on():
+    """A restarted consumer whose settings differ (here its buffer size) cannot agree the plan with the others: it
+    is dropped in one line naming the difference, and the producers and the other consumers go on without it, every
+    round exact (not the run's end for everyone)."""
+    restart = mp.get_context("spawn").Event()
+    late = K + M - 1
+    results = run_ranks(_joiner_disagrees, K + M, restart, timeout=150, return_exceptions=True)
+    said = results[late]
+    assert isinstance(said, str) and "\n" not in said, said
+    assert "disagree on buffer_size_bytes" in said and "dropped" in said, said
+    for p in range(K):
+        assert [k for k, _ in results[p]] == list(range(1, ROUNDS + 1)), results[p]
+        assert all(members == [K] for _, members in results[p]), results[p]
+    assert [(r["round"], r["exact"]) for r in results[K]] == [(k, True) for k in range(1, ROUNDS + 1)], results[K]

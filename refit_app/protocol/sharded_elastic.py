@@ -34,7 +34,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from refit_app.common.errors import ConfigError, PeerError, RefitError, VerificationError, one_line
+from refit_app.common.errors import (
+    ConfigError,
+    HandshakeError,
+    PeerError,
+    RefitError,
+    VerificationError,
+    one_line,
+)
 from refit_app.core.reshard.plan import Layout, Need, TensorSpec
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.protocol.delta.auto import DELTA
@@ -253,6 +260,15 @@ class ElasticShardedSession(EndsOnError):
             if lost is None:
                 raise
             raise PeerError(f"rank {self.rank}: a member was lost while the plan was agreed ({one_line(lost)})") from e
+        except HandshakeError as e:
+            if k == 1:
+                raise  # the run's first plan: the ranks as started disagree, and every rank stops in one line
+            # Past round 1 the ranks of the last generation agreed: a rank new in this one (a consumer restarted
+            # with other settings) disagrees. Not the run's end: producer 0 drops the newcomers and goes on without
+            # them (ProducerGenerations._not_formed), and they stop in one line naming the difference.
+            raise PeerError(
+                f"rank {self.rank}: generation from round {k} did not agree on the plan ({one_line(e)})"
+            ) from e
         session = ShardedSession(pg, place, plan, producer=self.producer, num_buffers=self._num_buffers)
         session.rounds = k - 1
         logger.info(
