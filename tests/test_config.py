@@ -322,6 +322,11 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
             "a sharded refit with refit.on_consumer_loss=continue feeds sink=verify or discard only so far, not sink=",
         ),
         (
+            ["group.producers=2", "refit.on_consumer_loss=continue", "refit.debug.corrupt_chunk=0"],
+            "refit.debug.corrupt_chunk=0 is invalid: a sharded refit with refit.on_consumer_loss=continue injects "
+            "refit.debug.die_in_round only so far",
+        ),
+        (
             ["role=producer", "group.producers=2", "group.world_size=3", "refit.on_consumer_loss=continue"],
             "refit.on_consumer_loss=continue needs group.token",
         ),

@@ -408,6 +408,10 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
         c.errors.append(f"{what} reads source=synthetic only so far, not source={source or 'custom'}")
     if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
         c.errors.append(f"{what} feeds sink=verify or discard only so far, not sink={sink or 'custom'}")
+    corrupt_chunk = c.get("refit.debug.corrupt_chunk")
+    if corrupt_chunk not in (None, _ABSENT):
+        # Its fault hook kills a rank only: a chunk asked to be corrupted would arrive intact, and the run verified.
+        c.fail("refit.debug.corrupt_chunk", corrupt_chunk, f"{what} injects refit.debug.die_in_round only so far")
 
 
 def _engines(c: _Checker, role: Any, sink_kind: Any, layout: ShardedSpec) -> bool:
