@@ -509,7 +509,7 @@ def _check_refit(c: _Checker) -> RefitSpec | None:
         c.fail("refit.debug.die_in_round", die_in_round, "must be null or a round >= 1")
     die_rank = c.get("refit.debug.die_rank")
     if die_rank is not _ABSENT and not (is_int(die_rank) and die_rank >= 1):
-        c.fail("refit.debug.die_rank", die_rank, "must be a consumer rank >= 1")
+        c.fail("refit.debug.die_rank", die_rank, "must be a rank >= 1 (a consumer's, or a sharded refit's producer)")
     if c.errors:
         return None
     return RefitSpec(

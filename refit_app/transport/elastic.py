@@ -207,7 +207,7 @@ class ProducerMembership:
                     asked.pop(incarnation),
                     {
                         "refused": f"group.rank={rank} is held by a live consumer of this run; give this consumer "
-                        f"another group.rank in 1..{self.spec.world_size - 1}"
+                        "another group.rank, one no live consumer holds"
                     },
                 )
 
