@@ -1,9 +1,11 @@
 """A consumer started before its producer says where it waits, on its first try and then every
-``WAITING_NOTICE_INTERVAL_S``, and joins as soon as the producer is up."""
+``WAITING_NOTICE_INTERVAL_S``, and joins as soon as the producer is up; one whose port another program listens on
+fails in one line within its deadline."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 
 from refit_app.app.rank_harness import free_port
+from refit_app.common.errors import PeerError
 from refit_app.transport import rendezvous
 from refit_app.transport.spec import GroupSpec
 
@@ -106,3 +109,27 @@ def test_a_waiting_consumer_repeats_at_the_interval(notices, monkeypatch):
     assert all(gap >= interval_s for gap in gaps), gaps
     store = consumer.producer_comes_up()
     del store
+
+
+def test_a_consumer_at_a_port_another_program_listens_on_fails_in_one_line_within_the_deadline():
+    # A listener that accepts and never answers (another program on the port): torch's store client alone would wait
+    # for its handshake forever.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    timeout_s = 2.0
+    spec = GroupSpec(
+        backend="gloo", host="127.0.0.1", port=silent.getsockname()[1], world_size=2, rank=1, timeout_s=timeout_s
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerError) as failed:
+            rendezvous.join_store(spec, started + timeout_s)
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    message = str(failed.value)
+    assert "\n" not in message and "did not answer as a refit producer's store" in message, message
+    assert f"127.0.0.1:{spec.port}" in message and "another program's" in message, message
+    # From the call: the deadline, the store client's grace, and a margin for a loaded machine.
+    assert took < timeout_s + rendezvous.STORE_ANSWER_GRACE_S + 5.0, took

@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 WAITING_NOTICE_INTERVAL_S = 10.0
 """How often a consumer that cannot reach its producer yet says that it is still waiting, and where: on its
 first failed try, then at this interval, so that a consumer started first is neither silent nor noisy."""
+STORE_ANSWER_GRACE_S = 1.0
+"""Past the deadline, how long a store client may still take to answer: its own timeout is the deadline's rest."""
 
 PROTOCOL = 2
 """The check-in's version: a greeting of another version is another refit_app's (or not a refit_app producer)."""
@@ -233,17 +236,42 @@ def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
                 )
                 next_notice = now + WAITING_NOTICE_INTERVAL_S
             poller.sleep(deadline)
-    try:
-        store = dist.TCPStore(
-            spec.host,
-            spec.port,
-            is_master=False,
-            timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.1)),
-        )
-    except dist.DistError as e:
-        raise unreachable from e
+    store = _store_client(spec, deadline, unreachable)
     store.set_timeout(timedelta(seconds=spec.timeout_s))
     return store, route
+
+
+def _store_client(spec: GroupSpec, deadline: float, unreachable: PeerError) -> dist.TCPStore:
+    """A client of the producer's store, within ``deadline``. torch's client waits for the store's answer to its
+    handshake without a deadline: at a port another program listens on (a port taken between choosing it and the
+    producer's start, say) it would wait forever, so it connects on a thread of its own (torch lets go of the GIL)
+    and is left behind, blocked, where the deadline passes first."""
+    made: dict[str, Any] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(
+                spec.host,
+                spec.port,
+                is_master=False,
+                timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.1)),
+            )
+        except BaseException as e:  # handed to the caller's thread
+            made["error"] = e
+        done.set()
+
+    threading.Thread(target=connect, name="refit-store-client", daemon=True).start()
+    if not done.wait(max(deadline - time.monotonic(), 0.0) + STORE_ANSWER_GRACE_S):
+        raise PeerError(
+            f"the listener at {spec.address} did not answer as a refit producer's store within "
+            f"group.timeout_s={spec.timeout_s:g}s: is group.port another program's? (or the producer is stuck)"
+        )
+    if "error" in made:
+        if isinstance(made["error"], dist.DistError):
+            raise unreachable from made["error"]
+        raise made["error"]
+    return made["store"]
 
 
 def announce(store: dist.Store, spec: GroupSpec, *, elastic: bool = False) -> RunAuth:

@@ -122,9 +122,11 @@ def test_each_tp_worker_receives_only_its_slice_and_serves_the_trainers_weights(
             checksums=True,
         )
 
-    info = settings()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
     llm = start_llm(llama_dir, tensor_parallel_size=TP)
+    # The port after the engine's start: its workers listen on ports of their own, and one chosen before could be
+    # taken by then (the producers' store would then fail to start where the workers connect).
+    info = settings()
     producers: list[tuple[Any, Any]] = []
     rounds = []
     try:
