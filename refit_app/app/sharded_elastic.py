@@ -33,6 +33,7 @@ from refit_app.app.sharded import (
 )
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
+from refit_app.protocol.defaults import agreed_delta
 from refit_app.protocol.sharded import allocate, tp_needs
 from refit_app.protocol.sharded_elastic import ElasticShardedSession
 
@@ -90,7 +91,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
     spec = replace(s.group, backend="gloo")
     options: dict[str, Any] = {"chains": chains, "num_buffers": s.refit.num_buffers, "wire": _fault_wire(s)}
     # A consumer takes the producers' refit.delta, as in any refit.
-    delta = {"off": False, "on": True, "auto": "auto"}[s.refit.delta] if producer else None
+    delta = agreed_delta(s.refit.delta) if producer else None
     started = time.perf_counter()
     if producer:
         specs, _ = producer_shards(source.tensors(), rank, k)

@@ -5,6 +5,14 @@ DELTA_MODES = ("off", "on", "auto")
 still goes dense where its changes would take more bytes). ``auto``: as ``on`` while the changes take less than
 :data:`AUTO_SHARE` of the dense bytes and delta rounds are faster than dense ones, measured; dense otherwise."""
 DEFAULT_DELTA = "off"
+
+
+def agreed_delta(mode: str) -> bool | str:
+    """``refit.delta`` as a sharded refit's plan is agreed with (``agree``'s ``delta``): off False, on True, auto
+    ``"auto"``."""
+    return {"off": False, "on": True}.get(mode, mode)
+
+
 DEFAULT_ROUNDS = 1
 """``refit.rounds`` of a producer that sets none (a consumer that sets none adopts the producer's)."""
 AUTO_SHARE = 0.5

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -113,25 +113,39 @@ class DeadlineStore:
     def _call(self, name: str, *args: Any) -> Any:
         if self._lost is not None:
             raise dist.DistStoreError(self._lost)
-        outcome: list[tuple[bool, Any]] = []
-
-        def call() -> None:
-            try:
-                outcome.append((True, getattr(self._store, name)(*args)))
-            except BaseException as e:
-                outcome.append((False, e))
-
-        worker = threading.Thread(target=call, name=f"refit-store-{name}", daemon=True)
-        worker.start()
         limit = max(self._timeout_s, _STORE_CALL_MIN_S)
-        worker.join(limit)
-        if not outcome:
+        try:
+            return within(lambda: getattr(self._store, name)(*args), limit, f"refit-store-{name}")
+        except NoAnswer:
             self._lost = f"the producer's store did not answer within {limit:g}s"
-            raise dist.DistStoreError(self._lost)
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+            raise dist.DistStoreError(self._lost) from None
+
+
+class NoAnswer(Exception):
+    """:func:`within`'s call did not return in time (its thread is left blocked until the process exits)."""
+
+
+def within(call: Callable[[], Any], limit_s: float, name: str) -> Any:
+    """``call()``'s value, or its exception, where it returns within ``limit_s``; else :class:`NoAnswer`. For
+    torch's store client, which waits for a reply without a deadline but lets go of the GIL meanwhile: the call runs
+    on a daemon thread, left behind where it outlives the limit."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append((False, e))
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if not outcome:
+        raise NoAnswer(name)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -31,7 +31,6 @@ import errno
 import logging
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -43,7 +42,7 @@ import torch.distributed as dist
 from refit_app.common.errors import ConfigError, PeerError, RefitError, one_line
 from refit_app.transport.auth import TOKEN_ENV, RunAuth, new_run_id, new_secret
 from refit_app.transport.backends import capabilities, resolve_backend, shm_ring_problem
-from refit_app.transport.control import Poller, ranks_text
+from refit_app.transport.control import NoAnswer, Poller, ranks_text, within
 from refit_app.transport.records import RecordError, RecordKind, RunStore, envelope, need
 from refit_app.transport.spec import BACKENDS, PRODUCER_RANK, GroupSpec
 
@@ -244,34 +243,22 @@ def join_store(spec: GroupSpec, deadline: float) -> tuple[dist.TCPStore, Route]:
 def _store_client(spec: GroupSpec, deadline: float, unreachable: PeerError) -> dist.TCPStore:
     """A client of the producer's store, within ``deadline``. torch's client waits for the store's answer to its
     handshake without a deadline: at a port another program listens on (a port taken between choosing it and the
-    producer's start, say) it would wait forever, so it connects on a thread of its own (torch lets go of the GIL)
-    and is left behind, blocked, where the deadline passes first."""
-    made: dict[str, Any] = {}
-    done = threading.Event()
+    producer's start, say) it would wait forever, so it connects :func:`~refit_app.transport.control.within` the
+    deadline."""
 
-    def connect() -> None:
-        try:
-            made["store"] = dist.TCPStore(
-                spec.host,
-                spec.port,
-                is_master=False,
-                timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.1)),
-            )
-        except BaseException as e:  # handed to the caller's thread
-            made["error"] = e
-        done.set()
+    def connect() -> dist.TCPStore:
+        timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.1))
+        return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
 
-    threading.Thread(target=connect, name="refit-store-client", daemon=True).start()
-    if not done.wait(max(deadline - time.monotonic(), 0.0) + STORE_ANSWER_GRACE_S):
+    try:
+        return within(connect, max(deadline - time.monotonic(), 0.0) + STORE_ANSWER_GRACE_S, "refit-store-client")
+    except NoAnswer:
         raise PeerError(
             f"the listener at {spec.address} did not answer as a refit producer's store within "
             f"group.timeout_s={spec.timeout_s:g}s: is group.port another program's? (or the producer is stuck)"
-        )
-    if "error" in made:
-        if isinstance(made["error"], dist.DistError):
-            raise unreachable from made["error"]
-        raise made["error"]
-    return made["store"]
+        ) from None
+    except dist.DistError as e:
+        raise unreachable from e
 
 
 def announce(store: dist.Store, spec: GroupSpec, *, elastic: bool = False) -> RunAuth:

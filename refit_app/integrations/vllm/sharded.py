@@ -46,6 +46,7 @@ from refit_app.core.reshard.plan import Box, Need, TensorSpec, volume, whole
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.integrations.vllm.backend import RefitUpdateInfo, RefitWorkerInitInfo, group_token
 from refit_app.protocol.checksum import PIECED
+from refit_app.protocol.defaults import agreed_delta
 from refit_app.protocol.delta.auto import DELTA, AgreedAuto
 from refit_app.protocol.session import TensorDelta
 from refit_app.protocol.sharded import Expected, agree, receive, send
@@ -114,11 +115,6 @@ def _group(info: RefitWorkerInitInfo, rank: int) -> RefitGroup:
     )
 
 
-def _delta_mode(info: RefitWorkerInitInfo) -> bool | str:
-    """What :func:`~refit_app.protocol.sharded.agree` takes as ``delta``."""
-    return {"off": False, "on": True}.get(info.delta, info.delta)
-
-
 def _expected(info: RefitWorkerInitInfo) -> list[Expected]:
     if not info.tensors:
         raise HandshakeError("a sharded refit's init_info lists no tensors: build it with sharded_init_info")
@@ -180,7 +176,7 @@ class ShardedProducer:
                 specs=specs,
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
-                delta=_delta_mode(info),
+                delta=agreed_delta(info.delta),
             )
         self.rounds = 0
         self.deltas = ProducerDeltas() if self.plan.delta else None
@@ -339,7 +335,7 @@ class ShardedWorker:
                 expects=expects,
                 buffer_size_bytes=info.buffer_size_bytes,
                 checksum=PIECED if info.checksums else None,
-                delta=_delta_mode(info),
+                delta=agreed_delta(info.delta),
             )
         self.bases = ConsumerBases() if self.plan.delta else None
         """Delta rounds: what this worker had sent again whole, and which tensors the last round wrote; its base is
