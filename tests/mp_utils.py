@@ -82,6 +82,23 @@ def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: float) -> Non
     )
 
 
+def wait_all_past_init(rank: int, world_size: int, *, waiter: int, timeout_s: float) -> None:
+    """Hold rank ``waiter`` until every rank has returned from :func:`init_gloo`; the others only say so and go on.
+
+    torch's ``init_process_group`` has no barrier: a rank that a test kills early could otherwise die while a peer is
+    still connecting its gloo pairs (or, for rank 0, while a peer still waits on the store it hosts), and that peer
+    would fail in torch's setup instead of in the code under test. A set needs no answer, so the ranks that only say
+    so hold no open wait on the store when the waiter dies."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"past_init/{rank}", "1")
+    if rank == waiter:
+        store.wait([f"past_init/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+
+
 @dataclass
 class RankFailure:
     """What a rank left behind instead of a result: its exception (if it raised) or how it ended."""

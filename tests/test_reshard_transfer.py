@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import deadline_budget, init_gloo, run_ranks
+from mp_utils import deadline_budget, init_gloo, run_ranks, wait_all_past_init
 
 from refit_app.common.errors import PeerError
 from refit_app.core.reshard.plan import Layout, Need, Replicate, Shard, TensorSpec, held_boxes, plan, shard_box, whole
@@ -189,6 +189,7 @@ def _killed_rank(rank: int, world_size: int, port: int, victim: int, timeout_s: 
     import signal
 
     init_gloo(rank, world_size, port, timeout_s=timeout_s)
+    wait_all_past_init(rank, world_size, waiter=victim, timeout_s=timeout_s)
     specs = [TensorSpec(f"w{i}", "float32", (64, 64), 4, Layout.one_dim([0, 1], Shard(0))) for i in range(16)]
     needs = [Need(2 + c, s.name, shard_box(s.shape, 1, 2, c)) for c in range(2) for s in specs]
     transfers = plan(specs, needs)
