@@ -314,10 +314,6 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
             "role='auto' is invalid: a sharded refit with refit.on_consumer_loss=continue runs under role=local, ray,",
         ),
         (
-            ["group.producers=2", "refit.on_consumer_loss=continue", "source=model", "source.path=."],
-            "a sharded refit with refit.on_consumer_loss=continue reads source=synthetic only so far, not source=model",
-        ),
-        (
             ["group.producers=2", "refit.on_consumer_loss=continue", "sink=save", "sink.path=/tmp/x"],
             "a sharded refit with refit.on_consumer_loss=continue feeds sink=verify or discard only so far, not sink=",
         ),

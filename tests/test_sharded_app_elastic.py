@@ -12,11 +12,15 @@ import re
 from pathlib import Path
 
 from cli_utils import assert_ok, assert_one_line_error, local_metrics
+from conditions import needs_transformers
 from mp_utils import free_port
 
 TOKEN = {"REFIT_APP_TOKEN": "sharded-elastic-app-test-token"}
 LOCAL = ("refit.on_consumer_loss=continue", "group.timeout_s=6")
 """role=local starts its ranks together: the deadline never covers their start-up."""
+TRAINER_TIMEOUT_S = 20.0
+"""A trainer's producers load the model and shard it before their first plan, and the consumers wait for it within
+two deadlines: 6 s is short for that on busy cores. A lost consumer costs about one."""
 
 
 def test_a_consumer_killed_mid_delta_round_is_left_out_and_the_others_verify_every_round(cli, tmp_path):
@@ -99,3 +103,32 @@ def test_ranks_started_apart_go_on_without_a_killed_consumer_and_take_it_back_re
     first = back["rounds"][0]["round"]
     assert 2 <= first <= 40 and 3 in back["rounds"][0]["members"], back["rounds"][0]
     assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, 41)]
+
+
+@needs_transformers
+def test_a_trainers_consumers_go_on_without_a_killed_one_each_round_checked_by_keyed_sums(cli, tmp_path):
+    # Two producers train the tiny Llama under FSDP2 (their process group on the run's store, beside the
+    # generations); the consumers cannot recompute its weights, so each round the producers' keyed sums of their
+    # parts of every slice come with it. Consumer 2 dies mid-way through round 2, a delta round.
+    from refit_app.models.hf import write_tiny_llama
+
+    tiny = write_tiny_llama(tmp_path / "llama", seed=1)
+    result = cli("group.producers=2", "group.tp_size=2", "refit.rounds=4", "refit.delta=on", "source=model",
+                 f"source.path={tiny}", "source.lr=1e-2", "refit.debug.die_in_round=2", "refit.debug.die_rank=2",
+                 "refit.on_consumer_loss=continue", f"group.timeout_s={TRAINER_TIMEOUT_S:g}")  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True, metrics
+    lost, survivor = metrics["consumers"]
+    assert lost["status"] == "failed" and "died" in lost["error"], lost
+    # Every round once, its slices' sums equal to the trainer's: the 20 tensors' slices, dense then delta rounds.
+    assert [(r["round"], r["verified"], r["delta"]) for r in survivor["rounds"]] == [
+        (1, True, False),
+        (2, True, False),
+        (3, True, True),
+        (4, True, True),
+    ], survivor["rounds"]
+    assert survivor["verified_tensors"] == 20, survivor
+    assert [r["members"] for r in metrics["rounds"]] == [[2, 3], [3], [3], [3]], metrics["rounds"]
+    losses = [r["loss"] for r in metrics["producers"][0]["rounds"]]  # the trainer stepped between rounds
+    assert losses[0] is None and all(loss > 0 for loss in losses[1:]), losses

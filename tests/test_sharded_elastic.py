@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed.tensor  # from_tensors imports it: seconds under load, here in start-up
@@ -278,3 +279,74 @@ def test_a_consumer_that_joins_with_other_settings_is_dropped_in_one_line_and_th
         assert [k for k, _ in results[p]] == list(range(1, ROUNDS + 1)), results[p]
         assert all(members == [K] for _, members in results[p]), results[p]
     assert [(r["round"], r["exact"]) for r in results[K]] == [(k, True) for k in range(1, ROUNDS + 1)], results[K]
+
+
+def _trainer(rank: int, world_size: int, port: int, killed_at) -> object:
+    """Producers that are a trainer: their own process group over the run's store, set up before the first plan
+    (an all-reduce over it every round), and an extra each round; consumers that know no tensors of their own."""
+    import torch.distributed as dist
+
+    if rank < K:
+
+        def specs(store):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=K, timeout=timedelta(seconds=TIMEOUT_S))
+            return _shards(1, rank)[0]
+
+        try:
+            with ElasticShardedSession(
+                _spec(rank, port), producers=K, specs=specs, chains=CHAINS, buffer_size_bytes=BUFFER, extras=True
+            ) as s:
+                sent = []
+                for k in range(1, ROUNDS + 1):
+                    step = torch.tensor([float(k)])
+                    dist.all_reduce(step)  # the trainer's own group: untouched by the generations
+                    s.send(_shards(k, rank)[1], extra={"from": rank, "round": k})
+                    sent.append((k, s.members, step.item()))
+                return sent
+        finally:
+            dist.destroy_process_group()
+    wire = _dies_in(rank, killed_at) if rank == KILLED else None
+
+    def needs(expects):
+        return tp_needs(expects, rank, (rank - K) % M, M, _rule)
+
+    with ElasticShardedSession(
+        _spec(rank, port),
+        producers=K,
+        needs=needs,
+        expects=None,
+        chains=CHAINS,
+        buffer_size_bytes=None,
+        extras=True,
+        wire=wire,
+    ) as s:
+        slices = allocate(s.expects, s.needs)
+        got = []
+        while s.receive(slices) is not None:
+            k = s.rounds
+            exact = all(
+                torch.equal(slices[n].tensor, full[tuple(slice(a, b) for a, b in slices[n].box)])
+                for n, full in _model(k).items()
+            )
+            got.append((k, exact, s.extras))
+        return s.expects, got
+
+
+def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tensors_and_extras():
+    """Producers that train set up their own process group over the run's store before the first plan, and it
+    outlives the generation a consumer was lost in; consumers that know no tensors take producer 0's from the plan
+    record, and every round's extras (a trainer's keyed sums, in the application) reach them from every producer:
+    the cut round's again."""
+    killed_at = mp.get_context("spawn").Value("d", 0.0)
+    results = run_ranks(_trainer, WORLD, killed_at, timeout=150, return_exceptions=True)
+    assert isinstance(results[KILLED], RankFailure) and results[KILLED].exc_type == "Died", results
+    without = [r for r in range(K, WORLD) if r != KILLED]
+    for p in range(K):
+        assert [(k, step) for k, _, step in results[p]] == [(k, float(K * k)) for k in range(1, ROUNDS + 1)]
+        assert [members for _, members, _ in results[p]][KILLED_IN - 1 :] == [without] * (ROUNDS - KILLED_IN + 1)
+    for c in without:
+        expects, got = results[c]
+        assert expects == expected_of(_model(1).items())
+        assert [(k, exact) for k, exact, _ in got] == [(k, True) for k in range(1, ROUNDS + 1)], got
+        for k, _, extras in got:
+            assert extras == {p: {"from": p, "round": k} for p in range(K)}, (k, extras)

@@ -82,6 +82,8 @@ class SourceSpec:
 
     target: str
     params: dict[str, Any] = field(default_factory=dict)
+    kind: str = field(default="custom", compare=False)
+    """The config's ``source.kind`` (``synthetic``, ``model``, ...; ``custom`` for a user's own)."""
 
 
 @dataclass(frozen=True)
@@ -403,9 +405,9 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
     what = "a sharded refit with refit.on_consumer_loss=continue"
     if role == "auto":
         c.fail("role", role, f"{what} runs under role=local, ray, producer or consumer so far")
-    source, sink = (OmegaConf.select(c.cfg, f"{key}.kind", default=None) for key in ("source", "sink"))
-    if source != "synthetic":
-        c.errors.append(f"{what} reads source=synthetic only so far, not source={source or 'custom'}")
+    # Every source a sharded refit reads goes on too (source=model: the producers' FSDP2 trainer, its process group
+    # on the run's store beside the generations; its consumers check keyed sums).
+    sink = OmegaConf.select(c.cfg, "sink.kind", default=None)
     if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
         c.errors.append(f"{what} feeds sink=verify or discard only so far, not sink={sink or 'custom'}")
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
@@ -719,7 +721,7 @@ def _check_source(c: _Checker, needed: bool) -> SourceSpec | None:
         params = _check_model_source(c)
     else:
         params = _user_params(node)
-    return SourceSpec(target, params)
+    return SourceSpec(target, params, kind)
 
 
 def _check_sink(c: _Checker, needed: bool) -> tuple[SinkSpec | None, str | None]:

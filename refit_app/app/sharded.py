@@ -358,10 +358,10 @@ def _consumer_verifies(s: RunSettings) -> bool:
 
 
 @contextmanager
-def trainer_mesh(rg: RefitGroup, s: RunSettings, producers: int) -> Iterator[Any]:
+def trainer_mesh(store: dist.Store, s: RunSettings, producers: int) -> Iterator[Any]:
     """The trainer's device mesh over the K producers: torch's default process group made of them alone (the
-    consumers are engines, not part of the trainer's world), set up over the run's signed store, every wait bounded
-    by ``group.timeout_s``; destroyed on the way out."""
+    consumers are engines, not part of the trainer's world), set up over ``store`` (the run's signed store, under a
+    prefix of its own: ``RefitGroup.store``), every wait bounded by ``group.timeout_s``; destroyed on the way out."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist.is_initialized():
@@ -371,7 +371,7 @@ def trainer_mesh(rg: RefitGroup, s: RunSettings, producers: int) -> Iterator[Any
         )
     dist.init_process_group(
         "gloo",
-        store=rg.store("trainer"),
+        store=store,
         rank=s.rank,
         world_size=producers,
         timeout=timedelta(seconds=s.group.timeout_s),
@@ -483,8 +483,8 @@ def run_rounds(
     model = None  # a consumer's sink=model
     if producer:
         if agreed.trainer:
-            source.fully_shard(stack.enter_context(trainer_mesh(rg, s, k)))
-        specs, _ = _shards(source, rank, k, agreed.trainer)
+            source.fully_shard(stack.enter_context(trainer_mesh(rg.store("trainer"), s, k)))
+        specs, _ = source_shards(source, rank, k, agreed.trainer)
         plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode)
         deltas, bases = ProducerDeltas() if agreed.delta else None, None
         expects = agreed.expects
@@ -525,7 +525,7 @@ def run_rounds(
         with PeakMemory() as memory:
             t0 = time.perf_counter()
             if producer:
-                specs, shards = _shards(source, rank, k, agreed.trainer)  # this round's values, live
+                specs, shards = source_shards(source, rank, k, agreed.trainer)  # this round's values, live
                 moved = send(wire, rank, plan, shards, num_buffers=s.refit.num_buffers, delta=deltas, auto=auto)
             else:
                 moved = receive(wire, rank, plan, slices, num_buffers=s.refit.num_buffers, bases=bases, auto=auto)
@@ -641,7 +641,7 @@ def _probe(pg: Any, layout: ShardedSpec, rank: int, source: Any, probe_tokens: i
     return every[0]
 
 
-def _shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorSpec], dict[str, Held]]:
+def source_shards(source: Any, rank: int, k: int, trainer: bool) -> tuple[list[TensorSpec], dict[str, Held]]:
     """This producer's specs and shards of the source's current values: a trainer's DTensors as they lie, else its
     rows of every tensor."""
     if trainer:

@@ -15,6 +15,7 @@ the later ones are delta rounds (``on``) or of the kind every rank chooses (``au
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -23,18 +24,23 @@ from refit_app.app.metrics import PeakMemory, RoundMetrics
 from refit_app.app.sharded import (
     FaultyGroup,
     check_slices,
+    check_sums,
     delta_figures,
     dense_bytes,
     expected_tensors,
-    producer_shards,
+    is_trainer,
     rank_metrics,
     round_metrics,
+    source_shards,
     tp_rule,
+    trainer_mesh,
+    trainer_sums,
 )
+from refit_app.core.reshard.plan import Need, TensorSpec
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.defaults import agreed_delta
-from refit_app.protocol.sharded import allocate, tp_needs
+from refit_app.protocol.sharded import Expected, allocate, tp_needs
 from refit_app.protocol.sharded_elastic import ElasticShardedSession
 
 
@@ -64,6 +70,7 @@ def _figures(
     memory: PeakMemory,
     verify: bool,
     handshake_s: float,
+    loss: float | None,
 ) -> RoundMetrics:
     """Round ``n``'s metrics, from the generation that completed it. A function of its own: a reference to the
     generation left in the rounds' loop would keep its group's sockets open once it is dropped, and a member blocked
@@ -72,7 +79,7 @@ def _figures(
     assert gen is not None
     plan = gen.session.plan
     brought = dense_bytes(plan, gen.ranks.index(rank), session.producer) if plan.delta else moved
-    r = round_metrics(n, seconds, brought, moved, memory, verify, handshake_s, None)
+    r = round_metrics(n, seconds, brought, moved, memory, verify, handshake_s, loss)
     if plan.delta:
         state = gen.session.deltas if session.producer else gen.session.bases
         r = delta_figures(r, state, gen.session.auto, first=gen.first)
@@ -82,56 +89,75 @@ def _figures(
 def run_elastic(s: RunSettings) -> dict[str, Any]:
     """This rank's part of an elastic sharded refit; its metrics (each round with the consumers that took part)."""
     layout = s.sharded
-    assert layout is not None and s.source is not None
+    assert layout is not None
     rank, k, m = s.rank, layout.producers, layout.tp_size
     producer = rank < k
     chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
-    # A consumer's copy of the synthetic source: what its engine expects, and what it verifies against.
-    source = make_source(s.source.target, s.source.params)
+    # A producer's source; a consumer's copy of a synthetic one (what it verifies against). A consumer of a trainer
+    # has none (its settings name none it could recompute): it takes the producers' tensors and checks keyed sums.
+    recomputes = s.source is not None and (producer or s.source.kind == "synthetic")
+    source = make_source(s.source.target, s.source.params) if recomputes else None
+    trainer = producer and is_trainer(source)
     spec = replace(s.group, backend="gloo")
     options: dict[str, Any] = {"chains": chains, "num_buffers": s.refit.num_buffers, "wire": _fault_wire(s)}
     # A consumer takes the producers' refit.delta, as in any refit.
     delta = agreed_delta(s.refit.delta) if producer else None
     started = time.perf_counter()
-    if producer:
-        specs, _ = producer_shards(source.tensors(), rank, k)
-        buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
-        session = ElasticShardedSession(
-            spec, producers=k, specs=specs, buffer_size_bytes=buffer, delta=delta, **options
-        )
-    else:
-        expects = expected_tensors(source)
-        needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
-        # Null takes the producers' buffer size, as in any refit.
-        session = ElasticShardedSession(
-            spec,
-            producers=k,
-            needs=needs,
-            expects=expects,
-            buffer_size_bytes=s.refit.buffer_size_bytes,
-            delta=delta,
-            **options,
-        )
-        slices = allocate(expects, needs)
-    handshake_s = time.perf_counter() - started
-    # The buffer size every rank agreed on (a consumer's null took the producers'); 0: joined after the last round.
-    agreed_buffer = session.generation.session.plan.buffer_size_bytes if session.generation is not None else 0
-    verify = not producer and s.sink_name == "verify"
-    done: list[RoundMetrics] = []
-    checked = None
-    with session:
+    with ExitStack() as stack:
+        if producer:
+            assert source is not None
+
+            def specs(store: Any) -> list[TensorSpec]:
+                if trainer:  # the producers' FSDP2 mesh, on the run's store: it outlives every generation
+                    source.fully_shard(stack.enter_context(trainer_mesh(store, s, k)))
+                return source_shards(source, rank, k, trainer)[0]
+
+            buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
+            session = ElasticShardedSession(
+                spec, producers=k, specs=specs, buffer_size_bytes=buffer, delta=delta, extras=trainer, **options
+            )
+        else:
+            tp = (rank - k) % m
+
+            def needs(expects: list[Expected]) -> list[Need]:
+                return tp_needs(expects, rank, tp, m, tp_rule(expects))
+
+            # Null takes the producers' buffer size, as in any refit.
+            session = ElasticShardedSession(
+                spec,
+                producers=k,
+                needs=needs,
+                expects=expected_tensors(source) if source is not None else None,
+                buffer_size_bytes=s.refit.buffer_size_bytes,
+                delta=delta,
+                extras=source is None,
+                **options,
+            )
+        stack.enter_context(session)
+        handshake_s = time.perf_counter() - started
+        # The buffer size every rank agreed on (a consumer's null took the producers'); 0: joined after the last round.
+        agreed_buffer = session.generation.session.plan.buffer_size_bytes if session.generation is not None else 0
+        expects = expected_tensors(source) if producer else session.expects or []
+        slices = {} if producer else allocate(expects, session.needs)
+        verify = not producer and s.sink_name == "verify"
+        done: list[RoundMetrics] = []
+        checked = None
         n = 0
         while True:
+            facts: dict[str, Any] = {}  # a trainer's step before the round (its loss)
             if producer:
+                assert source is not None
                 if n == s.refit.rounds:
                     break
                 n += 1
-                if n > 1:
-                    source.advance(n)
-                _, shards = producer_shards(source.tensors(), rank, k)  # this round's values, views
+                facts = (source.advance(n) or {}) if n > 1 else {}
+                specs_now, shards = source_shards(source, rank, k, trainer)  # this round's values, views
+                # A trainer's consumers cannot recompute its weights: each producer's keyed sums of its parts of
+                # every slice go with the round, and a consumer compares its slices' sums with theirs.
+                extra = trainer_sums(specs_now, shards, expects, rank, m) if trainer else None
                 with PeakMemory() as memory:
                     t0 = time.perf_counter()
-                    moved = session.send(shards)
+                    moved = session.send(shards, extra=extra)
                     seconds = time.perf_counter() - t0
             else:
                 with PeakMemory() as memory:
@@ -141,19 +167,23 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 if got is None:
                     break
                 moved, n = got, session.rounds
-                if verify:
+                if verify and source is None:
+                    parts = [session.extras[p] for p in range(k)]
+                    checked = check_sums(slices, parts, expects, (rank - k) % m, rank, n)
+                elif verify:
                     source.advance(n)
                     checked = check_slices(slices, source.tensors(), rank, n)
-            done.append(_figures(session, rank, n, seconds, moved, memory, verify, handshake_s if not done else 0.0))
+            handshake = handshake_s if not done else 0.0
+            done.append(_figures(session, rank, n, seconds, moved, memory, verify, handshake, facts.get("loss")))
     return rank_metrics(
         s,
-        source.describe(),
+        source.describe() if source is not None else "the producers' trainer",
         agreed_buffer,
         done,
         handshake_s,
         producer,
         verify,
         checked,
-        len(list(source.tensors())),
+        len(expects) if source is None else len(list(source.tensors())),
         {},
     )

@@ -166,7 +166,7 @@ def _produce(
     from refit_app.integrations.vllm.sharded import ShardedProducer
 
     rank = s.rank
-    source.fully_shard(stack.enter_context(trainer_mesh(rg, s, layout.producers)))
+    source.fully_shard(stack.enter_context(trainer_mesh(rg.store("trainer"), s, layout.producers)))
     specs, _ = from_tensors(source.tensors(), rank=rank)
     _ready(pg, s, None)
     producer = ShardedProducer(info, rank, specs)  # with the engine's workers: agree on the plan

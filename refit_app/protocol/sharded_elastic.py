@@ -96,6 +96,11 @@ def _release() -> None:
     gc.collect()
 
 
+def _expects_of(specs: Sequence[TensorSpec]) -> list[Expected]:
+    """The tensors a producer's specs describe, as a consumer expects them."""
+    return [Expected(s.name, s.dtype, tuple(s.shape)) for s in specs]
+
+
 def renumbered(
     ranks: Sequence[int],
     specs: Sequence[TensorSpec] | None,
@@ -134,22 +139,32 @@ class ElasticShardedSession(EndsOnError):
     consumer's own), ``chains``, ``buffer_size_bytes``, ``checksum`` and ``delta`` are those of
     :func:`~refit_app.protocol.sharded.agree`, in refit ranks (``spec.rank``): each generation renumbers them for
     the ranks present (:func:`renumbered`). ``wire(pg, round)``, where given, wraps a generation's process group for
-    one round's transfers (a test's fault hooks)."""
+    one round's transfers (a test's fault hooks).
+
+    A trainer's producers give ``specs`` as a function of a store, called once every rank is connected and before
+    the first plan: the run's store under a prefix of its own, where the producers set up the process group their
+    trainer runs over (it outlives the generations; a consumer lost never breaks it). A consumer that cannot know
+    the tensors (a trainer's) gives ``expects=None`` and ``needs`` as a function of them (or of ``expects``, where
+    it gives them): producer 0's tensors, which every generation's plan record carries (:attr:`expects`). With
+    ``extras=True`` (on every rank alike) each round carries one object from each producer to every rank
+    (:meth:`send`'s ``extra``, :attr:`extras`) once its transfers completed: a trainer's keyed sums, which a
+    consumer checks its slices against."""
 
     def __init__(
         self,
         spec: GroupSpec,
         *,
         producers: int,
-        specs: Sequence[TensorSpec] | None = None,
-        needs: Sequence[Need] = (),
-        expects: Sequence[Expected] = (),
+        specs: Sequence[TensorSpec] | Callable[[dist.Store], Sequence[TensorSpec]] | None = None,
+        needs: Sequence[Need] | Callable[[list[Expected]], Sequence[Need]] = (),
+        expects: Sequence[Expected] | None = (),
         chains: Sequence[Sequence[int]] = (),
         buffer_size_bytes: int | None = DEFAULT_BUFFER_BYTES,
         checksum: str | None = DEFAULT_CHECKSUM,
         delta: bool | None = False,
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         wire: Callable[[Any, int], Any] | None = None,
+        extras: bool = False,
     ) -> None:
         if not (isinstance(producers, int) and 1 <= producers < spec.world_size):
             raise ValueError(f"producers={producers!r}: give 1 to group.world_size - 1 ({spec.world_size - 1})")
@@ -157,16 +172,33 @@ class ElasticShardedSession(EndsOnError):
         self.producer = spec.rank < producers
         if self.producer != (specs is not None):
             raise ValueError(f"rank {spec.rank}: a producer (rank < {producers}) gives specs=, a consumer needs=")
+        if self.producer and expects is None:
+            raise ValueError(f"rank {spec.rank}: expects=None is a consumer's (it takes the producers' tensors)")
+        if expects is None and not callable(needs):
+            raise ValueError(f"rank {spec.rank}: with expects=None give needs= as a function of the producers' tensors")
+        if expects is not None and callable(needs):
+            needs = needs(list(expects))
         self.spec, self.producers = spec, producers
-        self._layouts = (list(specs) if specs is not None else None, list(needs), [list(c) for c in chains])
+        self._specs_from = specs if callable(specs) else None
+        self._needs_from = needs if callable(needs) else None
+        self._layouts: tuple[list[TensorSpec] | None, list[Need], list[list[int]]] = (
+            list(specs) if specs is not None and not callable(specs) else None,
+            [] if callable(needs) else list(needs),
+            [list(c) for c in chains],
+        )
+        self.expects: list[Expected] | None = None if expects is None else list(expects)
+        """The tensors a consumer expects (its own, or producer 0's where it gave ``expects=None``: known once it
+        is in a generation)."""
         self._agree = {
-            "expects": list(expects),
             "buffer_size_bytes": buffer_size_bytes,
             "checksum": checksum,
             "delta": delta,
         }
         self._num_buffers = num_buffers
         self._wire = wire
+        self._extras = extras
+        self.extras: dict[int, Any] = {}
+        """Each producer's ``extra`` of the last round (producer rank -> object), with ``extras=True``."""
         self.rounds = 0
         """Rounds completed (a consumer: the last round it received)."""
         self.generation: Generation | None = None
@@ -178,10 +210,16 @@ class ElasticShardedSession(EndsOnError):
                 self._host = ProducerGenerations(
                     spec, self._start_host, required=range(1, producers), missing=self._lost_producers
                 )
+                self._set_up(self._host.membership.store)
+                self._host.membership.context = {
+                    "expects": [[e.name, e.dtype, list(e.shape)] for e in _expects_of(self._layouts[0] or [])],
+                    "extras": extras,
+                }
                 self._host.first()
                 self.generation = self._host.session
             else:
                 self._member = MemberGenerations(spec, self._start_member)
+                self._set_up(self._member.membership.store)
                 self._join()
         except BaseException as e:
             self._end(one_line(e))
@@ -195,6 +233,11 @@ class ElasticShardedSession(EndsOnError):
         if gen is None or not gen.session.plan.delta or self.rounds <= gen.first:
             return False
         return gen.session.auto is None or gen.session.auto.last == DELTA
+
+    @property
+    def needs(self) -> list[Need]:
+        """A consumer's needs, in refit ranks (made from producer 0's tensors where it gave ``expects=None``)."""
+        return list(self._layouts[1])
 
     @property
     def members(self) -> list[int]:
@@ -215,6 +258,26 @@ class ElasticShardedSession(EndsOnError):
                 return False
             poller.sleep(deadline)
         return True
+
+    def _set_up(self, store: Callable[[str], dist.Store]) -> None:
+        """A trainer's producers: their specs, once they set up their trainer over the run's store."""
+        if self._specs_from is not None:
+            specs = list(self._specs_from(store("trainer")))
+            self._layouts = (specs, *self._layouts[1:])
+
+    def _take_context(self, plan: dict[str, Any]) -> None:
+        """What producer 0's plan record says of the session: its tensors (a consumer that gave none takes them;
+        its needs follow) and whether rounds carry extras (every rank must do as producer 0 does)."""
+        context = plan.get("context") or {}
+        if bool(context.get("extras")) != self._extras:
+            raise ConfigError(
+                f"rank {self.rank}: producer 0's rounds {'carry' if context.get('extras') else 'carry no'} keyed "
+                f"sums (a trainer's, source=model) and this rank's {'do' if self._extras else 'do not'}: give every "
+                "rank the same source"
+            )
+        if self.expects is None and self._needs_from is not None:
+            self.expects = [Expected(name, dtype, tuple(shape)) for name, dtype, shape in context["expects"]]
+            self._layouts = (self._layouts[0], list(self._needs_from(self.expects)), self._layouts[2])
 
     def _lost_producers(self, k: int, ranks: list[int], cause: BaseException | None) -> PeerError:
         why = f" ({one_line(cause)})" if cause is not None else ""
@@ -244,6 +307,7 @@ class ElasticShardedSession(EndsOnError):
                 f"producer {self.rank}: generation {plan['gen']} starts at round {k}, but this producer's next round "
                 f"is {self.rounds + 1}"
             )
+        self._take_context(plan)
         return self._start(rg, list(plan["members"]), k)
 
     def _start(self, rg: RefitGroup, ranks: list[int], k: int) -> Generation:
@@ -253,8 +317,9 @@ class ElasticShardedSession(EndsOnError):
         pg = rg.group.process_group()
         place = ranks.index(self.rank)
         specs, needs, chains = renumbered(ranks, *self._layouts)
+        expects = [] if self.producer or self.expects is None else self.expects
         try:
-            plan = agree(pg, place, specs=specs, needs=needs, chains=chains, **self._agree)
+            plan = agree(pg, place, specs=specs, needs=needs, chains=chains, expects=expects, **self._agree)
         except (RuntimeError, dist.DistError, ValueError) as e:
             lost = _gloo_lost(e)
             if lost is None:
@@ -289,10 +354,11 @@ class ElasticShardedSession(EndsOnError):
             self.generation = None
             self.closed = True
 
-    def send(self, shards: dict[str, Held]) -> int:
+    def send(self, shards: dict[str, Held], *, extra: Any = None) -> int:
         """One round of this producer's regions to the consumers there; the bytes sent (of the last try: a round a
         consumer was lost in is sent again, dense, to the others). Consumers that asked to join are admitted first
-        (producer 0 decides; every producer follows)."""
+        (producer 0 decides; every producer follows). With ``extras=True``, ``extra`` goes to every rank of the
+        generation that completes the round (:attr:`extras`)."""
         if not self.producer:
             raise ValueError(f"rank {self.rank}: send() is a producer's call")
         if self.closed:
@@ -303,7 +369,7 @@ class ElasticShardedSession(EndsOnError):
                 if self._host is not None and self._host.membership.newcomers():
                     self._host.admit(k, self._say_regroup)
                     self.generation = self._host.session
-                moved = self._round(k, lambda s: s.send(shards))
+                moved = self._round(k, lambda s: s.send(shards), extra)
                 if moved is not None:
                     break
         except BaseException as e:
@@ -343,7 +409,7 @@ class ElasticShardedSession(EndsOnError):
         assert self.generation is not None
         return self.generation.session
 
-    def _round(self, k: int, run: Callable[[ShardedSession], int | None]) -> int | None:
+    def _round(self, k: int, run: Callable[[ShardedSession], int | None], extra: Any = None) -> int | None:
         """Round ``k`` over the current generation: its bytes, once every rank of the generation completed it;
         None where the generation ended (a regroup, a lost peer: the caller tries again in the next) or the session
         did (:attr:`closed`)."""
@@ -353,6 +419,10 @@ class ElasticShardedSession(EndsOnError):
         try:
             moved = run(gen.session)
             if moved is not None:
+                if self._extras:  # the producers' extras, to every rank (a round cut here goes again, extras too)
+                    parts: list[Any] = [None] * len(gen.ranks)
+                    dist.all_gather_object(parts, extra, group=gen.pg)
+                    self.extras = {r: parts[i] for i, r in enumerate(gen.ranks) if r < self.producers}
                 dist.barrier(group=gen.pg)  # every rank completed the round: only then does it count
                 return moved
             if not gen.session.regrouping:

@@ -121,6 +121,7 @@ class _Generation:
         self.spec = spec
         self.auth = records.auth
         self.records = records
+        self._lent: dist.Store | None = None
 
     def group(self, plan: dict[str, Any], rank: int, address: str, *, producer: bool) -> RefitGroup:
         """This rank's group of generation ``plan["gen"]``: a fresh gloo group under the generation's own prefix
@@ -141,6 +142,15 @@ class _Generation:
                 f"generation {plan['gen']} ({ranks_text(members[1:])}) could not form its group: {one_line(e)}"
             ) from e
         return RefitGroup(spec, BACKEND, group, control)
+
+    def store(self, prefix: str) -> dist.Store:
+        """The run's store under ``prefix``, every value signed with the run's key, for a process group of the
+        caller's among this run's ranks that outlives the generations (a sharded refit's trainer over its
+        producers), as :meth:`RefitGroup.store` lends a fixed group's."""
+        if self._lent is None:
+            # Held here: a store written in Python lives only while its Python object does, whatever holds it in C++.
+            self._lent = backend_store(self.records.prefix_store("run"), self.auth, BACKEND)
+        return dist.PrefixStore(f"refit/{prefix}", self._lent)
 
 
 def abandon(rg: RefitGroup | None) -> None:
@@ -169,6 +179,9 @@ class ProducerMembership:
         """The members of the current generation: rank -> incarnation."""
         self.gen = 0
         self.group: RefitGroup | None = None
+        self.context: dict[str, Any] = {}
+        """What every plan record carries besides its members, for the session run inside (a sharded refit: the
+        producers' tensors, which a trainer's consumers take)."""
         self._address = spec.host
         logger.info(
             "rank 0: elastic session (refit.on_consumer_loss=continue) at %s, run %s: consumers may join at any "
@@ -250,6 +263,7 @@ class ProducerMembership:
             "members": [PRODUCER_RANK, *sorted(chosen)],
             "incarnations": {str(r): i for r, i in chosen.items()},
             "round": next_round,
+            "context": self.context,
         }
         self._records.put(_k_plan(self.gen), _PLAN, plan)
         for rank, incarnation in chosen.items():
@@ -260,6 +274,11 @@ class ProducerMembership:
         logger.info("rank 0: generation %d from round %d: %s", self.gen, next_round, ranks_text(sorted(chosen)))
         self.group = self._generation.group(plan, PRODUCER_RANK, address, producer=True)
         return self.group
+
+    def store(self, prefix: str) -> dist.Store:
+        """:meth:`_Generation.store`: the run's store under ``prefix``, for a process group that outlives the
+        generations."""
+        return self._generation.store(prefix)
 
     def asking(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that asked for a place in the next generation and have no answer yet."""
@@ -384,6 +403,11 @@ class ConsumerMembership:
             ranks_text(plan["members"][1:]),
         )
         return self._generation.group(plan, spec.rank, self._route.local, producer=False)
+
+    def store(self, prefix: str) -> dist.Store:
+        """:meth:`_Generation.store`: the run's store under ``prefix``, for a process group that outlives the
+        generations."""
+        return self._generation.store(prefix)
 
     def release(self) -> None:
         self._store = None

