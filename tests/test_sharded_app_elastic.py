@@ -132,3 +132,34 @@ def test_a_trainers_consumers_go_on_without_a_killed_one_each_round_checked_by_k
     assert [r["members"] for r in metrics["rounds"]] == [[2, 3], [3], [3], [3]], metrics["rounds"]
     losses = [r["loss"] for r in metrics["producers"][0]["rounds"]]  # the trainer stepped between rounds
     assert losses[0] is None and all(loss > 0 for loss in losses[1:]), losses
+
+
+@needs_transformers
+def test_a_trainers_ranks_started_apart_drop_a_consumer_that_expects_no_trainer_and_take_it_back(cli, tmp_path):
+    from refit_app.models.hf import write_tiny_llama
+
+    tiny = write_tiny_llama(tmp_path / "llama", seed=1)
+    rounds = 60  # a few seconds of rounds: time for the consumer to be started again and join
+    common = ("group.producers=2", "group.tp_size=2", "group.world_size=4", f"group.port={free_port()}",
+              "refit.on_consumer_loss=continue", f"group.timeout_s={TRAINER_TIMEOUT_S:g}", "source=model")  # fmt: skip
+    producers = [
+        cli.start(
+            "role=producer", f"group.rank={p}", *common, f"source.path={tiny}", f"refit.rounds={rounds}", env=TOKEN
+        )
+        for p in range(2)
+    ]
+    survivor = cli.start("role=consumer", "group.rank=2", *common, env=TOKEN)
+    # Told it reads a synthetic source: it would check its slices against its own copy, but a trainer sends keyed sums.
+    wrong = cli.start("role=consumer", "group.rank=3", *common[:-1], env=TOKEN).wait()
+    assert_one_line_error(wrong, "rank 3: producer 0's rounds carry keyed sums (a trainer's, source=model) and this")
+    back = cli.start("role=consumer", "group.rank=3", *common, env=TOKEN).wait()
+    survived = survivor.wait()
+    for run in (*(p.wait() for p in producers), survived, back):
+        assert_ok(run)
+    survived, back = _metrics(survived), _metrics(back)
+    assert [(r["round"], r["verified"]) for r in survived["rounds"]] == [(n, True) for n in range(1, rounds + 1)]
+    # Started again with the trainer's settings, it took the tensors from the plan record of the generation it joined
+    # and checked every round from there by keyed sums.
+    first = back["rounds"][0]["round"]
+    assert 1 <= first <= rounds and 3 in back["rounds"][0]["members"], back["rounds"][0]
+    assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, rounds + 1)]

@@ -34,6 +34,7 @@ A round's :attr:`~refit_app.protocol.rounds.Round.members` lists the consumers t
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -66,6 +67,14 @@ producer's own failures (its source, say) are other errors, and end the session.
 
 
 S = TypeVar("S")
+
+
+def release_group() -> None:
+    """Free what is left of a generation's group once it is dropped: only destroying its gloo backend closes its
+    sockets, and until they close a peer blocked on this rank waits out its deadline instead of failing at once (and
+    then asks for the next generation too late to be in it). What still holds it after the last reference went
+    (frames of the failed call, in reference cycles) goes now."""
+    gc.collect()
 
 
 class ProducerGenerations(Generic[S]):
@@ -168,6 +177,7 @@ class ProducerGenerations(Generic[S]):
             try:
                 session = self._start(rg, k)
             except PeerError as e:  # a member lost while the generation formed: once more without it
+                del rg  # the group goes with membership.group in _not_formed, before it waits (see release_group)
                 lost = self._not_formed(k, e)
                 continue
             self.session = session
@@ -184,6 +194,7 @@ class ProducerGenerations(Generic[S]):
         logger.warning("generation %d did not start (%s)", gen, one_line(e))
         abandon(self.membership.group)
         self.membership.group = None
+        release_group()
         self.membership.gather(ranks, self.spec.timeout_s)
         self._check_required(k, ranks, e)
         if len(self.membership.asking(ranks)) < len(ranks):
@@ -250,6 +261,7 @@ class MemberGenerations(Generic[S]):
             try:
                 self.session = self._start(rg, plan)
             except PeerError as e:
+                del rg  # see release_group
                 self.drop(e)
                 continue
             return True
@@ -265,6 +277,7 @@ class MemberGenerations(Generic[S]):
         )
         abandon(self.rg)
         self.rg = self.session = None
+        release_group()
 
     def close(self) -> None:
         if self.rg is not None:

@@ -25,7 +25,6 @@ group's deadline, and so is the number of generations tried without progress (``
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ from refit_app.common.errors import (
 from refit_app.core.reshard.plan import Layout, Need, TensorSpec
 from refit_app.core.reshard.transfer import Held, RegionMismatch
 from refit_app.protocol.delta.auto import DELTA
-from refit_app.protocol.elastic import EndsOnError, MemberGenerations, ProducerGenerations
+from refit_app.protocol.elastic import EndsOnError, MemberGenerations, ProducerGenerations, release_group
 from refit_app.protocol.sharded import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_CHECKSUM,
@@ -86,14 +85,6 @@ def _gloo_lost(e: BaseException) -> BaseException | None:
     if isinstance(e, ValueError):
         return masked_gloo_error(e)
     return None
-
-
-def _release() -> None:
-    """Free what is left of a dropped generation's gloo group: only destroying its backend closes its sockets, and
-    until they close, a peer blocked on this rank waits out its deadline instead of failing at once (and then asks
-    for the next generation too late to be in it). The process group over it lives in reference cycles (frames of
-    the round that failed); collect them now."""
-    gc.collect()
 
 
 def _expects_of(specs: Sequence[TensorSpec]) -> list[Expected]:
@@ -318,13 +309,15 @@ class ElasticShardedSession(EndsOnError):
         place = ranks.index(self.rank)
         specs, needs, chains = renumbered(ranks, *self._layouts)
         expects = [] if self.producer or self.expects is None else self.expects
+        why = None
         try:
             plan = agree(pg, place, specs=specs, needs=needs, chains=chains, expects=expects, **self._agree)
         except (RuntimeError, dist.DistError, ValueError) as e:
             lost = _gloo_lost(e)
             if lost is None:
                 raise
-            raise PeerError(f"rank {self.rank}: a member was lost while the plan was agreed ({one_line(lost)})") from e
+            why = f"rank {self.rank}: a member was lost while the plan was agreed ({one_line(lost)})"
+            del lost
         except HandshakeError as e:
             if k == 1:
                 raise  # the run's first plan: the ranks as started disagree, and every rank stops in one line
@@ -334,6 +327,11 @@ class ElasticShardedSession(EndsOnError):
             raise PeerError(
                 f"rank {self.rank}: generation from round {k} did not agree on the plan ({one_line(e)})"
             ) from e
+        if why is not None:
+            # Raised with nothing of the group in reach (no chained exception, this frame's references dropped): a
+            # member still blocked on this rank fails once the caller abandons the group, not at its deadline.
+            del pg, rg
+            raise PeerError(why)
         session = ShardedSession(pg, place, plan, producer=self.producer, num_buffers=self._num_buffers)
         session.rounds = k - 1
         logger.info(
@@ -439,7 +437,7 @@ class ElasticShardedSession(EndsOnError):
             if lost is None:
                 raise
             why = PeerError(one_line(lost))  # its message alone: the traceback would keep the generation's group
-            del lost  # ``e`` or made from it: its traceback's frames hold the session, and so the group (_release)
+            del lost  # ``e`` or made from it: its traceback's frames hold the session and so the group (release_group)
         del gen, run
         self._next(k, why)
         return None
@@ -447,19 +445,19 @@ class ElasticShardedSession(EndsOnError):
     def _next(self, k: int, why: BaseException | None) -> None:
         """The generation ended in round ``k`` (``why``: a lost peer; None: producer 0 regroups, a member's word):
         on to the next."""
-        self.generation = None  # the last reference to its process group: see _release
+        self.generation = None  # the last reference to its process group: see release_group
         if self._host is not None:
             assert why is not None  # producer 0 regroups before a round, in send()
-            self._host.lost(k, why, release=_release)
+            self._host.lost(k, why, release=release_group)
             self.generation = self._host.session
             return
         assert self._member is not None
         if why is None:
             abandon(self._member.rg)
             self._member.rg = self._member.session = None
+            release_group()
         else:
-            self._member.drop(why)
-        _release()
+            self._member.drop(why)  # releases it too
         self._join()
         if self.closed and self.producer:
             raise PeerError(f"producer {self.rank}: the session ended while round {k} was cut")

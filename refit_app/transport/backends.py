@@ -378,7 +378,9 @@ def masked_gloo_error(e: ValueError) -> RuntimeError | None:
     """gloo's error where torch's exception logger replaced it: a collective over an unregistered process group
     (:meth:`TorchBroadcastGroup.process_group`: ``all_gather_object``, ``barrier``) that fails raises, from the
     logger's own look-up of the group, a ValueError that it "is not initialized in the world group map", with gloo's
-    RuntimeError (the lost peer) as its context."""
-    if "world group map" in str(e) and isinstance(e.__context__, RuntimeError):
-        return e.__context__
-    return None
+    RuntimeError (the lost peer) as its context. Nested collectives (``all_gather_object`` over ``all_gather``,
+    where the caller has a default process group of its own: a trainer's) mask it once per level."""
+    cause: BaseException | None = e
+    while isinstance(cause, ValueError) and "world group map" in str(cause):
+        cause = cause.__context__
+    return cause if cause is not e and isinstance(cause, RuntimeError) else None
