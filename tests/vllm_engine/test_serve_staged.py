@@ -85,8 +85,8 @@ class Background:
 
     def hold(self) -> None:
         """No new requests until :meth:`resume`; returns once those in flight completed."""
-        self._go.clear()
         with self._done:
+            self._go.clear()
             if not self._done.wait_for(lambda: self._in_flight == 0 or bool(self.errors), RPC_TIMEOUT_S):
                 raise TimeoutError(f"background requests still in flight after {RPC_TIMEOUT_S}s")
 
@@ -101,6 +101,8 @@ class Background:
             prompt = BACKGROUND[n % len(BACKGROUND)]
             n += 1
             with self._done:
+                if not self._go.is_set():  # held between its wait and here
+                    continue
                 self._in_flight += 1
             try:
                 choice = _generate(self.base, prompt, BACKGROUND_TOKENS)
