@@ -417,11 +417,14 @@ class ElasticShardedSession(EndsOnError):
         try:
             moved = run(gen.session)
             if moved is not None:
-                if self._extras:  # the producers' extras, to every rank (a round cut here goes again, extras too)
+                # Every rank completed the round: only then does it count. With extras, their gather is that
+                # collective (a round cut here goes again, extras too).
+                if self._extras:
                     parts: list[Any] = [None] * len(gen.ranks)
                     dist.all_gather_object(parts, extra, group=gen.pg)
                     self.extras = {r: parts[i] for i, r in enumerate(gen.ranks) if r < self.producers}
-                dist.barrier(group=gen.pg)  # every rank completed the round: only then does it count
+                else:
+                    dist.barrier(group=gen.pg)
                 return moved
             if not gen.session.regrouping:
                 self.closed = True  # the producers ended the session
