@@ -5,7 +5,8 @@ dropped like any lost member, and the producer and the survivors go on.
 Every rank is a spawned process (tests/mp_utils.py: started together, OS-assigned port); the ranks wait for each
 other through multiprocessing events, never by sleeping. The joiner's faults are real: a bogus
 ``GLOO_SOCKET_IFNAME`` in its process, or a SIGKILL / SIGSTOP it sends itself at the moment it starts to form its
-first generation's group (after the producer admitted it, before the group exists).
+first generation's group (after the producer admitted it, before the group exists). And a dropped joiner slow to read
+its answer while the producer sends its last rounds: it still reads why it was dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from refit_app.app import rank_harness
 from refit_app.common.errors import RefitError
 from refit_app.protocol.elastic import ElasticConsumerSession, ElasticProducerSession
 from refit_app.transport import elastic as transport_elastic
+from refit_app.transport import records
 from refit_app.transport.backends import GLOO_IFNAME_ENV
 
 TIMEOUT_S = 6.0
@@ -230,3 +232,36 @@ def test_a_joiner_lost_before_its_first_group_forms_is_dropped_and_the_others_go
     next_round = next(r["at"] for r in c1 if r["round"] == JOINS_AT)
     assert next_round - killed_at.value < RECOVERY_BUDGET_S, next_round - killed_at.value
     print(f"\njoiner {fault} at forming: consumer 1 had round {JOINS_AT} {next_round - killed_at.value:.1f}s after it")
+
+
+def _reads_its_answer_late(rank: int, *args) -> object:
+    """The joiner that cannot connect, slow to read each answer to its requests (half a second): the answer that
+    drops it arrives while the producer sends its last rounds, and is read after them."""
+    if rank == 2:
+        find_record = records.RunStore.find_record
+
+        def slow(self, name, kind):
+            if "elastic/answer/" in name:
+                time.sleep(0.5)  # the reader's slowness is the case under test, not a wait for an event
+            return find_record(self, name, kind)
+
+        records.RunStore.find_record = slow
+    return _fails_at_forming(rank, *args)
+
+
+def test_a_joiner_dropped_just_before_the_session_ends_still_reads_why():
+    # The producer keeps its store up (at most ERROR_LINGER_S) until the consumers it sent away read their answers:
+    # without that the joiner found the producer gone and said so ("lost the producer"), not why it was dropped.
+    ctx = mp.get_context(rank_harness.START_METHOD)
+    killed_at, stalled_pid = ctx.Value("d", 0.0), ctx.Value("i", 0)
+    producer, c1, joiner = run_ranks(
+        _reads_its_answer_late, 3, "cannot-connect", ctx.Event(), killed_at, stalled_pid, timeout=240.0,
+        return_exceptions=True,
+    )  # fmt: skip
+    for result in (producer, c1):
+        assert not isinstance(result, RankFailure), f"{result}\n{getattr(result, 'traceback', '')}"
+    assert [r["round"] for r in c1] == list(range(1, ROUNDS + 1))
+    kind, message = joiner
+    assert kind == "PeerError" and message.startswith("generation 2 could not form its group with consumer rank 2"), (
+        joiner
+    )

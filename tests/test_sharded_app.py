@@ -105,12 +105,32 @@ def test_ranks_started_apart_stop_together_where_one_producer_has_another_layout
         assert_one_line_error(run.wait(), "producers 0 and 1 disagree on the tensors", "on rank 1")
 
 
-def test_a_sharded_refit_refuses_what_it_cannot_run_yet_in_one_line(cli):
-    assert_one_line_error(
+@pytest.mark.parametrize("on_loss", ["fail", "continue"])
+def test_ranks_started_apart_name_the_setting_a_consumer_gave_otherwise(cli, on_loss):
+    # A consumer's own refit.buffer_size_bytes (null takes the producers'): the plan's agreement names the key the
+    # user set, on every rank, before any data byte (with continue too: a difference at the start is a layout's).
+    port = free_port()
+    common = ("group.tp_size=2", "group.world_size=3", f"group.port={port}", f"refit.on_consumer_loss={on_loss}")
+    runs = [
+        cli.start("role=producer", "group.rank=0", "refit.buffer_size_bytes=1MiB", *common, COVER_STARTUP, env=TOKEN),
+        cli.start("role=consumer", "group.rank=1", *common, COVER_STARTUP, env=TOKEN),
+        cli.start("role=consumer", "group.rank=2", "refit.buffer_size_bytes=2MiB", *common, COVER_STARTUP, env=TOKEN),
+    ]
+    for run in runs:
+        assert_one_line_error(
+            run.wait(),
+            "ranks 0 and 2 disagree on refit.buffer_size_bytes: 1048576 and 2097152; give every rank the same "
+            "refit.buffer_size_bytes",
+        )
+
+
+def test_a_sharded_refit_into_engines_without_a_trainer_is_refused_in_one_line(cli):
+    # Engine replicas are a layout sink=vllm runs (tests/vllm_engine); the model they build comes from a trainer.
+    line = assert_one_line_error(
         cli("group.producers=2", "group.replicas=2", "sink=vllm"),
-        "group.replicas=2 is invalid: a sharded refit into sink=vllm runs one engine (group.replicas=1) so far",
         "a sharded refit into sink=vllm needs a trainer to build the engine's model from: source=model",
     )
+    assert "group.replicas" not in line, line
 
 
 # --- the fault hooks (refit.debug.*) in sharded runs ----------------------------------------------------------

@@ -135,6 +135,33 @@ def test_a_trainers_consumers_go_on_without_a_killed_one_each_round_checked_by_k
 
 
 @needs_transformers
+def test_a_trainers_model_consumers_go_on_without_a_killed_one_each_round_checked_against_its_probe(cli, tmp_path):
+    # sink=model: each consumer builds the trainer's model from producer 0's config.json (the session's context)
+    # and loads every round into it; it asks the producers for the probe (sink.probe_tokens), which they run each
+    # round (FSDP2 gathers each layer) and send with their keyed sums. Two replicas of one consumer; replica 0's
+    # (the head of the chain) dies mid-way through round 2, and replica 1 takes its tensors from the producers.
+    from refit_app.models.hf import write_tiny_llama
+
+    tiny = write_tiny_llama(tmp_path / "llama", seed=1)
+    result = cli("group.producers=2", "group.tp_size=1", "group.replicas=2", "refit.rounds=4", "refit.delta=on",
+                 "source=model", f"source.path={tiny}", "source.lr=1e-2", "sink=model", "refit.debug.die_in_round=2",
+                 "refit.debug.die_rank=2", "refit.on_consumer_loss=continue",
+                 f"group.timeout_s={TRAINER_TIMEOUT_S:g}")  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok" and metrics["verified"] is True, metrics
+    lost, survivor = metrics["consumers"]
+    assert lost["status"] == "failed" and "died" in lost["error"], lost
+    # Every round once, its tensors' sums equal to the trainer's and the model's logits on the trainer's probe
+    # equal to the trainer's to the bit (the same float32 forward on the same CPU), dense then delta rounds.
+    assert [(r["round"], r["verified"], r["delta"], r["model_check"]) for r in survivor["rounds"]] == [
+        (n, True, n > 2, {"max_abs_logit_diff": 0.0, "tokens_match": True}) for n in range(1, 5)
+    ], survivor["rounds"]
+    assert [r["members"] for r in metrics["rounds"]] == [[2, 3], [3], [3], [3]], metrics["rounds"]
+    assert "models match (max logit diff 0)" in result.stderr + result.stdout
+
+
+@needs_transformers
 def test_a_trainers_ranks_started_apart_drop_a_consumer_that_expects_no_trainer_and_take_it_back(cli, tmp_path):
     from refit_app.models.hf import write_tiny_llama
 

@@ -294,13 +294,23 @@ def _trainer(rank: int, world_size: int, port: int, killed_at) -> object:
 
         try:
             with ElasticShardedSession(
-                _spec(rank, port), producers=K, specs=specs, chains=CHAINS, buffer_size_bytes=BUFFER, extras=True
+                _spec(rank, port),
+                producers=K,
+                specs=specs,
+                chains=CHAINS,
+                buffer_size_bytes=BUFFER,
+                extras=True,
+                context={"config": "the trainer's"},
             ) as s:
                 sent = []
                 for k in range(1, ROUNDS + 1):
                     step = torch.tensor([float(k)])
                     dist.all_reduce(step)  # the trainer's own group: untouched by the generations
-                    s.send(_shards(k, rank)[1], extra={"from": rank, "round": k})
+
+                    def extra(asks, k=k):  # what the consumers of the generation that sends round k asked with
+                        return {"from": rank, "round": k, "asked": {r: a["me"] for r, a in asks.items() if a}}
+
+                    s.send(_shards(k, rank)[1], extra=extra)
                     sent.append((k, s.members, step.item()))
                 return sent
         finally:
@@ -319,7 +329,9 @@ def _trainer(rank: int, world_size: int, port: int, killed_at) -> object:
         buffer_size_bytes=None,
         extras=True,
         wire=wire,
+        ask={"me": rank},
     ) as s:
+        assert s.context == {"config": "the trainer's"}, s.context
         slices = allocate(s.expects, s.needs)
         got = []
         while s.receive(slices) is not None:
@@ -336,7 +348,8 @@ def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tens
     """Producers that train set up their own process group over the run's store before the first plan, and it
     outlives the generation a consumer was lost in; consumers that know no tensors take producer 0's from the plan
     record, and every round's extras (a trainer's keyed sums, in the application) reach them from every producer:
-    the cut round's again."""
+    the cut round's again, made anew for what the consumers of its generation asked with; producer 0's context
+    reaches every consumer."""
     killed_at = mp.get_context("spawn").Value("d", 0.0)
     results = run_ranks(_trainer, WORLD, killed_at, timeout=150, return_exceptions=True)
     assert isinstance(results[KILLED], RankFailure) and results[KILLED].exc_type == "Died", results
@@ -349,4 +362,6 @@ def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tens
         assert expects == expected_of(_model(1).items())
         assert [(k, exact) for k, exact, _ in got] == [(k, True) for k in range(1, ROUNDS + 1)], got
         for k, _, extras in got:
-            assert extras == {p: {"from": p, "round": k} for p in range(K)}, (k, extras)
+            # The cut round's extras are made again, for the generation without the lost consumer.
+            asked = {r: r for r in (without if k >= KILLED_IN else range(K, WORLD))}
+            assert extras == {p: {"from": p, "round": k, "asked": asked} for p in range(K)}, (k, extras)

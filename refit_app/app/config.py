@@ -146,11 +146,11 @@ SHARDED_SOURCES = ("synthetic", "model")
 producers train it under FSDP2 and send their shards)."""
 SHARDED_SINKS = ("verify", "discard", "save", "model", "vllm")
 """The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
-a whole model, group.tp_size=1; vllm: one engine process whose tensor-parallel workers are the consumers;
+a whole model, group.tp_size=1; vllm: an engine process per replica whose tensor-parallel workers are the consumers;
 docs/sharded.md)."""
-SHARDED_ELASTIC_SINKS = ("verify", "discard")
-"""The sinks a sharded refit with ``refit.on_consumer_loss=continue`` feeds so far (each checks or drops every round
-it received, whatever round it joined at)."""
+SHARDED_ELASTIC_SINKS = ("verify", "discard", "model")
+"""The sinks a sharded refit with ``refit.on_consumer_loss=continue`` feeds so far (each checks, drops or loads every
+round it received, whatever round it joined at; model: a trainer's, its probe asked of the producers)."""
 ENGINE_SINKS = ("vllm",)
 """Sinks whose consumers are an engine's workers: one process per replica (:attr:`ShardedSpec.engines`)."""
 
@@ -409,7 +409,7 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
     # on the run's store beside the generations; its consumers check keyed sums).
     sink = OmegaConf.select(c.cfg, "sink.kind", default=None)
     if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
-        c.errors.append(f"{what} feeds sink=verify or discard only so far, not sink={sink or 'custom'}")
+        c.errors.append(f"{what} feeds sink=verify, discard or model only so far, not sink={sink or 'custom'}")
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT):
         # Its fault hook kills a rank only: a chunk asked to be corrupted would arrive intact, and the run verified.
@@ -431,8 +431,6 @@ def _check_engine_sink(c: _Checker, role: Any, kind: str, spec: ShardedSpec) -> 
     what = f"a sharded refit into sink={kind}"
     if role not in ("local", "consumer"):
         c.fail("role", role, f"{what} runs under role=local, or role=producer and role=consumer, so far")
-    if spec.replicas != 1:
-        c.fail("group.replicas", spec.replicas, f"{what} runs one engine (group.replicas=1) so far")
     if role == "local" and OmegaConf.select(c.cfg, "source.kind", default=None) != "model":
         c.errors.append(f"{what} needs a trainer to build the engine's model from: source=model")
     model = c.get("sink.model")

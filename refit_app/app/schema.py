@@ -232,7 +232,8 @@ class Group:
     most 2-D weights, columns of o_proj, down_proj and out_proj, the rest whole)."""
     replicas: int = 1
     """A sharded refit's engine replicas of group.tp_size consumers each; a replica gets its slices from the one
-    before it. World size: group.producers + group.tp_size x group.replicas."""
+    before it (with sink=vllm: from the producers, one engine process per replica). World size: group.producers +
+    group.tp_size x group.replicas (with sink=vllm, separate launches: group.producers + group.replicas)."""
     topology: str = field(default=DEFAULT_TOPOLOGY, metadata={CHOICES: TOPOLOGIES})
     """How each buffer travels: tree, the backend's own broadcast; chain, each consumer relays every chunk to the
     next rank while receiving the next one, so every link carries each byte once (faster with 2+ consumers). chain

@@ -104,6 +104,13 @@ from refit_app.transport.groups import RefitGroup
 
 logger = logging.getLogger(__name__)
 
+AGREE_KEYS = {
+    "buffer_size_bytes": "refit.buffer_size_bytes",
+    "delta": "refit.delta",
+    "chains": "group.tp_size and group.replicas",
+}
+"""The settings the ranks' plan agreement compares, by the configuration keys a user sets them with (its messages
+name these)."""
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 """Names of the weights a tensor-parallel engine splits by columns (vLLM's ``RowParallelLinear``)."""
 
@@ -274,7 +281,7 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
         )
     else:
         mine.update(
-            verify=_consumer_verifies(s),
+            verify=consumer_verifies(s),
             saves=s.sink_name == "save",
             recomputes=s.source is not None,
             builds=s.sink_name in ("model", *ENGINE_SINKS),
@@ -350,7 +357,7 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
     )
 
 
-def _consumer_verifies(s: RunSettings) -> bool:
+def consumer_verifies(s: RunSettings) -> bool:
     """sink=verify, or sink=model with its ``sink.verify`` (the default): the consumer checks every slice."""
     if s.sink_name == "model":
         return s.sink is not None and s.sink.params.get("verify") is not False
@@ -477,7 +484,7 @@ def run_rounds(
     producer = source is not None
     chains = [[k + r * m + c for r in range(layout.replicas)] for c in range(m)] if layout.replicas > 1 else []
     buffer = agreed.buffer_size_bytes
-    verify = not producer and _consumer_verifies(s)
+    verify = not producer and consumer_verifies(s)
     oracle = None  # a consumer's own copy of a source it can recompute
     saver = None  # a consumer's sink=save
     model = None  # a consumer's sink=model
@@ -485,7 +492,9 @@ def run_rounds(
         if agreed.trainer:
             source.fully_shard(stack.enter_context(trainer_mesh(rg.store("trainer"), s, k)))
         specs, _ = source_shards(source, rank, k, agreed.trainer)
-        plan = agree(pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode)
+        plan = agree(
+            pg, rank, specs=specs, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode, names=AGREE_KEYS
+        )
         deltas, bases = ProducerDeltas() if agreed.delta else None, None
         expects = agreed.expects
     else:
@@ -494,7 +503,14 @@ def run_rounds(
         expects = expected_tensors(oracle) if oracle is not None else agreed.expects
         needs = tp_needs(expects, rank, (rank - k) % m, m, tp_rule(expects))
         plan = agree(
-            pg, rank, needs=needs, expects=expects, chains=chains, buffer_size_bytes=buffer, delta=agreed.delta_mode
+            pg,
+            rank,
+            needs=needs,
+            expects=expects,
+            chains=chains,
+            buffer_size_bytes=buffer,
+            delta=agreed.delta_mode,
+            names=AGREE_KEYS,
         )
         deltas, bases = None, ConsumerBases() if agreed.delta else None
         slices = allocate(expects, needs)
@@ -626,10 +642,14 @@ def _model_sink(s: RunSettings, agreed: Agreed, slices: dict[str, Held]) -> Any:
         return None
     assert s.sink is not None and agreed.model_config is not None  # config and the agreement checked both
     sink = make_sink(s.sink.target, s.sink.params)
-    metas = [TensorMeta(name, tuple(held.tensor.shape), held.tensor.dtype) for name, held in slices.items()]
-    manifest = Manifest(metas, buffer_size_bytes=agreed.buffer_size_bytes, use_legacy_packing=False)
-    sink.begin(manifest, agreed.model_config)
+    begin_model(sink, agreed.model_config, agreed.buffer_size_bytes, slices)
     return sink
+
+
+def begin_model(sink: Any, config_json: str, buffer_size_bytes: int, slices: dict[str, Held]) -> None:
+    """Build sink=model's model from producer 0's ``config_json`` for the tensors of ``slices`` (each whole)."""
+    metas = [TensorMeta(name, tuple(held.tensor.shape), held.tensor.dtype) for name, held in slices.items()]
+    sink.begin(Manifest(metas, buffer_size_bytes=buffer_size_bytes, use_legacy_packing=False), config_json)
 
 
 def _probe(pg: Any, layout: ShardedSpec, rank: int, source: Any, probe_tokens: int) -> dict[str, Any]:

@@ -22,9 +22,12 @@ from typing import Any
 from refit_app.app.config import RunSettings
 from refit_app.app.metrics import PeakMemory, RoundMetrics
 from refit_app.app.sharded import (
+    AGREE_KEYS,
     FaultyGroup,
+    begin_model,
     check_slices,
     check_sums,
+    consumer_verifies,
     delta_figures,
     dense_bytes,
     expected_tensors,
@@ -36,7 +39,9 @@ from refit_app.app.sharded import (
     trainer_mesh,
     trainer_sums,
 )
+from refit_app.common.errors import ConfigError
 from refit_app.core.reshard.plan import Need, TensorSpec
+from refit_app.models.sinks import make_sink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.defaults import agreed_delta
@@ -71,6 +76,7 @@ def _figures(
     verify: bool,
     handshake_s: float,
     loss: float | None,
+    check: dict[str, Any] | None,
 ) -> RoundMetrics:
     """Round ``n``'s metrics, from the generation that completed it. A function of its own: a reference to the
     generation left in the rounds' loop would keep its group's sockets open once it is dropped, and a member blocked
@@ -79,11 +85,35 @@ def _figures(
     assert gen is not None
     plan = gen.session.plan
     brought = dense_bytes(plan, gen.ranks.index(rank), session.producer) if plan.delta else moved
-    r = round_metrics(n, seconds, brought, moved, memory, verify, handshake_s, loss)
+    r = round_metrics(n, seconds, brought, moved, memory, verify, handshake_s, loss, check)
     if plan.delta:
         state = gen.session.deltas if session.producer else gen.session.bases
         r = delta_figures(r, state, gen.session.auto, first=gen.first)
     return replace(r, members=session.members)
+
+
+def _trainer_extra(
+    source: Any, specs: list[TensorSpec], shards: dict[str, Any], expects: list[Expected], rank: int, m: int
+) -> Any:
+    """What a trainer's producer sends with each round (:meth:`ElasticShardedSession.send`'s ``extra``), as the
+    consumers of the round's generation asked: its keyed sums of its parts of every slice where one verifies (a
+    trainer's consumers cannot recompute its weights: each compares its slices' sums with the producers'), and the
+    trainer's probe of the most positions one asked for (sink=model's ``probe_tokens``): every producer runs it
+    (FSDP2 gathers each layer), producer 0's goes. Nothing where every consumer discards."""
+
+    def extra(asks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        tokens = max((int(a.get("probe_tokens") or 0) for a in asks.values()), default=0)
+        probe = source.probe(tokens) if tokens else None
+        sums = trainer_sums(specs, shards, expects, rank, m) if any(a.get("sums") for a in asks.values()) else None
+        return {"sums": sums, "probe": probe if rank == 0 else None, "probe_tokens": tokens}
+
+    return extra
+
+
+def _ask(verify: bool, model: Any) -> dict[str, Any]:
+    """What a consumer asks of a trainer's producers in every generation it is in: their keyed sums where it
+    verifies, the trainer's probe of ``sink.probe_tokens`` positions where it loads a model that checks one."""
+    return {"sums": verify, "probe_tokens": model.probe_tokens if model is not None else 0}
 
 
 def run_elastic(s: RunSettings) -> dict[str, Any]:
@@ -99,9 +129,16 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
     source = make_source(s.source.target, s.source.params) if recomputes else None
     trainer = producer and is_trainer(source)
     spec = replace(s.group, backend="gloo")
-    options: dict[str, Any] = {"chains": chains, "num_buffers": s.refit.num_buffers, "wire": _fault_wire(s)}
+    options: dict[str, Any] = {
+        "chains": chains,
+        "num_buffers": s.refit.num_buffers,
+        "wire": _fault_wire(s),
+        "names": AGREE_KEYS,
+    }
     # A consumer takes the producers' refit.delta, as in any refit.
     delta = agreed_delta(s.refit.delta) if producer else None
+    model = None  # a consumer's sink=model
+    verify = not producer and consumer_verifies(s)
     started = time.perf_counter()
     with ExitStack() as stack:
         if producer:
@@ -114,7 +151,14 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
 
             buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
             session = ElasticShardedSession(
-                spec, producers=k, specs=specs, buffer_size_bytes=buffer, delta=delta, extras=trainer, **options
+                spec,
+                producers=k,
+                specs=specs,
+                buffer_size_bytes=buffer,
+                delta=delta,
+                extras=trainer,
+                context={"config": source.model_config()} if trainer else None,
+                **options,
             )
         else:
             tp = (rank - k) % m
@@ -122,6 +166,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
             def needs(expects: list[Expected]) -> list[Need]:
                 return tp_needs(expects, rank, tp, m, tp_rule(expects))
 
+            model = make_sink(s.sink.target, s.sink.params) if s.sink is not None and s.sink_name == "model" else None
             # Null takes the producers' buffer size, as in any refit.
             session = ElasticShardedSession(
                 spec,
@@ -131,6 +176,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 buffer_size_bytes=s.refit.buffer_size_bytes,
                 delta=delta,
                 extras=source is None,
+                ask=_ask(verify, model),
                 **options,
             )
         stack.enter_context(session)
@@ -139,7 +185,14 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
         agreed_buffer = session.generation.session.plan.buffer_size_bytes if session.generation is not None else 0
         expects = expected_tensors(source) if producer else session.expects or []
         slices = {} if producer else allocate(expects, session.needs)
-        verify = not producer and s.sink_name == "verify"
+        if model is not None and session.generation is not None:
+            stack.callback(model.close)
+            if "config" not in session.context:
+                raise ConfigError(
+                    f"consumer rank {rank}: sink=model builds the producers' model, but they read "
+                    f"{'no trainer' if source is None else source.describe()}: give the producers source=model"
+                )
+            begin_model(model, session.context["config"], agreed_buffer, slices)
         done: list[RoundMetrics] = []
         checked = None
         n = 0
@@ -152,11 +205,9 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 n += 1
                 facts = (source.advance(n) or {}) if n > 1 else {}
                 specs_now, shards = source_shards(source, rank, k, trainer)  # this round's values, views
-                # A trainer's consumers cannot recompute its weights: each producer's keyed sums of its parts of
-                # every slice go with the round, and a consumer compares its slices' sums with theirs.
-                extra = trainer_sums(specs_now, shards, expects, rank, m) if trainer else None
                 with PeakMemory() as memory:
                     t0 = time.perf_counter()
+                    extra = _trainer_extra(source, specs_now, shards, expects, rank, m) if trainer else None
                     moved = session.send(shards, extra=extra)
                     seconds = time.perf_counter() - t0
             else:
@@ -168,13 +219,32 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                     break
                 moved, n = got, session.rounds
                 if verify and source is None:
-                    parts = [session.extras[p] for p in range(k)]
+                    parts = [session.extras[p]["sums"] for p in range(k)]
                     checked = check_sums(slices, parts, expects, (rank - k) % m, rank, n)
                 elif verify:
                     source.advance(n)
                     checked = check_slices(slices, source.tensors(), rank, n)
+                if model is not None:  # every tensor whole (group.tp_size=1), copied into the model
+                    model.consume([(name, held.tensor) for name, held in slices.items()])
+                    model.finish(None)
+                    probe = session.extras[0]
+                    if probe["probe"] is not None and model.probe_tokens:
+                        facts["check"] = model.check(probe["probe"], probe["probe_tokens"])
             handshake = handshake_s if not done else 0.0
-            done.append(_figures(session, rank, n, seconds, moved, memory, verify, handshake, facts.get("loss")))
+            done.append(
+                _figures(
+                    session,
+                    rank,
+                    n,
+                    seconds,
+                    moved,
+                    memory,
+                    verify,
+                    handshake,
+                    facts.get("loss"),
+                    facts.get("check"),
+                )
+            )
     return rank_metrics(
         s,
         source.describe() if source is not None else "the producers' trainer",

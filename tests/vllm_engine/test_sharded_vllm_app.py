@@ -3,7 +3,8 @@
 tiny Llama under FSDP2 (AdamW steps between rounds) and send their shards; one engine process owns vLLM's offline
 ``LLM`` at ``tensor_parallel_size=2`` whose two workers are the refit's consumers, each receiving only what its
 weight loaders load. Every round the engine's greedy tokens and log-probabilities on the trainer's probe must be
-the trainer's (the run fails otherwise), and each worker's bytes are about half the model's.
+the trainer's (the run fails otherwise), and each worker's bytes are about half the model's; with
+``group.replicas=2`` two such engines, each worker taking the same slice as its peer in the other engine.
 
 Then what must fail, in one line on every rank: a ``group.tp_size`` the model's heads do not divide, sink=vllm
 without a trainer (role=local, and producers of another source started on their own); and a lost engine process
@@ -85,6 +86,39 @@ def test_sharded_trainer_refits_a_tensor_parallel_engine(cli, tied_llama_dir: Pa
     assert tokens[0] != tokens[-1], "the trainer's greedy tokens never changed: the check proves nothing"
     shares = "/".join(f"{w['bytes'] / w['model_bytes']:.0%}" for w in engine["rounds"][-1]["workers"])
     assert f"2 engine workers receiving {shares} of the model, models match" in result.stdout, result.stdout
+
+
+def test_each_engine_replica_takes_its_workers_slices_and_serves_the_trainers_weights(cli, tied_llama_dir) -> None:
+    # group.replicas=2: two engine processes, each an LLM of two workers (ranks K..K+1 and K+2..K+3 of the data
+    # group); the producers send each region to every worker that loads it, and both engines' greedy tokens must be
+    # the trainer's every round (the second a delta round each worker patches into its own slices).
+    rounds = 2
+    result = cli(
+        *LAYOUT, "group.replicas=2", "source=model", f"source.path={tied_llama_dir}", LR, "sink=vllm",
+        f"refit.rounds={rounds}", "refit.delta=on", f"group.timeout_s={TIMEOUT_S}", timeout_s=APP_LIMIT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.describe()
+    m = local_metrics(cli.cwd)
+    assert m["status"] == "ok" and m["rounds_done"] == rounds, m
+    engines = m["consumers"]
+    assert [e["rank"] for e in engines] == [K, K + 1] and all(e["sink"] == "vllm" for e in engines), engines
+    tokens = []
+    for n in range(rounds):
+        workers = [r["rounds"][n]["workers"] for r in engines]
+        assert [[w["rank"] for w in ws] for ws in workers] == [[K, K + 1], [K + 2, K + 3]], workers
+        # One layout twice: the same slice to the same tensor-parallel rank of each engine, about half the model.
+        assert [w["bytes"] for w in workers[0]] == [w["bytes"] for w in workers[1]], workers
+        for w in workers[0] + workers[1]:
+            assert w["delta"] is (n > 0) and 0 < w["bytes"] / w["model_bytes"] < 0.6, (n, w)
+        assert m["rounds"][n]["bytes"] == sum(w["bytes"] for ws in workers for w in ws), (n, m["rounds"][n])
+        checks = [e["rounds"][n]["model_check"] for e in engines]
+        for check in checks:
+            assert check["tokens_match"] is True and check["max_abs_logit_diff"] < 1e-4, (n, check)
+        tokens.append(checks[0]["next_tokens"])
+        assert f"round {n + 1}/{rounds}: " in result.stdout
+        assert f"consumer {K + 1}: worker {K + 2} received" in result.stdout, result.stdout  # producer 0's line
+    assert tokens[0] != tokens[-1], "the trainer's greedy tokens never changed: the check proves nothing"
+    assert "4 engine workers receiving" in result.stdout and "models match" in result.stdout, result.stdout
 
 
 def test_what_the_engine_cannot_run_stops_every_rank_in_one_line(cli, tied_llama_dir: Path) -> None:
