@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import time
 from pathlib import Path
 
 from cli_utils import assert_ok, assert_one_line_error, local_metrics
 from conditions import needs_transformers
+from failure_utils import Launcher
 from mp_utils import free_port
 
 TOKEN = {"REFIT_APP_TOKEN": "sharded-elastic-app-test-token"}
@@ -21,6 +24,8 @@ LOCAL = ("refit.on_consumer_loss=continue", "group.timeout_s=6")
 TRAINER_TIMEOUT_S = 20.0
 """A trainer's producers load the model and shard it before their first plan, and the consumers wait for it within
 two deadlines: 6 s is short for that on busy cores. A lost consumer costs about one."""
+KILL_LIMIT_S = 240.0
+"""Hang limits of the started-apart trainer's ranks (start-up included), not deadlines under test."""
 
 
 def test_a_consumer_killed_mid_delta_round_is_left_out_and_the_others_verify_every_round(cli, tmp_path):
@@ -190,3 +195,35 @@ def test_a_trainers_ranks_started_apart_drop_a_consumer_that_expects_no_trainer_
     first = back["rounds"][0]["round"]
     assert 1 <= first <= rounds and 3 in back["rounds"][0]["members"], back["rounds"][0]
     assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, rounds + 1)]
+
+
+@needs_transformers
+def test_a_trainers_producer_killed_between_rounds_stops_every_rank_naming_the_loss(tmp_path):
+    # SIGKILLed at any moment, mostly in its AdamW step or the probe, which run over the trainer's own process group
+    # (not a generation's): producer 0 says it lost a producer of its trainer, in one line, and every rank stops.
+    from refit_app.models.hf import write_tiny_llama
+
+    tiny = write_tiny_llama(tmp_path / "llama", seed=1)
+    common = ("group.producers=2", "group.tp_size=1", "group.replicas=2", "group.world_size=4",
+              f"group.port={free_port()}", "refit.on_consumer_loss=continue", f"group.timeout_s={TRAINER_TIMEOUT_S:g}",
+              "source=model")  # fmt: skip
+    with Launcher(tmp_path) as launcher:
+        trains = (f"source.path={tiny}", "refit.rounds=100000")
+        producers = [
+            launcher.start(f"producer{p}", "role=producer", f"group.rank={p}", *common, *trains, env=TOKEN)
+            for p in range(2)
+        ]
+        consumers = [
+            launcher.start("consumer2", "role=consumer", "group.rank=2", *common, "sink=model", env=TOKEN),
+            launcher.start("consumer3", "role=consumer", "group.rank=3", *common, env=TOKEN),
+        ]
+        consumers[0].wait_for(r"generation of ranks 0, 1, 2, 3 from round 1", KILL_LIMIT_S)
+        producers[1].signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        outcomes = [run.wait(KILL_LIMIT_S, event_at=killed_at) for run in (producers[0], *consumers)]
+    for out in outcomes:
+        assert out.returncode != 0 and len(out.error_lines) == 1 and "Traceback" not in out.stderr, out.describe()
+        # A lost producer is noticed at once (its sockets close); two deadlines bound the worst case.
+        assert out.since_event_s is not None and out.since_event_s < 2 * TRAINER_TIMEOUT_S + 10, out.describe()
+    said = outcomes[0].error
+    assert "the trainer's process group lost a producer" in said or "lost producer 1" in said, said

@@ -315,6 +315,16 @@ def test_consumers_asking_for_probes_of_different_lengths_each_check_the_probe_t
         assert_ok(result)
 
 
+def test_a_probe_longer_than_the_trainers_model_stops_every_rank_in_one_line(cli, tiny):
+    # Past max_position_embeddings (256 here) the producers' forward would take minutes that no deadline covers.
+    assert_one_line_error(
+        cli("group.producers=2", "source=model", f"source.path={tiny}", "sink=model", "sink.probe_tokens=100000",
+            COVER_STARTUP),
+        "consumer rank 2: sink.probe_tokens=100000 is more positions than the trainer's model has "
+        "(max_position_embeddings=256): give at most 256",
+    )  # fmt: skip
+
+
 def test_producers_whose_config_json_differs_stop_every_rank_in_one_line(cli, tiny, tmp_path):
     # Producer 1 trains from a copy of the checkpoint whose config.json differs in what no tensor's shape shows: the
     # consumers' models, built from producer 0's, would not be the model producer 1 trains.

@@ -46,6 +46,7 @@ sink=verify does, and with ``sink.probe_tokens`` the producers run the fixed pro
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -333,6 +334,12 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
                 f"consumer ranks {consumers[0]['rank']} and {other['rank']} differ: sink={consumers[0]['sink']} and "
                 f"sink={other['sink']}; an engine's workers (sink=vllm) and other consumers cannot share a refit yet"
             )
+    probes = [(e["probe"], e["rank"]) for e in consumers if e.get("probe")]
+    if probes and first["config"] is not None:
+        tokens, who = max(probes)
+        limit = probe_limit(first["config"])
+        if limit is not None and tokens > limit:
+            raise HandshakeError(probe_too_long(who, tokens, limit))
     if not first["trainer"]:
         for other in every[layout.producers :]:
             if not other["recomputes"]:
@@ -354,6 +361,20 @@ def agree_settings(pg: Any, s: RunSettings, layout: ShardedSpec, source: Any) ->
         delta=first["delta"] != "off",
         engines=bool(consumers) and consumers[0]["engine"],
         auto=first["delta"] == "auto",
+    )
+
+
+def probe_limit(config_json: str) -> int | None:
+    """The most positions a probe of the trainer's model may have: its ``max_position_embeddings`` (None where the
+    config gives none)."""
+    limit = json.loads(config_json).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def probe_too_long(rank: int, tokens: int, limit: int) -> str:
+    return (
+        f"consumer rank {rank}: sink.probe_tokens={tokens} is more positions than the trainer's model has "
+        f"(max_position_embeddings={limit}): give at most {limit}"
     )
 
 

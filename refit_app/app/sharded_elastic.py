@@ -15,9 +15,12 @@ the later ones are delta rounds (``on``) or of the kind every rank chooses (``au
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
+
+import torch.distributed as dist
 
 from refit_app.app.config import RunSettings
 from refit_app.app.metrics import PeakMemory, RoundMetrics
@@ -32,6 +35,8 @@ from refit_app.app.sharded import (
     dense_bytes,
     expected_tensors,
     is_trainer,
+    probe_limit,
+    probe_too_long,
     rank_metrics,
     round_metrics,
     source_shards,
@@ -39,7 +44,7 @@ from refit_app.app.sharded import (
     trainer_mesh,
     trainer_sums,
 )
-from refit_app.common.errors import ConfigError
+from refit_app.common.errors import ConfigError, PeerError, one_line
 from refit_app.core.reshard.plan import Need, TensorSpec
 from refit_app.models.sinks import make_sink
 from refit_app.models.sources import make_source
@@ -47,6 +52,7 @@ from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.defaults import agreed_delta
 from refit_app.protocol.sharded import Expected, allocate, tp_needs
 from refit_app.protocol.sharded_elastic import ElasticShardedSession
+from refit_app.transport.backends import masked_gloo_error
 
 
 def _fault_wire(s: RunSettings) -> Any:
@@ -101,13 +107,34 @@ def _trainer_extra(
     trainer's probe of the most positions one asked for (sink=model's ``probe_tokens``): every producer runs it
     (FSDP2 gathers each layer), producer 0's goes. Nothing where every consumer discards."""
 
+    # At most the model's positions: a consumer that asks for more leaves once it knows the model (run_elastic).
+    limit = probe_limit(source.model_config())
+
     def extra(asks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         tokens = max((int(a.get("probe_tokens") or 0) for a in asks.values()), default=0)
-        probe = source.probe(tokens) if tokens else None
+        tokens = min(tokens, limit) if limit is not None else tokens
+        with _trainer_group(rank):
+            probe = source.probe(tokens) if tokens else None
         sums = trainer_sums(specs, shards, expects, rank, m) if any(a.get("sums") for a in asks.values()) else None
         return {"sums": sums, "probe": probe if rank == 0 else None, "probe_tokens": tokens}
 
     return extra
+
+
+@contextmanager
+def _trainer_group(rank: int) -> Iterator[None]:
+    """What runs over the trainer's own process group (its step, its probe): a failure there is a lost producer,
+    said in one line (the run cannot go on without its shards) rather than as gloo's text."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError, ValueError) as e:
+        lost = masked_gloo_error(e) if isinstance(e, ValueError) else e
+        if lost is None:
+            raise
+        raise PeerError(
+            f"producer {rank}: the trainer's process group lost a producer ({one_line(lost)}); a sharded refit "
+            "cannot go on without one (its shards exist nowhere else)"
+        ) from None
 
 
 def _ask(verify: bool, model: Any) -> dict[str, Any]:
@@ -189,9 +216,12 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
             stack.callback(model.close)
             if "config" not in session.context:
                 raise ConfigError(
-                    f"consumer rank {rank}: sink=model builds the producers' model, but they read "
-                    f"{'no trainer' if source is None else source.describe()}: give the producers source=model"
+                    f"consumer rank {rank}: sink=model builds the producers' model, but they train none: give every "
+                    "rank source=model (the producers with its source.path)"
                 )
+            limit = probe_limit(session.context["config"])
+            if limit is not None and (model.probe_tokens or 0) > limit:
+                raise ConfigError(probe_too_long(rank, model.probe_tokens, limit))
             begin_model(model, session.context["config"], agreed_buffer, slices)
         done: list[RoundMetrics] = []
         checked = None
@@ -203,7 +233,8 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 if n == s.refit.rounds:
                     break
                 n += 1
-                facts = (source.advance(n) or {}) if n > 1 else {}
+                with _trainer_group(rank):
+                    facts = (source.advance(n) or {}) if n > 1 else {}
                 specs_now, shards = source_shards(source, rank, k, trainer)  # this round's values, views
                 with PeakMemory() as memory:
                     t0 = time.perf_counter()
