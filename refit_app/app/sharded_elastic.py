@@ -99,16 +99,20 @@ def _figures(
 
 
 def _trainer_extra(
-    source: Any, specs: list[TensorSpec], shards: dict[str, Any], expects: list[Expected], rank: int, m: int
+    source: Any,
+    limit: int | None,
+    specs: list[TensorSpec],
+    shards: dict[str, Any],
+    expects: list[Expected],
+    rank: int,
+    m: int,
 ) -> Any:
     """What a trainer's producer sends with each round (:meth:`ElasticShardedSession.send`'s ``extra``), as the
     consumers of the round's generation asked: its keyed sums of its parts of every slice where one verifies (a
     trainer's consumers cannot recompute its weights: each compares its slices' sums with the producers'), and the
     trainer's probe of the most positions one asked for (sink=model's ``probe_tokens``): every producer runs it
-    (FSDP2 gathers each layer), producer 0's goes. Nothing where every consumer discards."""
-
-    # At most the model's positions: a consumer that asks for more leaves once it knows the model (run_elastic).
-    limit = probe_limit(source.model_config())
+    (FSDP2 gathers each layer), producer 0's goes, of at most ``limit`` positions (the model's: a consumer that asks
+    for more leaves once it knows the model). Nothing where every consumer discards."""
 
     def extra(asks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         tokens = max((int(a.get("probe_tokens") or 0) for a in asks.values()), default=0)
@@ -177,6 +181,8 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 return source_shards(source, rank, k, trainer)[0]
 
             buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
+            config = source.model_config() if trainer else None  # what a consumer's sink=model builds
+            limit = probe_limit(config) if config is not None else None
             session = ElasticShardedSession(
                 spec,
                 producers=k,
@@ -184,7 +190,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 buffer_size_bytes=buffer,
                 delta=delta,
                 extras=trainer,
-                context={"config": source.model_config()} if trainer else None,
+                context={"config": config} if config is not None else None,
                 **options,
             )
         else:
@@ -238,7 +244,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 specs_now, shards = source_shards(source, rank, k, trainer)  # this round's values, views
                 with PeakMemory() as memory:
                     t0 = time.perf_counter()
-                    extra = _trainer_extra(source, specs_now, shards, expects, rank, m) if trainer else None
+                    extra = _trainer_extra(source, limit, specs_now, shards, expects, rank, m) if trainer else None
                     moved = session.send(shards, extra=extra)
                     seconds = time.perf_counter() - t0
             else:
