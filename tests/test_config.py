@@ -309,12 +309,8 @@ def test_output_dirs_name_role_and_rank(overrides: list[str], suffix: str) -> No
         ),
         (["group.tp_size=2", "group.topology=chain"], "group.topology='chain' is invalid: a sharded refit takes no"),
         (
-            ["group.producers=2", "refit.on_consumer_loss=continue", "role=auto"],
-            "role='auto' is invalid: a sharded refit with refit.on_consumer_loss=continue runs under role=local, ray,",
-        ),
-        (
-            ["group.producers=2", "refit.on_consumer_loss=continue", "sink=save", "sink.path=/tmp/x"],
-            "a sharded refit with refit.on_consumer_loss=continue feeds sink=verify, discard or model only so far, not",
+            ["group.producers=2", "refit.on_consumer_loss=continue", "sink=vllm"],
+            "a sharded refit with refit.on_consumer_loss=continue feeds sink=verify, discard, model or save only",
         ),
         (
             ["group.producers=2", "refit.on_consumer_loss=continue", "refit.debug.corrupt_chunk=0"],
@@ -351,6 +347,13 @@ def test_bad_values_are_refused(overrides: list[str], message: str) -> None:
 def test_a_sharded_refit_goes_on_without_a_lost_consumer_where_asked() -> None:
     s = settings("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.on_consumer_loss=continue")
     assert s.refit.elastic and s.sharded is not None and s.group.world_size == 6
+    # Every role, sink=save too; role=auto is a producer or a consumer by its rank.
+    auto = ("role=auto", "group.world_size=4", "group.host=h", "group.token=t", "sink=save", "sink.path=/tmp/x")
+    for rank, role in ((1, "producer"), (3, "consumer")):
+        s = settings(
+            "group.producers=2", "group.tp_size=2", "refit.on_consumer_loss=continue", *auto, f"group.rank={rank}"
+        )
+        assert (s.role, s.rank, s.refit.elastic) == (role, rank, True)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import torch
 from cli_utils import assert_ok, assert_one_line_error, local_metrics
 from conditions import needs_transformers
 from failure_utils import Launcher
@@ -227,3 +228,99 @@ def test_a_trainers_producer_killed_between_rounds_stops_every_rank_naming_the_l
         assert out.since_event_s is not None and out.since_event_s < 2 * TRAINER_TIMEOUT_S + 10, out.describe()
     said = outcomes[0].error
     assert "the trainer's process group lost a producer" in said or "lost producer 1" in said, said
+
+
+# --- sink=save under continue: the last generation's saving consumers, the lowest replica of each tp rank ---------
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_a_killed_first_replicas_slices_are_saved_by_the_next_replica_bit_for_bit(cli, tmp_path):
+    # Rank 2 (replica 0's tp0) dies mid-way through round 2 of a delta session: at the end rank 4 (replica 1's tp0)
+    # saves tp0, rank 3 tp1, and rank 5 nothing; the slices reassemble to the source after the last round.
+    from config_utils import settings
+
+    from refit_app.checkpoint.slices import assemble_slices, read_slices
+    from refit_app.models.sources import make_source
+
+    out, rounds = tmp_path / "slices", 4
+    layout = ("group.producers=2", "group.tp_size=2", "group.replicas=2", "refit.delta=on", "source.update=training")
+    result = cli(*layout, "sink=save", f"sink.path={out}", f"refit.rounds={rounds}", "refit.debug.die_in_round=2",
+                 "refit.debug.die_rank=2", *LOCAL)  # fmt: skip
+    assert_ok(result)
+    metrics = local_metrics(tmp_path)
+    assert metrics["status"] == "ok", metrics
+    lost, *survivors = metrics["consumers"]
+    assert lost["status"] == "failed" and "died" in lost["error"], lost
+    assert [(c["rank"], c["saved_to"]) for c in survivors] == [(3, str(out / "tp1")), (4, str(out / "tp0")), (5, None)]
+    # The killed rank's staging directory was taken away by the save that replaced it: only the two checkpoints.
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "tp0", "tp0/model.safetensors", "tp1", "tp1/model.safetensors",
+    ]  # fmt: skip
+    saved = [read_slices(out / f"tp{t}") for t in range(2)]
+    assert {(s.run, s.round, s.tp_size) for s in saved} == {(saved[0].run, rounds, 2)}
+    source = make_source(*(lambda s: (s.target, s.params))(settings(*layout).source))
+    for n in range(2, rounds + 1):
+        source.advance(n)
+    whole, full = assemble_slices(out / f"tp{t}" for t in range(2)), dict(source.tensors())
+    assert sorted(whole) == sorted(full)
+    assert [name for name, t in full.items() if not torch.equal(_bits(whole[name]), _bits(t))] == []
+
+
+def test_a_tp_rank_with_no_saving_consumer_left_publishes_nothing_and_the_run_fails_in_one_line(cli, tmp_path):
+    # One replica: rank 3 (tp1) dies, the session goes on with rank 2 alone, and at the end no consumer holds tp1's
+    # slices of the last round. Rank 2 publishes nothing either (tp0 of this run beside tp1 of an earlier one would
+    # be no checkpoint): the earlier save stays byte for byte, and the run fails naming why.
+    from refit_app.checkpoint.writer import save_tensors
+
+    out = tmp_path / "slices"
+    for t in range(2):
+        (out / f"tp{t}").mkdir(parents=True)
+    earlier = {t: save_tensors(out / f"tp{t}" / "model.safetensors", {"w": torch.arange(4.0) + t}) for t in range(2)}
+    before = {t: p.read_bytes() for t, p in earlier.items()}
+    result = cli("group.producers=2", "group.tp_size=2", "sink=save", f"sink.path={out}", "refit.rounds=3",
+                 "refit.debug.die_in_round=2", "refit.debug.die_rank=3", *LOCAL)  # fmt: skip
+    assert_one_line_error(
+        result, f"consumer rank 2: nothing saved to {out}: no consumer that saves tp1 was left at the end"
+    )
+    assert {t: p.read_bytes() for t, p in earlier.items()} == before
+    metrics = local_metrics(tmp_path)
+    saver, lost = metrics["consumers"]
+    assert metrics["status"] == "failed" and "died" in lost["error"] and "nothing saved" in saver["error"], metrics
+    assert all(p["status"] == "ok" and p["rounds_done"] == 3 for p in metrics["producers"]), metrics["producers"]
+    # Rank 2's staging directory went with its refusal; the killed rank's may stay (the next save removes it).
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".tp1.")} == {"tp0", "tp1"}
+
+
+# --- role=auto under continue: srun's tasks, one lost and started again -------------------------------------------
+
+
+def _slurm_task(rank: int, tasks: int) -> dict[str, str]:
+    """The environment srun gives task ``rank`` of ``tasks`` on this host (it keeps the others when one dies:
+    ``--kill-on-bad-exit`` is off by default)."""
+    return {**TOKEN, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242"}  # fmt: skip
+
+
+def test_role_auto_tasks_go_on_without_a_killed_consumer_and_take_it_back_started_again(cli):
+    # Each task is a producer or a consumer by its SLURM_PROCID; the port is given (the job id's would be shared
+    # with other tests on this machine).
+    common = ("role=auto", "group.producers=2", "group.tp_size=2", f"group.port={free_port()}", "refit.rounds=40",
+              "refit.on_consumer_loss=continue", "group.timeout_s=20", "source.size=2MiB")  # fmt: skip
+    producers = [cli.start(*common, env=_slurm_task(p, 4)) for p in range(2)]
+    survivor = cli.start(*common, env=_slurm_task(2, 4))
+    killed = cli.start(*common, "refit.debug.die_in_round=2", "refit.debug.die_rank=3", env=_slurm_task(3, 4)).wait()
+    assert killed.returncode == -9, killed.describe()
+    restarted = cli.start(*common, env=_slurm_task(3, 4)).wait()
+    runs = [p.wait() for p in producers] + [survivor.wait(), restarted]
+    for run in runs:
+        assert_ok(run)
+    figures = [_metrics(run) for run in runs]
+    assert [(m["rank"], m["role"]) for m in figures] == [(r, "producer" if r < 2 else "consumer") for r in range(4)]
+    survived, back = figures[2], figures[3]
+    assert [(r["round"], r["verified"]) for r in survived["rounds"]] == [(n, True) for n in range(1, 41)]
+    first = back["rounds"][0]["round"]
+    assert 2 <= first <= 40 and 3 in back["rounds"][0]["members"], back["rounds"][0]
+    assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, 41)]

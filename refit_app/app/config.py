@@ -148,9 +148,10 @@ SHARDED_SINKS = ("verify", "discard", "save", "model", "vllm")
 """The sinks a sharded refit feeds so far (save: each consumer of replica 0 saves its slices; model: each consumer
 a whole model, group.tp_size=1; vllm: an engine process per replica whose tensor-parallel workers are the consumers;
 docs/sharded.md)."""
-SHARDED_ELASTIC_SINKS = ("verify", "discard", "model")
+SHARDED_ELASTIC_SINKS = ("verify", "discard", "model", "save")
 """The sinks a sharded refit with ``refit.on_consumer_loss=continue`` feeds so far (each checks, drops or loads every
-round it received, whatever round it joined at; model: a trainer's, its probe asked of the producers)."""
+round it received, whatever round it joined at; model: a trainer's, its probe asked of the producers; save: at the
+end, for each tensor-parallel rank the last generation's saving consumer of the lowest replica)."""
 ENGINE_SINKS = ("vllm",)
 """Sinks whose consumers are an engine's workers: one process per replica (:attr:`ShardedSpec.engines`)."""
 
@@ -403,13 +404,13 @@ def _check_sharded_elastic(c: _Checker, role: Any) -> None:
     """What a sharded refit with refit.on_consumer_loss=continue runs so far (:mod:`refit_app.app.sharded_elastic`),
     every other setting refused in one line naming it."""
     what = "a sharded refit with refit.on_consumer_loss=continue"
-    if role == "auto":
-        c.fail("role", role, f"{what} runs under role=local, ray, producer or consumer so far")
+    # Every role runs it: role=auto is a producer or a consumer by its rank (under torchrun on one host its agent
+    # stops every worker when one fails; SLURM's srun and one launcher per host leave the others running).
     # Every source a sharded refit reads goes on too (source=model: the producers' FSDP2 trainer, its process group
     # on the run's store beside the generations; its consumers check keyed sums).
     sink = OmegaConf.select(c.cfg, "sink.kind", default=None)
-    if role in ("local", "consumer", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
-        c.errors.append(f"{what} feeds sink=verify, discard or model only so far, not sink={sink or 'custom'}")
+    if role in ("local", "consumer", "auto", _ABSENT) and sink not in SHARDED_ELASTIC_SINKS:
+        c.errors.append(f"{what} feeds sink=verify, discard, model or save only so far, not sink={sink or 'custom'}")
     corrupt_chunk = c.get("refit.debug.corrupt_chunk")
     if corrupt_chunk not in (None, _ABSENT):
         # Its fault hook kills a rank only: a chunk asked to be corrupted would arrive intact, and the run verified.

@@ -16,7 +16,7 @@ from typing import Any
 from refit_app.app.config import RunSettings
 from refit_app.app.metrics import round_times
 from refit_app.app.rank_harness import ActivityHandler, RankOutcome, prestart, root_cause, run_ranks
-from refit_app.common.errors import PeerError, RefitError
+from refit_app.common.errors import PeerError, RefitError, SinkError
 from refit_app.common.sizes import gb_per_s
 from refit_app.transport.auth import new_run_id, new_secret
 
@@ -165,13 +165,27 @@ def combine_outcomes(
     if failures and s.refit.elastic and outcomes[0].ok:
         # The producer completed every round with the consumers it had: the lost ones' entries say what became of
         # them, and each round's members who took part.
-        for o in failures:
-            logger.warning("%s lost during the run: %s", rank_label(o.rank), o.error)
-        failures = []
+        failures = _lost_or_failed(failures, 1)
     _raise_if_failed(failures, outcomes, s, combined)
     verified = [c.get("verified") for c in combined["consumers"] if c.get("status") == "ok"]
     combined["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
     return combined
+
+
+OWN_PRODUCT_ERRORS = (SinkError.__name__,)
+"""A consumer's failures that the run fails with even under refit.on_consumer_loss=continue: its sink could not keep
+what it received (sink=save wrote nothing), so the run did not deliver what it was asked for; any other failure of
+a consumer (it died, stalled, or took bytes that did not check) left the others' weights whole."""
+
+
+def _lost_or_failed(failures: list[RankOutcome], k: int) -> list[RankOutcome]:
+    """Under refit.on_consumer_loss=continue, with every producer done: the consumers that were lost, logged as such,
+    and the failures the run still fails with (:data:`OWN_PRODUCT_ERRORS`)."""
+    kept = [o for o in failures if o.exc_type in OWN_PRODUCT_ERRORS]
+    for o in failures:
+        if o not in kept:
+            logger.warning("%s lost during the run: %s", rank_label(o.rank, k), o.error)
+    return kept
 
 
 def _raise_if_failed(
@@ -183,7 +197,7 @@ def _raise_if_failed(
     if not failures:
         return
     error = root_cause(
-        outcomes,
+        [o for o in outcomes if o.ok or o in failures],  # under continue, not the consumers merely lost
         [rank_label(r, num_producers(s)) for r in range(len(outcomes))],
         secondary=(PeerError.__name__,),
         stopped_hint=f"if it was only slow, raise group.timeout_s (now {s.group.timeout_s:g}s)",
@@ -248,9 +262,7 @@ def combine_sharded(
     if failures and s.refit.elastic and all(o.ok for o in outcomes[:k]):
         # The producers completed every round with the consumers there: the lost ones' entries say what became of
         # them, and each round's members who took part (the others' rounds are counted below).
-        for o in failures:
-            logger.warning("%s lost during the run: %s", rank_label(o.rank, k), o.error)
-        failures = []
+        failures = _lost_or_failed(failures, k)
     _raise_if_failed(failures, outcomes, s, combined)
     consumers = [c for c in consumers if c.get("status") != "failed"]
     verifies = any(c["verified"] is not None for c in consumers)  # sink=verify, or sink=model's sink.verify

@@ -634,26 +634,57 @@ def _slice_saver(
     if replica > 0:
         logger.info("replica %d saves nothing: replica 0's consumers save the same slices", replica)
         return None
+    saver = SaveSink(str(slices_path(s, layout)))
+    saver.begin(
+        slices_manifest(
+            expects,
+            slices,
+            run=agreed.run,
+            round_=agreed.rounds,
+            tp=tp,
+            tp_size=layout.tp_size,
+            buffer_size_bytes=agreed.buffer_size_bytes,
+            source=agreed.source,
+        )
+    )
+    return saver
+
+
+def slices_path(s: RunSettings, layout: ShardedSpec) -> Path:
+    """Where a consumer's sink=save writes its slices: ``sink.path/tp<t>``, t its tensor-parallel rank."""
     assert s.sink is not None
+    return Path(s.sink.params["path"]) / f"tp{(s.rank - layout.producers) % layout.tp_size}"
+
+
+def slices_manifest(
+    expects: list[Expected],
+    slices: dict[str, Held],
+    *,
+    run: str,
+    round_: int,
+    tp: int,
+    tp_size: int,
+    buffer_size_bytes: int,
+    source: str,
+) -> Manifest:
+    """What a consumer's sink=save writes: each of its slices under the tensor's name, with which part of the tensor
+    it is, the run and the round in the file's metadata (:func:`~refit_app.checkpoint.slices.slices_metadata`)."""
     shapes = {e.name: e.shape for e in expects}
     metadata = slices_metadata(
         ((name, shapes[name], held.box) for name, held in slices.items()),
-        run=agreed.run,
-        round_=agreed.rounds,
+        run=run,
+        round_=round_,
         tp_rank=tp,
-        tp_size=layout.tp_size,
+        tp_size=tp_size,
     )
     metas = [TensorMeta(name, tuple(held.tensor.shape), held.tensor.dtype) for name, held in slices.items()]
-    manifest = Manifest(
+    return Manifest(
         metas,
-        buffer_size_bytes=agreed.buffer_size_bytes,
+        buffer_size_bytes=buffer_size_bytes,
         use_legacy_packing=False,
         metadata=metadata,
-        source=agreed.source,
+        source=source,
     )
-    saver = SaveSink(str(Path(s.sink.params["path"]) / f"tp{tp}"))
-    saver.begin(manifest)
-    return saver
 
 
 def _model_sink(s: RunSettings, agreed: Agreed, slices: dict[str, Held]) -> Any:

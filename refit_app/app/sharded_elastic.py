@@ -14,6 +14,8 @@ the later ones are delta rounds (``on``) or of the kind every rank chooses (``au
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -39,20 +41,24 @@ from refit_app.app.sharded import (
     probe_too_long,
     rank_metrics,
     round_metrics,
+    slices_manifest,
+    slices_path,
     source_shards,
     tp_rule,
     trainer_mesh,
     trainer_sums,
 )
-from refit_app.common.errors import ConfigError, PeerError, one_line
+from refit_app.common.errors import ConfigError, PeerError, SinkError, one_line
 from refit_app.core.reshard.plan import Need, TensorSpec
-from refit_app.models.sinks import make_sink
+from refit_app.models.sinks import SaveSink, make_sink
 from refit_app.models.sources import make_source
 from refit_app.packed_tensor import get_target_packed_tensor_size
 from refit_app.protocol.defaults import agreed_delta
 from refit_app.protocol.sharded import Expected, allocate, tp_needs
 from refit_app.protocol.sharded_elastic import ElasticShardedSession
 from refit_app.transport.backends import masked_gloo_error
+
+logger = logging.getLogger(__name__)
 
 
 def _fault_wire(s: RunSettings) -> Any:
@@ -141,10 +147,56 @@ def _trainer_group(rank: int) -> Iterator[None]:
         ) from None
 
 
-def _ask(verify: bool, model: Any) -> dict[str, Any]:
+def _ask(verify: bool, model: Any, saves: bool) -> dict[str, Any]:
     """What a consumer asks of a trainer's producers in every generation it is in: their keyed sums where it
-    verifies, the trainer's probe of ``sink.probe_tokens`` positions where it loads a model that checks one."""
-    return {"sums": verify, "probe_tokens": model.probe_tokens if model is not None else 0}
+    verifies, the trainer's probe of ``sink.probe_tokens`` positions where it loads a model that checks one; and
+    what it tells the other consumers: whether it saves its slices (sink=save: who saves which at the end)."""
+    return {"sums": verify, "probe_tokens": model.probe_tokens if model is not None else 0, "saves": saves}
+
+
+def _save_last_round(
+    saver: SaveSink,
+    session: ElasticShardedSession,
+    manifest: Any,
+    slices: dict[str, Any],
+    rank: int,
+    k: int,
+    m: int,
+) -> dict[str, Any]:
+    """sink=save once the producers ended the session: of the last generation's consumers that save, the one of
+    the lowest replica for each tensor-parallel rank writes its slices of the last round (``manifest(round)``) and
+    publishes them; the others save nothing. Where no saving consumer of some tensor-parallel rank is left, none
+    publishes (the last round's slices of that rank exist nowhere on disk), and each says so in one line."""
+    where = saver.path
+    if rank not in session.members:  # no generation at the end: it joined after the last round, or was let go
+        saver.abort()
+        if session.rounds == 0:
+            logger.info("consumer rank %d received no round: it saves nothing", rank)
+            return {}
+        raise SinkError(
+            f"consumer rank {rank}: nothing saved to {where}: it was not in the session's last generation (its last "
+            f"round was {session.rounds})"
+        )
+    savers: dict[int, int] = {}
+    for r in sorted(r for r, ask in session.asks.items() if r >= k and ask.get("saves")):
+        savers.setdefault((r - k) % m, r)
+    if missing := [t for t in range(m) if t not in savers]:
+        saver.abort()
+        raise SinkError(
+            f"consumer rank {rank}: nothing saved to {where.parent}: no consumer that saves "
+            f"{', '.join(f'tp{t}' for t in missing)} was left at the end of the session (round {session.rounds}), "
+            "so none publishes; every tp<t> there keeps its previous save"
+        )
+    tp = (rank - k) % m
+    if savers[tp] != rank:
+        saver.abort()
+        logger.info("consumer rank %d saves nothing: rank %d saves the same slices to %s", rank, savers[tp], where)
+        return {}
+    saver.begin(manifest(session.rounds))
+    saver.consume([(name, held.tensor) for name, held in slices.items()])
+    saver.finish(None)
+    saver.prepare()
+    return saver.close()
 
 
 def run_elastic(s: RunSettings) -> dict[str, Any]:
@@ -183,6 +235,9 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
             buffer = s.refit.buffer_size_bytes or get_target_packed_tensor_size()
             config = source.model_config() if trainer else None  # what a consumer's sink=model builds
             limit = probe_limit(config) if config is not None else None
+            # What every consumer learns of the run with the generation it joins: sink=save's slice files carry
+            # the run's id and producer 0's source; sink=model builds the trainer's config.
+            context = {"run": secrets.token_hex(8), "source": source.describe()}
             session = ElasticShardedSession(
                 spec,
                 producers=k,
@@ -190,7 +245,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 buffer_size_bytes=buffer,
                 delta=delta,
                 extras=trainer,
-                context={"config": config} if config is not None else None,
+                context={**context, "config": config} if config is not None else context,
                 **options,
             )
         else:
@@ -200,6 +255,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 return tp_needs(expects, rank, tp, m, tp_rule(expects))
 
             model = make_sink(s.sink.target, s.sink.params) if s.sink is not None and s.sink_name == "model" else None
+            saves = s.sink_name == "save"
             # Null takes the producers' buffer size, as in any refit.
             session = ElasticShardedSession(
                 spec,
@@ -209,7 +265,7 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                 buffer_size_bytes=s.refit.buffer_size_bytes,
                 delta=delta,
                 extras=source is None,
-                ask=_ask(verify, model),
+                ask=_ask(verify, model, saves),
                 **options,
             )
         stack.enter_context(session)
@@ -229,8 +285,27 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
             if limit is not None and (model.probe_tokens or 0) > limit:
                 raise ConfigError(probe_too_long(rank, model.probe_tokens, limit))
             begin_model(model, session.context["config"], agreed_buffer, slices)
+        saver = None  # a consumer's sink=save: its slices of the last round, once the session ended
+        if not producer and saves and session.generation is not None:
+
+            def manifest(n: int) -> Any:
+                return slices_manifest(
+                    expects,
+                    slices,
+                    run=session.context.get("run", ""),
+                    round_=n,
+                    tp=(rank - k) % m,
+                    tp_size=m,
+                    buffer_size_bytes=agreed_buffer,
+                    source=session.context.get("source", "the producers' source"),
+                )
+
+            saver = SaveSink(str(slices_path(s, layout)))
+            stack.callback(saver.abort)  # a failed run removes its staging directory (after close(): nothing to do)
+            saver.begin(manifest(0))  # an unusable path fails here, before any transfer
         done: list[RoundMetrics] = []
         checked = None
+        saved: dict[str, Any] = {}
         n = 0
         while True:
             facts: dict[str, Any] = {}  # a trainer's step before the round (its loss)
@@ -253,6 +328,8 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
                     got = session.receive(slices)
                     seconds = time.perf_counter() - t0
                 if got is None:
+                    if saver is not None:
+                        saved = _save_last_round(saver, session, manifest, slices, rank, k, m)
                     break
                 moved, n = got, session.rounds
                 if verify and source is None:
@@ -292,5 +369,5 @@ def run_elastic(s: RunSettings) -> dict[str, Any]:
         verify,
         checked,
         len(expects),
-        {},
+        saved,
     )
