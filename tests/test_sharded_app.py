@@ -324,3 +324,17 @@ def test_assembling_slices_refuses_a_mix_of_runs_and_slices_that_leave_a_gap(tmp
     save_tensors(tmp_path / "c" / "tp0" / "model.safetensors", {"w": torch.zeros(4, 3)}, meta)
     with pytest.raises(SourceError, match=r"'w': box \[\(2, 6\), \(0, 3\)\] does not lie inside its shape \[4, 3\]"):
         assemble_slices([tmp_path / "c" / "tp0"])
+
+
+def test_a_lost_engine_worker_is_named_with_the_engine_process_the_user_started():
+    # sink=vllm: the data group numbers engine r's worker w K + rM + w, a rank nobody launched; the line says whose.
+    from config_utils import settings
+
+    from refit_app.app.sharded_engine import worker_named
+
+    layout = settings("group.producers=2", "group.tp_size=2", "group.replicas=2").sharded
+    said = worker_named("rank 0: lost rank 5 while sending to it: Connection reset by peer.", layout)
+    assert said.endswith(": Connection reset by peer. (data-group rank 5 is worker 1 of the engine process at rank 3, "
+                         "replica 1)")  # fmt: skip
+    producer_lost = "rank 2: lost rank 1 while receiving from it: Connection reset by peer."
+    assert worker_named(producer_lost, layout) == producer_lost

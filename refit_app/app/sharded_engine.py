@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, replace
@@ -45,7 +46,7 @@ from refit_app.app.config import RunSettings, ShardedSpec
 from refit_app.app.metrics import PeakMemory, RoundMetrics
 from refit_app.app.rank_harness import free_port
 from refit_app.app.sharded import Agreed, delta_figures, rank_metrics, round_metrics, trainer_mesh
-from refit_app.common.errors import HandshakeError, SinkError, VerificationError, one_line
+from refit_app.common.errors import HandshakeError, PeerError, SinkError, VerificationError, one_line
 from refit_app.core.meta import TensorMeta
 from refit_app.models.hf.spec import main_dtype
 from refit_app.models.sinks import make_sink
@@ -53,6 +54,9 @@ from refit_app.protocol.sharded import from_tensors
 from refit_app.transport.groups import RefitGroup
 
 logger = logging.getLogger(__name__)
+
+_LOST_RANK = re.compile(r"\blost rank (\d+)")
+"""How the data group names the peer a transfer lost (:mod:`refit_app.core.reshard.transfer`)."""
 
 TP_DIVIDES = ("num_attention_heads", "intermediate_size")
 """Config sizes vLLM splits evenly over its tensor-parallel workers (heads, the MLP's rows)."""
@@ -126,6 +130,21 @@ def engine_rounds(
     return _serve(s, agreed, pg, side, replace(info, rank_offset=offset), started, stack)
 
 
+def worker_named(message: str, layout: ShardedSpec) -> str:
+    """``message`` of a data-group transfer that lost a peer, with the engine process it belongs to: the data group
+    numbers the engines' workers after the producers (engine r's worker w is rank K + rM + w), which the user never
+    started as such."""
+    found = _LOST_RANK.search(message)
+    if found is None or int(found.group(1)) < layout.producers:
+        return message
+    data_rank = int(found.group(1))
+    engine, worker = divmod(data_rank - layout.producers, layout.tp_size)
+    return (
+        f"{message} (data-group rank {data_rank} is worker {worker} of the engine process at rank "
+        f"{layout.producers + engine}, replica {engine})"
+    )
+
+
 def _delta_word(agreed: Agreed) -> str:
     """Producer 0's ``refit.delta`` (which the engine process adopts), for the data group's every rank."""
     return "auto" if agreed.auto else "on" if agreed.delta else "off"
@@ -185,7 +204,10 @@ def _produce(
         with PeakMemory() as memory:
             t0 = time.perf_counter()
             _, shards = from_tensors(source.tensors(), rank=rank)  # this round's values, live
-            sent = producer.send(shards)
+            try:
+                sent = producer.send(shards)
+            except PeerError as e:
+                raise PeerError(worker_named(str(e), layout)) from e
             seconds = time.perf_counter() - t0
         # Every producer runs the probe (FSDP2 gathers each layer for the forward); producer 0's goes to the engine.
         probe = source.probe(agreed.probe_tokens) if agreed.probe_tokens else None

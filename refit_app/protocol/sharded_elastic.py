@@ -346,7 +346,7 @@ class ElasticShardedSession(EndsOnError):
             # with other settings) disagrees. Not the run's end: producer 0 drops the newcomers and goes on without
             # them (ProducerGenerations._not_formed), and they stop in one line naming the difference.
             raise PeerError(
-                f"rank {self.rank}: generation from round {k} did not agree on the plan ({one_line(e)})"
+                f"rank {self.rank}: generation from round {k} did not agree on the plan: {one_line(e)}"
             ) from e
         if why is not None:
             # Raised with nothing of the group in reach (no chained exception, this frame's references dropped): a
