@@ -184,7 +184,9 @@ def test_a_trainers_ranks_started_apart_drop_a_consumer_that_expects_no_trainer_
     survivor = cli.start("role=consumer", "group.rank=2", *common, env=TOKEN)
     # Told it reads a synthetic source: it would check its slices against its own copy, but a trainer sends keyed sums.
     wrong = cli.start("role=consumer", "group.rank=3", *common[:-1], env=TOKEN).wait()
-    assert_one_line_error(wrong, "rank 3: producer 0's rounds carry keyed sums (a trainer's, source=model) and this")
+    assert_one_line_error(
+        wrong, "rank 3: producer 0's rounds carry keyed sums (a trainer's, source=model) and this rank checks"
+    )
     back = cli.start("role=consumer", "group.rank=3", *common, env=TOKEN).wait()
     survived = survivor.wait()
     for run in (*(p.wait() for p in producers), survived, back):
@@ -324,3 +326,19 @@ def test_role_auto_tasks_go_on_without_a_killed_consumer_and_take_it_back_starte
     first = back["rounds"][0]["round"]
     assert 2 <= first <= 40 and 3 in back["rounds"][0]["members"], back["rounds"][0]
     assert [(r["round"], r["verified"]) for r in back["rounds"]] == [(n, True) for n in range(first, 41)]
+
+
+@needs_transformers
+def test_a_model_consumer_of_producers_that_train_nothing_leaves_in_one_line_and_the_others_go_on(cli):
+    # sink=model builds the trainer's model from producer 0's config.json: producers of a synthetic source train none.
+    common = ("group.producers=2", "group.tp_size=1", "group.replicas=2", "group.world_size=4",
+              f"group.port={free_port()}", "refit.on_consumer_loss=continue", "group.timeout_s=20")  # fmt: skip
+    small = ("source.size=2MiB",)
+    producers = [
+        cli.start("role=producer", f"group.rank={p}", *common, *small, "refit.rounds=20", env=TOKEN) for p in range(2)
+    ]
+    survivor = cli.start("role=consumer", "group.rank=2", *common, *small, env=TOKEN)
+    wrong = cli.start("role=consumer", "group.rank=3", *common, "source=model", "sink=model", env=TOKEN).wait()
+    assert_one_line_error(wrong, "rank 3: this rank expects a trainer's rounds (source=model: keyed sums, its model's")
+    for run in (*(p.wait() for p in producers), survivor.wait()):
+        assert_ok(run)

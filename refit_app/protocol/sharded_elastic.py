@@ -282,9 +282,11 @@ class ElasticShardedSession(EndsOnError):
         context = plan.get("context") or {}
         if bool(context.get("extras")) != self._extras:
             raise ConfigError(
-                f"rank {self.rank}: producer 0's rounds {'carry' if context.get('extras') else 'carry no'} keyed "
-                f"sums (a trainer's, source=model) and this rank's {'do' if self._extras else 'do not'}: give every "
-                "rank the same source"
+                f"rank {self.rank}: producer 0's rounds carry keyed sums (a trainer's, source=model) and this rank "
+                "checks against a source of its own: give every rank the same source"
+                if context.get("extras")
+                else f"rank {self.rank}: this rank expects a trainer's rounds (source=model: keyed sums, its "
+                "model's config) and producer 0 trains none: give every rank the same source"
             )
         self.context = dict(context.get("context") or {})
         if self.expects is None and self._needs_from is not None:
