@@ -338,3 +338,25 @@ def test_a_lost_engine_worker_is_named_with_the_engine_process_the_user_started(
                          "replica 1)")  # fmt: skip
     producer_lost = "rank 2: lost rank 1 while receiving from it: Connection reset by peer."
     assert worker_named(producer_lost, layout) == producer_lost
+
+
+def test_a_local_sharded_save_fails_where_no_consumer_saved_a_tp_ranks_directory(tmp_path):
+    # Under continue a saver lost after the last round (past the producers' end of the session, so nobody else
+    # notices) publishes nothing while the others publish theirs: role=local's verdict checks every tp<t> was saved.
+    from config_utils import settings
+
+    from refit_app.app.local import LocalRunError, combine_outcomes
+    from refit_app.app.rank_harness import RankOutcome
+
+    s = settings("group.producers=2", "group.tp_size=2", "sink=save", f"sink.path={tmp_path}",
+                 "refit.on_consumer_loss=continue")  # fmt: skip
+    producers = [RankOutcome(p, True, {"role": "producer", "rank": p, "rounds": []}) for p in range(2)]
+    saver = RankOutcome(2, True, {"role": "consumer", "rank": 2, "status": "ok", "saved_to": str(tmp_path / "tp0")})
+    lost = RankOutcome(3, False, error="rank 3 died (exit code -9)", exc_type="Died")
+    with pytest.raises(LocalRunError) as failed:
+        combine_outcomes([*producers, saver, lost], s, "local")
+    assert str(failed.value) == (
+        f"no consumer saved tp1 to {tmp_path} in this run (its saver was lost after the last round); the directories "
+        "there hold different runs now, which assemble_slices refuses"
+    )
+    assert failed.value.metrics["status"] == "failed"

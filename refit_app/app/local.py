@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from refit_app.app.config import RunSettings
@@ -188,6 +189,24 @@ def _lost_or_failed(failures: list[RankOutcome], k: int) -> list[RankOutcome]:
     return kept
 
 
+def _raise_if_unsaved(s: RunSettings, consumers: Sequence[Mapping[str, Any]], combined: dict[str, Any]) -> None:
+    """sink=save in a sharded refit: every tensor-parallel rank's directory must hold this run's slices. Under
+    refit.on_consumer_loss=continue a consumer lost after the last round, before it published, saved nothing while
+    the others published theirs (the directories then hold different runs)."""
+    if s.sink_name != "save" or s.sink is None or s.sharded is None:
+        return
+    where = Path(s.sink.params["path"])
+    saved = {c.get("saved_to") for c in consumers}
+    missing = [f"tp{t}" for t in range(s.sharded.tp_size) if str(where / f"tp{t}") not in saved]
+    if missing:
+        error = (
+            f"no consumer saved {', '.join(missing)} to {where} in this run (its saver was lost after the last "
+            "round); the directories there hold different runs now, which assemble_slices refuses"
+        )
+        combined.update(status="failed", error=error)
+        raise LocalRunError(error, combined)
+
+
 def _raise_if_failed(
     failures: list[RankOutcome], outcomes: list[RankOutcome], s: RunSettings, combined: dict[str, Any]
 ) -> None:
@@ -265,6 +284,7 @@ def combine_sharded(
         failures = _lost_or_failed(failures, k)
     _raise_if_failed(failures, outcomes, s, combined)
     consumers = [c for c in consumers if c.get("status") != "failed"]
+    _raise_if_unsaved(s, consumers, combined)
     verifies = any(c["verified"] is not None for c in consumers)  # sink=verify, or sink=model's sink.verify
     rounds = []
     for entries in _rounds_by_number(producers, consumers):
