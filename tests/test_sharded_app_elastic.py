@@ -342,3 +342,59 @@ def test_a_model_consumer_of_producers_that_train_nothing_leaves_in_one_line_and
     assert_one_line_error(wrong, "rank 3: this rank expects a trainer's rounds (source=model: keyed sums, its model's")
     for run in (*(p.wait() for p in producers), survivor.wait()):
         assert_ok(run)
+
+
+def _failing_seal_rank(rank: int, world_size: int, port: int, s, fail_rank: int):
+    from dataclasses import replace
+
+    from refit_app.app.local import rank_settings
+    from refit_app.app.sharded_run import run_sharded
+    from refit_app.common.errors import SinkError
+    from refit_app.models.sinks import SaveSink
+
+    s = rank_settings(replace(s, group=replace(s.group, port=port)), rank, local_rank=None)
+    if rank == fail_rank:  # this consumer's disk fills up as it makes its last round durable
+
+        def prepare(self) -> None:
+            raise SinkError(f"rank {rank}: injected: no space left sealing {self.path}")
+
+        SaveSink.prepare = prepare
+    return run_sharded(s)
+
+
+def test_savers_that_went_on_without_a_lost_consumer_still_publish_together_or_not_at_all(tmp_path):
+    # Under continue the savers (the lowest replica's of each tp rank in the last generation) tell each other
+    # whether they sealed their slices before any publishes: one that cannot (its disk full) and none publishes.
+    from config_utils import settings
+    from mp_utils import STARTUP_LIMIT_S, RankFailure, run_ranks
+
+    from refit_app.app.local import with_run_secret
+    from refit_app.checkpoint.slices import read_slices
+
+    out = tmp_path / "slices"
+    s = with_run_secret(
+        settings(
+            "group.producers=2",
+            "group.tp_size=2",
+            "group.replicas=2",
+            "sink=save",
+            f"sink.path={out}",
+            "refit.rounds=2",
+            "refit.on_consumer_loss=continue",
+            "group.timeout_s=60",
+        )
+    )
+    first = run_ranks(_failing_seal_rank, 6, s, -1, timeout=STARTUP_LIMIT_S)
+    assert [m.get("saved_to") for m in first[2:]] == [str(out / "tp0"), str(out / "tp1"), None, None]
+    runs = {read_slices(out / f"tp{t}").run for t in range(2)}
+    before = {t: (out / f"tp{t}" / "model.safetensors").read_bytes() for t in range(2)}
+    # tp1's saver (rank 3) cannot seal; tp0's (rank 2) sealed its own and hears of it: neither publishes.
+    results = run_ranks(_failing_seal_rank, 6, s, 3, timeout=STARTUP_LIMIT_S, return_exceptions=True)
+    failed = [r for r, result in enumerate(results) if isinstance(result, RankFailure)]
+    assert failed == [2, 3], results
+    assert "rank 3 could not seal its slices (rank 3: injected: no space left sealing" in str(results[2])
+    assert {read_slices(out / f"tp{t}").run for t in range(2)} == runs
+    assert {t: (out / f"tp{t}" / "model.safetensors").read_bytes() for t in range(2)} == before
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "tp0", "tp0/model.safetensors", "tp1", "tp1/model.safetensors",
+    ]  # fmt: skip

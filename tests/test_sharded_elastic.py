@@ -365,3 +365,45 @@ def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tens
             # The cut round's extras are made again, for the generation without the lost consumer.
             asked = {r: r for r in (without if k >= KILLED_IN else range(K, WORLD))}
             assert extras == {p: {"from": p, "round": k, "asked": asked} for p in range(K)}, (k, extras)
+
+
+def _finishing(rank: int, world_size: int, port: int, dies: bool) -> object:
+    # Consumers that asked to finish together tell each other a value once the producers ended the session; with
+    # ``dies``, consumer K + 1 is SIGKILLed between the end of the session and its word.
+    expects = expected_of(_model(1).items())
+    spec = gloo_spec(rank, K + M, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-finish")
+    if rank < K:
+        specs, shards = _shards(1, rank)
+        with ElasticShardedSession(spec, producers=K, specs=specs, buffer_size_bytes=BUFFER) as s:
+            for _ in range(2):
+                s.send(shards)
+            finishers = s.finishers
+        return {"finishers": finishers, "closed_at": time.monotonic()}
+    needs = tp_needs(expects, rank, rank - K, M, _rule)
+    with ElasticShardedSession(
+        spec, producers=K, needs=needs, expects=expects, buffer_size_bytes=None, ask={"finish": True}
+    ) as s:
+        slices = allocate(expects, needs)
+        while s.receive(slices) is not None:
+            pass
+        if dies and rank == K + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            return {"said": s.finish({"rank": rank, "rounds": s.rounds})}
+        except RefitError as e:
+            return {"error": str(e), "waited": time.monotonic() - started}
+
+
+def test_consumers_that_finish_together_hear_each_other_and_name_one_lost_after_the_last_round():
+    every = run_ranks(_finishing, K + M, False, timeout=120)
+    said = {c: {K + i: {"rank": K + i, "rounds": 2} for i in range(M)} for c in range(K, K + M)}
+    assert {c: every[c]["said"] for c in range(K, K + M)} == {c: said[c] for c in said}
+    assert all(every[p]["finishers"] == list(range(K, K + M)) for p in range(K))
+    lost = run_ranks(_finishing, K + M, True, timeout=120, return_exceptions=True)
+    assert isinstance(lost[K + 1], RankFailure) and lost[K + 1].exc_type == "Died", lost[K + 1]
+    survivor = lost[K]
+    assert f"consumer rank {K + 1} of the last generation did not finish within group.timeout_s" in survivor["error"]
+    assert TIMEOUT_S - 0.5 < survivor["waited"] < deadline_budget(TIMEOUT_S), survivor
+    # Producer 0 waited for the finishers (at most two deadlines), then ended: every producer returned.
+    assert all("closed_at" in lost[p] for p in range(K)), lost[:K]

@@ -150,8 +150,14 @@ def _trainer_group(rank: int) -> Iterator[None]:
 def _ask(verify: bool, model: Any, saves: bool) -> dict[str, Any]:
     """What a consumer asks of a trainer's producers in every generation it is in: their keyed sums where it
     verifies, the trainer's probe of ``sink.probe_tokens`` positions where it loads a model that checks one; and
-    what it tells the other consumers: whether it saves its slices (sink=save: who saves which at the end)."""
-    return {"sums": verify, "probe_tokens": model.probe_tokens if model is not None else 0, "saves": saves}
+    what it tells the other consumers: whether it saves its slices (sink=save: who saves which at the end, and they
+    finish together: :meth:`ElasticShardedSession.finish`)."""
+    return {
+        "sums": verify,
+        "probe_tokens": model.probe_tokens if model is not None else 0,
+        "saves": saves,
+        "finish": saves,
+    }
 
 
 def _save_last_round(
@@ -165,8 +171,10 @@ def _save_last_round(
 ) -> dict[str, Any]:
     """sink=save once the producers ended the session: of the last generation's consumers that save, the one of
     the lowest replica for each tensor-parallel rank writes its slices of the last round (``manifest(round)``) and
-    publishes them; the others save nothing. Where no saving consumer of some tensor-parallel rank is left, none
-    publishes (the last round's slices of that rank exist nowhere on disk), and each says so in one line."""
+    seals them; the others save nothing. The savers then tell each other whether they sealed
+    (:meth:`ElasticShardedSession.finish`), and publish only where every one did, as a sharded save does without a
+    loss. Where no saving consumer of some tensor-parallel rank is left, none publishes (the last round's slices of
+    that rank exist nowhere on disk), and each says so in one line."""
     where = saver.path
     if rank not in session.members:  # no generation at the end: it joined after the last round, or was let go
         saver.abort()
@@ -180,22 +188,44 @@ def _save_last_round(
     savers: dict[int, int] = {}
     for r in sorted(r for r, ask in session.asks.items() if r >= k and ask.get("saves")):
         savers.setdefault((r - k) % m, r)
-    if missing := [t for t in range(m) if t not in savers]:
+    missing = [t for t in range(m) if t not in savers]
+    mine = not missing and savers[(rank - k) % m] == rank
+    sealed: dict[str, Any] = {"sealed": None}  # this rank's word to the other savers: it saves nothing
+    if mine:
+        try:
+            saver.begin(manifest(session.rounds))
+            saver.consume([(name, held.tensor) for name, held in slices.items()])
+            saver.finish(None)
+            saver.prepare()
+            sealed = {"sealed": True}
+        except SinkError as e:
+            sealed = {"sealed": False, "error": one_line(e)}
+    try:
+        said = session.finish(sealed)  # every saver's word, once each has written and sealed its slices
+    except PeerError as e:
+        saver.abort()
+        raise SinkError(f"consumer rank {rank}: nothing saved to {where.parent}: {one_line(e)}") from None
+    if missing:
         saver.abort()
         raise SinkError(
             f"consumer rank {rank}: nothing saved to {where.parent}: no consumer that saves "
             f"{', '.join(f'tp{t}' for t in missing)} was left at the end of the session (round {session.rounds}), "
             "so none publishes; every tp<t> there keeps its previous save"
         )
-    tp = (rank - k) % m
-    if savers[tp] != rank:
+    if not mine:
         saver.abort()
-        logger.info("consumer rank %d saves nothing: rank %d saves the same slices to %s", rank, savers[tp], where)
+        logger.info(
+            "consumer rank %d saves nothing: rank %d saves the same slices to %s", rank, savers[(rank - k) % m], where
+        )
         return {}
-    saver.begin(manifest(session.rounds))
-    saver.consume([(name, held.tensor) for name, held in slices.items()])
-    saver.finish(None)
-    saver.prepare()
+    unsealed = sorted(r for r in savers.values() if said.get(r, {}).get("sealed") is not True)
+    if unsealed:
+        saver.abort()
+        why = said.get(unsealed[0], {}).get("error") or "it said nothing"
+        raise SinkError(
+            f"consumer rank {rank}: nothing saved to {where.parent}: rank {unsealed[0]} could not seal its slices "
+            f"({why}), so none publishes; every tp<t> there keeps its previous save"
+        )
     return saver.close()
 
 

@@ -25,6 +25,7 @@ group's deadline, and so is the number of generations tried without progress (``
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +74,14 @@ class Generation:
     ranks: list[int]
     session: ShardedSession
     first: int
+
+
+_FINISH = "finish"
+"""The run's store prefix under which the finishers of :meth:`ElasticShardedSession.finish` exchange their values."""
+
+
+def _finish_key(what: str, rank: int) -> str:
+    return f"{what}/{rank}"
 
 
 def _gloo_lost(e: BaseException) -> BaseException | None:
@@ -142,7 +151,8 @@ class ElasticShardedSession(EndsOnError):
     consumer checks its slices against. Every rank but producer 0 may join with ``ask``, a small JSON mapping that
     the plan record of each generation it is in carries to every rank (:attr:`asks`): what a consumer wants of the
     producers' extras (a model's probe of so many positions). Producer 0's ``context`` (small, JSON) reaches every
-    rank in the same records (:attr:`context`)."""
+    rank in the same records (:attr:`context`). Consumers that join with ``"finish": True`` in their ``ask`` end
+    together: each tells the others a value once the producers ended the session (:meth:`finish`)."""
 
     def __init__(
         self,
@@ -254,6 +264,66 @@ class ElasticShardedSession(EndsOnError):
     def members(self) -> list[int]:
         """The consumer ranks of the current generation."""
         return [] if self.generation is None else [r for r in self.generation.ranks if r >= self.producers]
+
+    @property
+    def finishers(self) -> list[int]:
+        """The consumer ranks of the current (at the end, the last) generation that joined with ``"finish": True``
+        in their ``ask``: those that exchange a value in :meth:`finish` once the producers ended the session."""
+        return sorted(r for r, a in self.asks.items() if r >= self.producers and a.get("finish"))
+
+    def finish(self, value: Any) -> dict[int, Any]:
+        """A consumer's, once :meth:`receive` returned None (the producers ended the session): post ``value``
+        (small, JSON) to every other member of :attr:`finishers` and return every one's, by refit rank, each within
+        ``group.timeout_s`` of this call. For consumers that end together, such as savers that publish their files
+        only once every one has sealed its own. Producer 0 keeps the run's store up until each finisher has read
+        the others' values, at most 2 x ``group.timeout_s`` after it ended the session. Raises PeerError naming the
+        finishers whose value did not come (lost after the last round), or producer 0 lost."""
+        if self.producer or self._member is None or not self.closed or self.generation is None:
+            raise ValueError(f"rank {self.rank}: finish() is a consumer's, once receive() returned None")
+        finishers = self.finishers
+        if self.rank not in finishers:
+            raise ValueError(f"rank {self.rank}: finish() is for the members that joined with ask={{'finish': True}}")
+        store = self._member.membership.store(_FINISH)
+        timeout_s = self.spec.timeout_s
+        deadline, poller = time.monotonic() + timeout_s, Poller()
+        try:
+            store.set(_finish_key("value", self.rank), json.dumps(value))
+            while not store.check([_finish_key("value", r) for r in finishers]):
+                if time.monotonic() >= deadline:
+                    missing = [r for r in finishers if not store.check([_finish_key("value", r)])]
+                    raise PeerError(
+                        f"rank {self.rank}: consumer {ranks_text(missing)} of the last generation did not finish "
+                        f"within group.timeout_s={timeout_s:g}s of this rank (lost after the last round?)"
+                    )
+                poller.sleep(deadline)
+            values = {r: json.loads(store.get(_finish_key("value", r))) for r in finishers}
+            store.add(_finish_key("read", self.rank), 1)
+        except dist.DistError as e:
+            raise PeerError(
+                f"rank {self.rank}: lost producer 0 at {self.spec.address} while finishing ({one_line(e)})"
+            ) from None
+        return values
+
+    def _await_finishers(self) -> None:
+        """Producer 0's, as it ends the session: keep the run's store up until every finisher read the others'
+        values (:meth:`finish`), at most 2 x ``group.timeout_s``."""
+        finishers = self.finishers
+        if self._host is None or not finishers:
+            return
+        store = self._host.membership.store(_FINISH)
+        deadline, poller = time.monotonic() + 2 * self.spec.timeout_s, Poller()
+        keys = [_finish_key("read", r) for r in finishers]
+        try:
+            while not store.check(keys):
+                if time.monotonic() >= deadline:
+                    unread = [r for r in finishers if not store.check([_finish_key("read", r)])]
+                    logger.warning(
+                        "rank 0: consumer %s did not finish; the session ends without it", ranks_text(unread)
+                    )
+                    return
+                poller.sleep(deadline)
+        except dist.DistError as e:  # the store is this process's own; nothing to keep up
+            logger.warning("rank 0: could not wait for the consumers to finish: %s", one_line(e))
 
     def wait_for_joiners(self, ranks: Sequence[int], timeout_s: float) -> bool:
         """Producer 0's: wait up to ``timeout_s`` until each of ``ranks`` is a member or has asked to join (it is
@@ -506,6 +576,7 @@ class ElasticShardedSession(EndsOnError):
                 # The rounds are done; a consumer lost now changes nothing they delivered.
                 logger.warning("rank %d: a member was lost at the end of the session (%s)", self.rank, one_line(e))
                 self.generation.rg.control.failed = True
+            self._await_finishers()
         self._end(None)
 
     def _end(self, error: str | None) -> None:
