@@ -18,6 +18,7 @@ import signal
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed.tensor  # from_tensors imports it: seconds under load, here in start-up
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
@@ -367,9 +368,10 @@ def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tens
             assert extras == {p: {"from": p, "round": k, "asked": asked} for p in range(K)}, (k, extras)
 
 
-def _finishing(rank: int, world_size: int, port: int, dies: bool) -> object:
-    # Consumers that asked to finish together tell each other a value once the producers ended the session; with
-    # ``dies``, consumer K + 1 is SIGKILLed between the end of the session and its word.
+def _finishing(rank: int, world_size: int, port: int, dies: str, dead) -> object:
+    # Consumers that asked to finish together tell each other a value once the producers ended the session. Consumer
+    # K + 1 is SIGKILLed (``dies``) between the end of the session and its word ("before"), or once its value is
+    # posted ("posted"; consumer K then posts its own, and finds every value there, one of a dead process).
     expects = expected_of(_model(1).items())
     spec = gloo_spec(rank, K + M, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-finish")
     if rank < K:
@@ -378,7 +380,7 @@ def _finishing(rank: int, world_size: int, port: int, dies: bool) -> object:
             for _ in range(2):
                 s.send(shards)
             finishers = s.finishers
-        return {"finishers": finishers, "closed_at": time.monotonic()}
+        return {"finishers": finishers}
     needs = tp_needs(expects, rank, rank - K, M, _rule)
     with ElasticShardedSession(
         spec, producers=K, needs=needs, expects=expects, buffer_size_bytes=None, ask={"finish": True}
@@ -386,8 +388,20 @@ def _finishing(rank: int, world_size: int, port: int, dies: bool) -> object:
         slices = allocate(expects, needs)
         while s.receive(slices) is not None:
             pass
-        if dies and rank == K + 1:
+        if rank == K + 1 and dies == "before":
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == K + 1 and dies == "posted":
+            wait = s._await_all
+
+            def await_all(store, what, finishers, failed):
+                if what == "value":  # its own is posted: die waiting for the other's
+                    dead.set()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return wait(store, what, finishers, failed)
+
+            s._await_all = await_all
+        if rank == K and dies == "posted":
+            assert dead.wait(EVENT_WAIT_S), "consumer K + 1 never posted its value"
         started = time.monotonic()
         try:
             return {"said": s.finish({"rank": rank, "rounds": s.rounds})}
@@ -395,15 +409,25 @@ def _finishing(rank: int, world_size: int, port: int, dies: bool) -> object:
             return {"error": str(e), "waited": time.monotonic() - started}
 
 
-def test_consumers_that_finish_together_hear_each_other_and_name_one_lost_after_the_last_round():
-    every = run_ranks(_finishing, K + M, False, timeout=120)
-    said = {c: {K + i: {"rank": K + i, "rounds": 2} for i in range(M)} for c in range(K, K + M)}
-    assert {c: every[c]["said"] for c in range(K, K + M)} == {c: said[c] for c in said}
-    assert all(every[p]["finishers"] == list(range(K, K + M)) for p in range(K))
-    lost = run_ranks(_finishing, K + M, True, timeout=120, return_exceptions=True)
+@pytest.mark.parametrize(
+    ("dies", "said"),
+    [
+        ("before", "of the last generation did not finish within group.timeout_s"),
+        ("posted", "of the last generation did not confirm it had every finisher's value within group.timeout_s"),
+    ],
+)
+def test_consumers_that_finish_together_hear_each_other_and_none_goes_on_past_one_lost_after_the_last_round(dies, said):
+    dead = mp.get_context("spawn").Event()
+    if dies == "before":  # and first, nobody lost: every finisher hears every one
+        every = run_ranks(_finishing, K + M, "", dead, timeout=120)
+        values = {K + i: {"rank": K + i, "rounds": 2} for i in range(M)}
+        assert [every[c]["said"] for c in range(K, K + M)] == [values] * M
+        assert all(every[p]["finishers"] == list(range(K, K + M)) for p in range(K))
+    lost = run_ranks(_finishing, K + M, dies, dead, timeout=120, return_exceptions=True)
     assert isinstance(lost[K + 1], RankFailure) and lost[K + 1].exc_type == "Died", lost[K + 1]
+    # The survivor never returns the values (a saver would publish on them): it names the lost one, in one line.
     survivor = lost[K]
-    assert f"consumer rank {K + 1} of the last generation did not finish within group.timeout_s" in survivor["error"]
+    assert "said" not in survivor and f"consumer rank {K + 1} {said}" in survivor["error"], survivor
     assert TIMEOUT_S - 0.5 < survivor["waited"] < deadline_budget(TIMEOUT_S), survivor
-    # Producer 0 waited for the finishers (at most two deadlines), then ended: every producer returned.
-    assert all("closed_at" in lost[p] for p in range(K)), lost[:K]
+    # Producer 0 waited for the finishers (at most three deadlines), then ended: every producer returned.
+    assert all("finishers" in lost[p] for p in range(K)), lost[:K]

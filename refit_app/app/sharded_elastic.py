@@ -214,9 +214,8 @@ def _save_last_round(
         )
     if not mine:
         saver.abort()
-        logger.info(
-            "consumer rank %d saves nothing: rank %d saves the same slices to %s", rank, savers[(rank - k) % m], where
-        )
+        tp = (rank - k) % m
+        logger.info("consumer rank %d saves nothing: rank %d saves the same slices (tp%d)", rank, savers[tp], tp)
         return {}
     unsealed = sorted(r for r in savers.values() if said.get(r, {}).get("sealed") is not True)
     if unsealed:

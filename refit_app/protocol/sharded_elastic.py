@@ -273,30 +273,27 @@ class ElasticShardedSession(EndsOnError):
 
     def finish(self, value: Any) -> dict[int, Any]:
         """A consumer's, once :meth:`receive` returned None (the producers ended the session): post ``value``
-        (small, JSON) to every other member of :attr:`finishers` and return every one's, by refit rank, each within
-        ``group.timeout_s`` of this call. For consumers that end together, such as savers that publish their files
-        only once every one has sealed its own. Producer 0 keeps the run's store up until each finisher has read
-        the others' values, at most 2 x ``group.timeout_s`` after it ended the session. Raises PeerError naming the
-        finishers whose value did not come (lost after the last round), or producer 0 lost."""
+        (small, JSON) to every other member of :attr:`finishers` and return every one's, by refit rank. For
+        consumers that end together, such as savers that publish their files only once every one has sealed its own.
+
+        Two steps, each within ``group.timeout_s``: every finisher posts its value and waits for the others', then
+        says it has them and waits until every one has said so; only then does it return. A finisher lost in the
+        first step never says so, and the others raise (a value posted by a process that died meanwhile does not
+        count), as a barrier would; what is left is one lost between its word of the second step and its return.
+        Producer 0 keeps the run's store up until each finisher is through, at most 3 x ``group.timeout_s`` after
+        it ended the session. Raises PeerError naming the finishers that did not come, or producer 0 lost."""
         if self.producer or self._member is None or not self.closed or self.generation is None:
             raise ValueError(f"rank {self.rank}: finish() is a consumer's, once receive() returned None")
         finishers = self.finishers
         if self.rank not in finishers:
             raise ValueError(f"rank {self.rank}: finish() is for the members that joined with ask={{'finish': True}}")
         store = self._member.membership.store(_FINISH)
-        timeout_s = self.spec.timeout_s
-        deadline, poller = time.monotonic() + timeout_s, Poller()
         try:
             store.set(_finish_key("value", self.rank), json.dumps(value))
-            while not store.check([_finish_key("value", r) for r in finishers]):
-                if time.monotonic() >= deadline:
-                    missing = [r for r in finishers if not store.check([_finish_key("value", r)])]
-                    raise PeerError(
-                        f"rank {self.rank}: consumer {ranks_text(missing)} of the last generation did not finish "
-                        f"within group.timeout_s={timeout_s:g}s of this rank (lost after the last round?)"
-                    )
-                poller.sleep(deadline)
+            self._await_all(store, "value", finishers, "did not finish")
             values = {r: json.loads(store.get(_finish_key("value", r))) for r in finishers}
+            store.set(_finish_key("seen", self.rank), "1")
+            self._await_all(store, "seen", finishers, "did not confirm it had every finisher's value")
             store.add(_finish_key("read", self.rank), 1)
         except dist.DistError as e:
             raise PeerError(
@@ -304,14 +301,28 @@ class ElasticShardedSession(EndsOnError):
             ) from None
         return values
 
+    def _await_all(self, store: dist.Store, what: str, finishers: list[int], failed: str) -> None:
+        """Wait up to ``group.timeout_s`` until every finisher posted its ``what``; a PeerError naming those that
+        did not."""
+        timeout_s = self.spec.timeout_s
+        deadline, poller = time.monotonic() + timeout_s, Poller()
+        while not store.check([_finish_key(what, r) for r in finishers]):
+            if time.monotonic() >= deadline:
+                missing = [r for r in finishers if not store.check([_finish_key(what, r)])]
+                raise PeerError(
+                    f"rank {self.rank}: consumer {ranks_text(missing)} of the last generation {failed} within "
+                    f"group.timeout_s={timeout_s:g}s of this rank (lost after the last round?)"
+                )
+            poller.sleep(deadline)
+
     def _await_finishers(self) -> None:
-        """Producer 0's, as it ends the session: keep the run's store up until every finisher read the others'
-        values (:meth:`finish`), at most 2 x ``group.timeout_s``."""
+        """Producer 0's, as it ends the session: keep the run's store up until every finisher is through
+        :meth:`finish` (its two steps, and the consumers' own work before it), at most 3 x ``group.timeout_s``."""
         finishers = self.finishers
         if self._host is None or not finishers:
             return
         store = self._host.membership.store(_FINISH)
-        deadline, poller = time.monotonic() + 2 * self.spec.timeout_s, Poller()
+        deadline, poller = time.monotonic() + 3 * self.spec.timeout_s, Poller()
         keys = [_finish_key("read", r) for r in finishers]
         try:
             while not store.check(keys):
