@@ -18,7 +18,6 @@ import signal
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed.tensor  # from_tensors imports it: seconds under load, here in start-up
 from mp_utils import RankFailure, deadline_budget, gloo_spec, run_ranks
@@ -369,9 +368,9 @@ def test_a_trainers_producers_keep_their_own_group_and_consumers_take_their_tens
 
 
 def _finishing(rank: int, world_size: int, port: int, dies: str, dead) -> object:
-    # Consumers that asked to finish together tell each other a value once the producers ended the session. Consumer
-    # K + 1 is SIGKILLed (``dies``) between the end of the session and its word ("before"), or once its value is
-    # posted ("posted"; consumer K then posts its own, and finds every value there, one of a dead process).
+    # Consumers that asked to finish together tell each other a value once the producers ended the session. With
+    # ``dies="posted"`` consumer K + 1 is SIGKILLed once its value is posted; consumer K posts its own after that, and
+    # finds every value there, one of a dead process.
     expects = expected_of(_model(1).items())
     spec = gloo_spec(rank, K + M, port, timeout_s=TIMEOUT_S, token=TOKEN, run_id="sharded-finish")
     if rank < K:
@@ -388,8 +387,6 @@ def _finishing(rank: int, world_size: int, port: int, dies: str, dead) -> object
         slices = allocate(expects, needs)
         while s.receive(slices) is not None:
             pass
-        if rank == K + 1 and dies == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
         if rank == K + 1 and dies == "posted":
             wait = s._await_all
 
@@ -409,24 +406,18 @@ def _finishing(rank: int, world_size: int, port: int, dies: str, dead) -> object
             return {"error": str(e), "waited": time.monotonic() - started}
 
 
-@pytest.mark.parametrize(
-    ("dies", "said"),
-    [
-        ("before", "of the last generation did not finish within group.timeout_s"),
-        ("posted", "of the last generation did not confirm it had every finisher's value within group.timeout_s"),
-    ],
-)
-def test_consumers_that_finish_together_hear_each_other_and_none_goes_on_past_one_lost_after_the_last_round(dies, said):
+def test_consumers_that_finish_together_hear_each_other_and_none_goes_on_past_one_lost_after_the_last_round():
     dead = mp.get_context("spawn").Event()
-    if dies == "before":  # and first, nobody lost: every finisher hears every one
-        every = run_ranks(_finishing, K + M, "", dead, timeout=120)
-        values = {K + i: {"rank": K + i, "rounds": 2} for i in range(M)}
-        assert [every[c]["said"] for c in range(K, K + M)] == [values] * M
-        assert all(every[p]["finishers"] == list(range(K, K + M)) for p in range(K))
-    lost = run_ranks(_finishing, K + M, dies, dead, timeout=120, return_exceptions=True)
+    every = run_ranks(_finishing, K + M, "", dead, timeout=120)
+    values = {K + i: {"rank": K + i, "rounds": 2} for i in range(M)}
+    assert [every[c]["said"] for c in range(K, K + M)] == [values] * M
+    assert all(every[p]["finishers"] == list(range(K, K + M)) for p in range(K))
+    # Consumer K + 1 dies once its value is posted, waiting for K's: K then finds every value there, and still never
+    # returns them (a saver would publish on them): it names the lost one, in one line, within one deadline.
+    lost = run_ranks(_finishing, K + M, "posted", dead, timeout=120, return_exceptions=True)
     assert isinstance(lost[K + 1], RankFailure) and lost[K + 1].exc_type == "Died", lost[K + 1]
-    # The survivor never returns the values (a saver would publish on them): it names the lost one, in one line.
     survivor = lost[K]
+    said = "of the last generation did not confirm it had every finisher's value within group.timeout_s"
     assert "said" not in survivor and f"consumer rank {K + 1} {said}" in survivor["error"], survivor
     assert TIMEOUT_S - 0.5 < survivor["waited"] < deadline_budget(TIMEOUT_S), survivor
     # Producer 0 waited for the finishers (at most three deadlines), then ended: every producer returned.
