@@ -204,7 +204,8 @@ def _save_last_round(
         said = session.finish(sealed)  # every saver's word, once each has written and sealed its slices
     except PeerError as e:
         saver.abort()
-        raise SinkError(f"consumer rank {rank}: nothing saved to {where.parent}: {one_line(e)}") from None
+        why = one_line(e).removeprefix(f"rank {rank}: ")
+        raise SinkError(f"consumer rank {rank}: nothing saved to {where.parent}: {why}") from None
     if missing:
         saver.abort()
         raise SinkError(

@@ -290,11 +290,13 @@ class ElasticShardedSession(EndsOnError):
         store = self._member.membership.store(_FINISH)
         try:
             store.set(_finish_key("value", self.rank), json.dumps(value))
-            self._await_all(store, "value", finishers, "did not finish")
-            values = {r: json.loads(store.get(_finish_key("value", r))) for r in finishers}
-            store.set(_finish_key("seen", self.rank), "1")
-            self._await_all(store, "seen", finishers, "did not confirm it had every finisher's value")
-            store.add(_finish_key("read", self.rank), 1)
+            try:
+                self._await_all(store, "value", finishers, "did not finish")
+                values = {r: json.loads(store.get(_finish_key("value", r))) for r in finishers}
+                store.set(_finish_key("seen", self.rank), "1")
+                self._await_all(store, "seen", finishers, "did not confirm it had every finisher's value")
+            finally:  # through, either way: producer 0 need not keep its store up for this rank any longer
+                store.add(_finish_key("read", self.rank), 1)
         except dist.DistError as e:
             raise PeerError(
                 f"rank {self.rank}: lost producer 0 at {self.spec.address} while finishing ({one_line(e)})"
@@ -328,9 +330,7 @@ class ElasticShardedSession(EndsOnError):
             while not store.check(keys):
                 if time.monotonic() >= deadline:
                     unread = [r for r in finishers if not store.check([_finish_key("read", r)])]
-                    logger.warning(
-                        "rank 0: consumer %s did not finish; the session ends without it", ranks_text(unread)
-                    )
+                    logger.warning("rank 0: consumer %s did not finish; the session ends anyway", ranks_text(unread))
                     return
                 poller.sleep(deadline)
         except dist.DistError as e:  # the store is this process's own; nothing to keep up
