@@ -189,7 +189,8 @@ def _save_last_round(
     for r in sorted(r for r, ask in session.asks.items() if r >= k and ask.get("saves")):
         savers.setdefault((r - k) % m, r)
     missing = [t for t in range(m) if t not in savers]
-    mine = not missing and savers[(rank - k) % m] == rank
+    tp = (rank - k) % m
+    mine = not missing and savers[tp] == rank
     sealed: dict[str, Any] = {"sealed": None}  # this rank's word to the other savers: it saves nothing
     if mine:
         try:
@@ -215,7 +216,6 @@ def _save_last_round(
         )
     if not mine:
         saver.abort()
-        tp = (rank - k) % m
         logger.info("consumer rank %d saves nothing: rank %d saves the same slices (tp%d)", rank, savers[tp], tp)
         return {}
     unsealed = sorted(r for r in savers.values() if said.get(r, {}).get("sealed") is not True)

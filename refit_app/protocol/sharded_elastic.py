@@ -84,6 +84,17 @@ def _finish_key(what: str, rank: int) -> str:
     return f"{what}/{rank}"
 
 
+def _not_posted(store: dist.Store, what: str, ranks: list[int], seconds: float) -> list[int]:
+    """Those of ``ranks`` that have not posted their ``what`` (:func:`_finish_key`) within ``seconds``; [] as soon
+    as every one has."""
+    deadline, poller = time.monotonic() + seconds, Poller()
+    while not store.check([_finish_key(what, r) for r in ranks]):
+        if time.monotonic() >= deadline:
+            return [r for r in ranks if not store.check([_finish_key(what, r)])]
+        poller.sleep(deadline)
+    return []
+
+
 def _gloo_lost(e: BaseException) -> BaseException | None:
     """The lost peer behind ``e``, where ``e`` says a peer of the generation was lost (its group is then unusable);
     None for anything else."""
@@ -307,15 +318,12 @@ class ElasticShardedSession(EndsOnError):
         """Wait up to ``group.timeout_s`` until every finisher posted its ``what``; a PeerError naming those that
         did not."""
         timeout_s = self.spec.timeout_s
-        deadline, poller = time.monotonic() + timeout_s, Poller()
-        while not store.check([_finish_key(what, r) for r in finishers]):
-            if time.monotonic() >= deadline:
-                missing = [r for r in finishers if not store.check([_finish_key(what, r)])]
-                raise PeerError(
-                    f"rank {self.rank}: consumer {ranks_text(missing)} of the last generation {failed} within "
-                    f"group.timeout_s={timeout_s:g}s of this rank (lost after the last round?)"
-                )
-            poller.sleep(deadline)
+        missing = _not_posted(store, what, finishers, timeout_s)
+        if missing:
+            raise PeerError(
+                f"rank {self.rank}: consumer {ranks_text(missing)} of the last generation {failed} within "
+                f"group.timeout_s={timeout_s:g}s of this rank (lost after the last round?)"
+            )
 
     def _await_finishers(self) -> None:
         """Producer 0's, as it ends the session: keep the run's store up until every finisher is through
@@ -324,15 +332,10 @@ class ElasticShardedSession(EndsOnError):
         if self._host is None or not finishers:
             return
         store = self._host.membership.store(_FINISH)
-        deadline, poller = time.monotonic() + 3 * self.spec.timeout_s, Poller()
-        keys = [_finish_key("read", r) for r in finishers]
         try:
-            while not store.check(keys):
-                if time.monotonic() >= deadline:
-                    unread = [r for r in finishers if not store.check([_finish_key("read", r)])]
-                    logger.warning("rank 0: consumer %s did not finish; the session ends anyway", ranks_text(unread))
-                    return
-                poller.sleep(deadline)
+            unread = _not_posted(store, "read", finishers, 3 * self.spec.timeout_s)
+            if unread:
+                logger.warning("rank 0: consumer %s did not finish; the session ends anyway", ranks_text(unread))
         except dist.DistError as e:  # the store is this process's own; nothing to keep up
             logger.warning("rank 0: could not wait for the consumers to finish: %s", one_line(e))
 
